@@ -1,0 +1,37 @@
+"""jax-blocksparse: block-sparse matrix products for JAX, with kernels that skip absent blocks.
+
+    import jax_blocksparse as jbs
+    layout = jbs.Layout.from_mask(jbs.layouts.barabasi_albert(16, 2), block_size=32)
+    w = jbs.from_dense(W, layout)            # [capacity, 32, 32]
+    y = jbs.bsmm(x, w, layout)               # == x @ jbs.to_dense(w, layout)
+"""
+
+from jax_blocksparse import config, layouts
+from jax_blocksparse._cuda import has_cuda_kernels
+from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
+from jax_blocksparse.ops.matmul import bsmm, bsmm_reference, bsmm_updat, from_dense, to_dense
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Layout",
+    "SUPPORTED_BLOCK_SIZES",
+    "bsmm",
+    "bsmm_reference",
+    "bsmm_updat",
+    "config",
+    "from_dense",
+    "has_cuda_kernels",
+    "layouts",
+    "nn",
+    "to_dense",
+]
+
+
+def __getattr__(name):
+    # Flax layers import lazily so that the ops import without flax.
+    if name in ("nn", "nnx"):
+        import importlib
+
+        return importlib.import_module(f"jax_blocksparse.{name}")
+    raise AttributeError(f"module 'jax_blocksparse' has no attribute {name!r}")

@@ -1,0 +1,268 @@
+"""The block layout: a boolean block mask turned into int32 index tables.
+
+A weight matrix W of shape [C, K] is cut into square blocks of size ``bs``. The
+block mask ``mask`` of shape [CB, KB] = [C // bs, K // bs] says which blocks exist.
+Only those are stored, as ``w`` of shape [capacity, bs, bs]; ``capacity`` is a
+static upper bound on the number of blocks so that a layout can change without
+changing array shapes.
+
+Storage order (the "slot" of each block) is a deterministic function of the mask:
+blocks are sorted by output block column ``k``, then by input block row ``c``
+(column-major order of the mask). Slots ``[nnz, capacity)`` are padding: their
+table entries point at block (0, 0) and every op ignores them.
+
+Index tables (all int32, all pytree leaves, so a new mask with the same capacity
+never triggers a recompile):
+
+========== =========== ========================================================
+name       shape       meaning
+========== =========== ========================================================
+block_rows [capacity]  input block row ``c`` of each slot (0 for padding)
+block_cols [capacity]  output block column ``k`` of each slot (0 for padding)
+col_ptr    [KB + 1]    slots of column ``k`` are ``col_ptr[k]:col_ptr[k + 1]``;
+                       ``col_ptr[KB] == nnz``
+row_ptr    [CB + 1]    entries of block row ``c`` in ``row_slots`` are
+                       ``row_ptr[c]:row_ptr[c + 1]``
+row_slots  [capacity]  slot indices in row-major order of the mask (0 for padding)
+========== =========== ========================================================
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+class LayoutTables(NamedTuple):
+    """The int32 index tables of a layout, in the order ops take them as operands."""
+
+    block_rows: jax.Array
+    block_cols: jax.Array
+    col_ptr: jax.Array
+    row_ptr: jax.Array
+    row_slots: jax.Array
+
+
+def check_block_size(block_size, *, name: str = "block_size") -> int:
+    """Returns ``block_size`` as an int, or raises if it is not one we support."""
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(block_size).__name__} {block_size!r}")
+    if int(block_size) not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"{name} must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size}")
+    return int(block_size)
+
+
+def _check_mask(mask):
+    """Validates a block mask (numpy or jax, concrete or traced) and returns it."""
+    if not hasattr(mask, "shape"):
+        mask = np.asarray(mask)
+    if len(mask.shape) != 2:
+        raise ValueError(f"mask must be 2-D [C // block_size, K // block_size], got shape {tuple(mask.shape)}")
+    dtype = np.dtype(mask.dtype)
+    if not (dtype == np.bool_ or np.issubdtype(dtype, np.integer)):
+        raise TypeError(f"mask must be boolean (or 0/1 integers), got dtype {dtype} with shape {tuple(mask.shape)}")
+    if isinstance(mask, np.ndarray) and dtype != np.bool_ and not np.isin(mask, (0, 1)).all():
+        raise ValueError(f"mask of dtype {dtype} must hold only 0 and 1, got values {np.unique(mask)[:8]}")
+    return mask
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _tables_numpy(mask: np.ndarray, capacity: int) -> LayoutTables:
+    """Builds the tables on the host from a concrete mask."""
+    cb, kb = mask.shape
+    k_idx, c_idx = np.nonzero(mask.T)  # column-major order: sorted by k, then c
+    nnz = k_idx.size
+    slot_of = np.zeros((cb, kb), np.int64)
+    slot_of[c_idx, k_idx] = np.arange(nnz)
+    rm_c, rm_k = np.nonzero(mask)  # row-major order
+    pad = capacity - nnz
+
+    def padded(a):
+        return np.concatenate([a, np.zeros(pad, a.dtype)]).astype(np.int32)
+
+    return LayoutTables(
+        block_rows=padded(c_idx),
+        block_cols=padded(k_idx),
+        col_ptr=np.concatenate([[0], np.cumsum(mask.sum(axis=0))]).astype(np.int32),
+        row_ptr=np.concatenate([[0], np.cumsum(mask.sum(axis=1))]).astype(np.int32),
+        row_slots=padded(slot_of[rm_c, rm_k]),
+    )
+
+
+def _tables_traced(mask: jax.Array, capacity: int) -> LayoutTables:
+    """Builds the same tables as ``_tables_numpy`` with jnp ops (works under jit).
+
+    Blocks beyond ``capacity`` (in storage order) are dropped, so the tables stay
+    consistent: a traced mask cannot raise on overflow.
+    """
+    cb, kb = mask.shape
+    mask = mask.astype(bool)
+    flat_cm = mask.T.reshape(-1)  # column-major flattening: index k * cb + c
+    rank_cm = jnp.cumsum(flat_cm.astype(jnp.int32)) - 1
+    keep_cm = flat_cm & (rank_cm < capacity)
+    mask = keep_cm.reshape(kb, cb).T
+    slot_of = jnp.where(mask, rank_cm.reshape(kb, cb).T, 0)
+
+    (flat_idx,) = jnp.nonzero(keep_cm, size=capacity, fill_value=0)
+    nnz = jnp.sum(keep_cm, dtype=jnp.int32)
+    valid = jnp.arange(capacity) < nnz
+    block_cols = jnp.where(valid, flat_idx // cb, 0)
+    block_rows = jnp.where(valid, flat_idx % cb, 0)
+
+    (flat_rm,) = jnp.nonzero(mask.reshape(-1), size=capacity, fill_value=0)
+    row_slots = jnp.where(valid, slot_of.reshape(-1)[flat_rm], 0)
+
+    zero = jnp.zeros((1,), jnp.int32)
+    return LayoutTables(
+        block_rows=block_rows.astype(jnp.int32),
+        block_cols=block_cols.astype(jnp.int32),
+        col_ptr=jnp.concatenate([zero, jnp.cumsum(mask.sum(axis=0, dtype=jnp.int32))]),
+        row_ptr=jnp.concatenate([zero, jnp.cumsum(mask.sum(axis=1, dtype=jnp.int32))]),
+        row_slots=row_slots.astype(jnp.int32),
+    )
+
+
+@jax.tree_util.register_pytree_node_class
+class Layout:
+    """Which blocks of a [C, K] weight exist, and where each one is stored.
+
+    Build one with :meth:`Layout.from_mask`. ``block_size``, ``grid`` and
+    ``capacity`` are static (part of the pytree structure); the index tables are
+    int32 leaves, so two layouts of equal capacity are interchangeable inside a
+    jitted function without recompiling.
+
+    Example::
+
+        mask = jbs.layouts.random((8, 8), density=0.25, seed=0)
+        layout = jbs.Layout.from_mask(mask, block_size=32)   # W is [256, 256]
+        w = jnp.zeros(layout.w_shape)                        # [16, 32, 32]
+    """
+
+    __slots__ = ("block_size", "grid", "capacity", "tables")
+
+    def __init__(self, block_size: int, grid: tuple[int, int], capacity: int, tables: LayoutTables):
+        self.block_size = block_size
+        self.grid = grid
+        self.capacity = capacity
+        self.tables = tables
+
+    # -- construction -------------------------------------------------------------
+
+    @classmethod
+    def from_mask(cls, mask, block_size: int, capacity: int | None = None) -> "Layout":
+        """Builds a layout from a block mask.
+
+        Args:
+          mask: bool (or 0/1 int) array [C // block_size, K // block_size], numpy
+            or jax. May be traced (inside jit) when ``capacity`` is given.
+          block_size: one of 8, 16, 32, 64, 128.
+          capacity: number of storage slots, >= the number of blocks. Defaults to
+            the number of blocks (requires a concrete mask). With a traced mask,
+            blocks beyond ``capacity`` in storage order are dropped.
+        """
+        block_size = check_block_size(block_size)
+        mask = _check_mask(mask)
+        grid = (int(mask.shape[0]), int(mask.shape[1]))
+        concrete = _is_concrete(mask)
+        if concrete:
+            mask_np = np.asarray(mask).astype(bool)
+            nnz = int(mask_np.sum())
+        if capacity is None:
+            if not concrete:
+                raise ValueError(
+                    "Layout.from_mask: a traced mask needs an explicit capacity "
+                    f"(mask shape {grid}); pass capacity=<max number of blocks>"
+                )
+            capacity = nnz
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+            raise TypeError(f"capacity must be an int, got {type(capacity).__name__} {capacity!r}")
+        capacity = int(capacity)
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        if concrete:
+            if capacity < nnz:
+                raise ValueError(
+                    f"capacity={capacity} is smaller than the number of blocks in the mask "
+                    f"({nnz} of grid {grid})"
+                )
+            tables = _tables_numpy(mask_np, capacity)
+            tables = LayoutTables(*(jnp.asarray(t) for t in tables))
+        else:
+            tables = _tables_traced(jnp.asarray(mask), capacity)
+        return cls(block_size, grid, capacity, tables)
+
+    @classmethod
+    def dense(cls, grid: tuple[int, int], block_size: int) -> "Layout":
+        """A layout with every block present."""
+        return cls.from_mask(np.ones(grid, bool), block_size)
+
+    # -- pytree -------------------------------------------------------------------
+
+    def tree_flatten(self):
+        return tuple(self.tables), (self.block_size, self.grid, self.capacity)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        block_size, grid, capacity = aux
+        return cls(block_size, grid, capacity, LayoutTables(*leaves))
+
+    # -- derived properties ---------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(C, K): the shape of the dense weight."""
+        return (self.grid[0] * self.block_size, self.grid[1] * self.block_size)
+
+    @property
+    def w_shape(self) -> tuple[int, int, int]:
+        """(capacity, bs, bs): the shape of the stored blocks."""
+        return (self.capacity, self.block_size, self.block_size)
+
+    @property
+    def nnz(self):
+        """Number of blocks present: an int for a concrete layout, else a traced int32."""
+        nnz = self.tables.col_ptr[-1]
+        return int(nnz) if _is_concrete(nnz) else nnz
+
+    @property
+    def density(self):
+        """Fraction of the grid's blocks that are present."""
+        total = self.grid[0] * self.grid[1]
+        if total == 0:
+            return 0.0
+        nnz = self.nnz
+        return nnz / total if isinstance(nnz, int) else nnz.astype(jnp.float32) / total
+
+    @property
+    def valid(self) -> jax.Array:
+        """bool [capacity]: which slots hold a block (the rest are padding)."""
+        return jnp.arange(self.capacity) < self.tables.col_ptr[-1]
+
+    @property
+    def mask(self) -> jax.Array:
+        """bool [CB, KB]: the block mask this layout was built from."""
+        t = self.tables
+        m = jnp.zeros(self.grid, bool)
+        return m.at[t.block_rows, t.block_cols].max(self.valid, mode="drop")
+
+    def __repr__(self):
+        nnz = self.nnz
+        nnz_s = str(nnz) if isinstance(nnz, int) else "traced"
+        return (
+            f"Layout(block_size={self.block_size}, grid={self.grid}, shape={self.shape}, "
+            f"capacity={self.capacity}, nnz={nnz_s})"
+        )
+
+
+def check_layout(layout, *, name: str = "layout") -> Layout:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{name} must be a jax_blocksparse.Layout, got {type(layout).__name__}")
+    return layout

@@ -1,0 +1,168 @@
+"""Block-mask generators: random, small-world graphs, banded, top-k of a dense weight.
+
+Every generator returns a numpy bool array (a block mask) that
+:meth:`jax_blocksparse.Layout.from_mask` turns into a layout. Graph layouts are
+square [n, n] adjacency matrices of an undirected graph with self-loops, as OpenAI
+used for recurrent weights: unit block i feeds unit block j when they are linked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _check_grid(grid, name="grid"):
+    try:
+        cb, kb = (int(g) for g in grid)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a pair of ints (CB, KB), got {grid!r}") from None
+    if cb < 0 or kb < 0:
+        raise ValueError(f"{name} must be non-negative, got {grid!r}")
+    return cb, kb
+
+
+def _check_fraction(value, name):
+    value = float(value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+    return value
+
+
+def random(grid, density: float, seed: int = 0) -> np.ndarray:
+    """Uniformly random mask with exactly ``round(density * CB * KB)`` blocks.
+
+    Args:
+      grid: (CB, KB), the block grid.
+      density: fraction of blocks present, in [0, 1].
+      seed: numpy random seed.
+    Returns:
+      bool [CB, KB].
+    """
+    cb, kb = _check_grid(grid)
+    density = _check_fraction(density, "density")
+    total = cb * kb
+    count = int(round(density * total))
+    flat = np.zeros(total, bool)
+    flat[np.random.default_rng(seed).choice(total, size=count, replace=False)] = True
+    return flat.reshape(cb, kb)
+
+
+def _adjacency_with_self_loops(graph, n: int) -> np.ndarray:
+    mask = np.zeros((n, n), bool)
+    for i, j in graph.edges():
+        mask[i, j] = mask[j, i] = True
+    np.fill_diagonal(mask, True)
+    return mask
+
+
+def _add_random_edges(mask: np.ndarray, extra_edges: int, seed: int) -> np.ndarray:
+    """Adds ``extra_edges`` random undirected edges that are not already present."""
+    if extra_edges <= 0:
+        return mask
+    n = mask.shape[0]
+    iu, ju = np.triu_indices(n, k=1)
+    free = np.flatnonzero(~mask[iu, ju])
+    if extra_edges > free.size:
+        raise ValueError(f"extra_edges={extra_edges} exceeds the {free.size} absent edges of an {n}-node graph")
+    pick = np.random.default_rng(seed + 1).choice(free, size=extra_edges, replace=False)
+    mask = mask.copy()
+    mask[iu[pick], ju[pick]] = mask[ju[pick], iu[pick]] = True
+    return mask
+
+
+def barabasi_albert(n: int, m: int, seed: int = 0, extra_edges: int = 0) -> np.ndarray:
+    """Barabasi-Albert scale-free graph mask (preferential attachment).
+
+    Args:
+      n: number of block rows = block columns.
+      m: edges attached from each new node, 1 <= m < n.
+      seed: random seed.
+      extra_edges: additional uniformly random undirected edges.
+    Returns:
+      bool [n, n], symmetric, self-loops included.
+    """
+    import networkx as nx
+
+    n, m = int(n), int(m)
+    if not 1 <= m < n:
+        raise ValueError(f"barabasi_albert needs 1 <= m < n, got n={n}, m={m}")
+    mask = _adjacency_with_self_loops(nx.barabasi_albert_graph(n, m, seed=seed), n)
+    return _add_random_edges(mask, int(extra_edges), seed)
+
+
+def watts_strogatz(n: int, k: int, p: float, seed: int = 0, extra_edges: int = 0) -> np.ndarray:
+    """Watts-Strogatz small-world mask: a 1-D ring lattice with rewired edges.
+
+    Args:
+      n: number of block rows = block columns.
+      k: each node links to its k nearest ring neighbours (k // 2 each side), k < n.
+      p: probability of rewiring each edge, in [0, 1].
+      seed: random seed.
+      extra_edges: additional uniformly random undirected edges.
+    Returns:
+      bool [n, n], symmetric, self-loops included.
+    """
+    import networkx as nx
+
+    n, k = int(n), int(k)
+    if not 0 <= k < n:
+        raise ValueError(f"watts_strogatz needs 0 <= k < n, got n={n}, k={k}")
+    p = _check_fraction(p, "p")
+    mask = _adjacency_with_self_loops(nx.watts_strogatz_graph(n, k, p, seed=seed), n)
+    return _add_random_edges(mask, int(extra_edges), seed)
+
+
+def banded(grid, bandwidth: int) -> np.ndarray:
+    """Band mask: block (c, k) present when |c - k * CB / KB| <= bandwidth.
+
+    For a square grid this is the usual band of half-width ``bandwidth`` around
+    the diagonal; for a rectangular grid the band follows the scaled diagonal.
+
+    Returns:
+      bool [CB, KB].
+    """
+    cb, kb = _check_grid(grid)
+    bandwidth = int(bandwidth)
+    if bandwidth < 0:
+        raise ValueError(f"bandwidth must be >= 0, got {bandwidth}")
+    c = np.arange(cb)[:, None]
+    k = np.arange(kb)[None, :]
+    scale = cb / kb if kb else 1.0
+    return np.abs(c - np.round(k * scale)) <= bandwidth
+
+
+def block_norms(W, block_size: int) -> np.ndarray:
+    """Frobenius norm of each block of a dense [C, K] matrix: float [CB, KB]."""
+    W = np.asarray(W, dtype=np.float32)
+    if W.ndim != 2:
+        raise ValueError(f"W must be 2-D [C, K], got shape {W.shape}")
+    c, k = W.shape
+    if c % block_size or k % block_size:
+        raise ValueError(f"W shape {W.shape} is not divisible by block_size={block_size}")
+    blocks = W.reshape(c // block_size, block_size, k // block_size, block_size)
+    return np.sqrt(np.square(blocks).sum(axis=(1, 3)))
+
+
+def from_dense_topk(W, block_size: int, density: float) -> np.ndarray:
+    """Keeps the ``round(density * CB * KB)`` blocks of W with the largest norms.
+
+    Ties break toward the lower (row-major) block index, so the result is
+    deterministic.
+
+    Args:
+      W: dense [C, K], C and K divisible by ``block_size``.
+      block_size: block edge.
+      density: fraction of blocks to keep, in [0, 1].
+    Returns:
+      bool [C // block_size, K // block_size].
+    """
+    from jax_blocksparse.layout import check_block_size
+
+    block_size = check_block_size(block_size)
+    density = _check_fraction(density, "density")
+    norms = block_norms(W, block_size)
+    count = int(round(density * norms.size))
+    order = np.argsort(-norms.reshape(-1), kind="stable")[:count]
+    mask = np.zeros(norms.size, bool)
+    mask[order] = True
+    return mask.reshape(norms.shape)

@@ -1,0 +1,495 @@
+"""bsmm: dense activations times a block-sparse weight, and its two partners.
+
+For y = x @ W with x [N, C] and W block-sparse [C, K] (stored as w [capacity, bs, bs]
+with a :class:`~jax_blocksparse.Layout`):
+
+======  =====================================  ==================================
+prim    computes                               shapes
+======  =====================================  ==================================
+fprop   y  = x @ W                             x [..., C], w -> y [..., K]
+bprop   dx = g @ W.T                           g [..., K], w -> dx [..., C]
+updat   dW = x.T @ dy, only at layout blocks   x [..., C], dy [..., K] -> [cap, bs, bs]
+======  =====================================  ==================================
+
+All three are bilinear, and each one's transposes are the other two, so their JVP
+and transpose rules close over this set: grad, jvp, jacfwd, hessian and
+linear_transpose need nothing else. Products accumulate in float32; the output
+dtype is the ``out_dtype`` parameter.
+
+Order of this module: public functions, shape rules, references, primitives and
+abstract eval, lowerings, batching, JVP, transpose, registration.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching
+
+from jax_blocksparse import config
+from jax_blocksparse.layout import Layout, LayoutTables, check_layout
+from jax_blocksparse.ops._lowering import register_lowerings
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+# ---------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------
+
+
+def bsmm(x, w, layout: Layout, *, transpose: bool = False, preferred_element_type=None):
+    """Block-sparse matmul: ``x @ to_dense(w, layout)`` (or ``@ ...T``), blocks only.
+
+    Args:
+      x: [..., C] (or [..., K] with ``transpose=True``), float32/bfloat16/float16.
+      w: [capacity, bs, bs], the stored blocks (``layout.w_shape``).
+      layout: the :class:`Layout` of ``w``; W is [C, K] = ``layout.shape``.
+      transpose: multiply by W.T instead of W.
+      preferred_element_type: output dtype; default the promoted dtype of x and w.
+
+    Returns:
+      [..., K] (or [..., C] with ``transpose=True``). Products are accumulated in
+      float32 whatever the input dtype.
+
+    Example::
+
+        layout = jbs.Layout.from_mask(jbs.layouts.random((4, 4), 0.5), block_size=16)
+        w = jnp.ones(layout.w_shape)
+        y = jbs.bsmm(jnp.ones((8, 64)), w, layout)    # [8, 64]
+    """
+    layout = check_layout(layout)
+    x = _as_float_array(x, "x")
+    w = _as_float_array(w, "w")
+    _check_w(w, layout)
+    c, k = layout.shape
+    expected, name = (k, "K") if transpose else (c, "C")
+    if x.ndim < 1 or x.shape[-1] != expected:
+        raise ValueError(
+            f"bsmm: x must have shape [..., {name}={expected}] for a layout of shape "
+            f"{layout.shape}{' (transpose=True)' if transpose else ''}, got x {x.shape}"
+        )
+    out_dtype = _out_dtype(preferred_element_type, x.dtype, w.dtype)
+    prim = bsmm_bprop_p if transpose else bsmm_fprop_p
+    return _bind(prim, x, w, layout.tables, layout.block_size, out_dtype)
+
+
+def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None):
+    """The weight gradient of bsmm at the layout's blocks only (SDDMM).
+
+    ``bsmm_updat(x, dy, layout) == from_dense(x.T @ dy, layout)`` with all leading
+    dims of x and dy contracted.
+
+    Args:
+      x: [..., C] float; dy: [..., K] float with the same leading dims.
+      layout: the :class:`Layout`.
+      out_dtype: dtype of the result (e.g. float32 from bfloat16 inputs); default
+        the promoted dtype of x and dy.
+
+    Returns:
+      [capacity, bs, bs]; padding slots are zero.
+    """
+    layout = check_layout(layout)
+    x = _as_float_array(x, "x")
+    dy = _as_float_array(dy, "dy")
+    c, k = layout.shape
+    if x.ndim < 1 or dy.ndim < 1 or x.shape[-1] != c or dy.shape[-1] != k or x.shape[:-1] != dy.shape[:-1]:
+        raise ValueError(
+            f"bsmm_updat: need x [..., C={c}] and dy [..., K={k}] with equal leading dims "
+            f"for a layout of shape {layout.shape}, got x {x.shape} and dy {dy.shape}"
+        )
+    out_dtype = _out_dtype(out_dtype, x.dtype, dy.dtype)
+    return _bind(bsmm_updat_p, x, dy, layout.tables, layout.block_size, out_dtype)
+
+
+def from_dense(W, layout: Layout):
+    """Gathers the layout's blocks out of a dense weight.
+
+    Args:
+      W: [C, K] = ``layout.shape``.
+    Returns:
+      [capacity, bs, bs] in storage order; padding slots are zero.
+    """
+    layout = check_layout(layout)
+    W = jnp.asarray(W)
+    if W.shape != layout.shape:
+        raise ValueError(f"from_dense: W must have shape {layout.shape} (layout.shape), got {W.shape}")
+    t, bs, (cb, kb) = layout.tables, layout.block_size, layout.grid
+    blocks = W.reshape(cb, bs, kb, bs).transpose(0, 2, 1, 3)
+    w = blocks.at[t.block_rows, t.block_cols].get(mode="fill", fill_value=0)
+    return jnp.where(layout.valid[:, None, None], w, jnp.zeros((), W.dtype))
+
+
+def to_dense(w, layout: Layout):
+    """Scatters stored blocks into a dense [C, K] weight, zero outside the layout.
+
+    Args:
+      w: [capacity, bs, bs] = ``layout.w_shape``; padding slots are ignored.
+    Returns:
+      [C, K] = ``layout.shape``, dtype of ``w``.
+    """
+    layout = check_layout(layout)
+    w = jnp.asarray(w)
+    _check_w(w, layout)
+    t, bs, (cb, kb) = layout.tables, layout.block_size, layout.grid
+    rows = jnp.where(layout.valid, t.block_rows, cb)  # padding -> out of range -> dropped
+    blocks = jnp.zeros((cb, kb, bs, bs), w.dtype).at[rows, t.block_cols].set(w, mode="drop")
+    return blocks.transpose(0, 2, 1, 3).reshape(cb * bs, kb * bs)
+
+
+def bsmm_reference(x, w, layout: Layout, *, transpose: bool = False, preferred_element_type=None):
+    """The definition of :func:`bsmm` as a dense product (for tests and debugging)."""
+    W = to_dense(w, layout)
+    out_dtype = _out_dtype(preferred_element_type, jnp.asarray(x).dtype, W.dtype)
+    if transpose:
+        W = W.T
+    return jnp.matmul(x, W, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------
+# Shape and dtype rules
+# ---------------------------------------------------------------------------------
+
+
+def _as_float_array(a, name):
+    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+        a = jnp.asarray(a)
+    if not any(np.dtype(a.dtype) == np.dtype(d) for d in SUPPORTED_DTYPES):
+        raise TypeError(
+            f"{name} must be float32, bfloat16 or float16, got {np.dtype(a.dtype)} with shape {tuple(a.shape)}"
+        )
+    return a
+
+
+def _check_w(w, layout: Layout):
+    if w.shape != layout.w_shape:
+        raise ValueError(
+            f"w must have shape [capacity, bs, bs] = {layout.w_shape} for {layout}, got {tuple(w.shape)}"
+        )
+
+
+def _out_dtype(requested, *input_dtypes):
+    if requested is None:
+        return np.dtype(jnp.promote_types(*input_dtypes))
+    dtype = np.dtype(requested)
+    if not any(dtype == np.dtype(d) for d in SUPPORTED_DTYPES):
+        raise TypeError(f"output dtype must be float32, bfloat16 or float16, got {dtype}")
+    return dtype
+
+
+def _grid_of(tables: LayoutTables):
+    return (tables.row_ptr.shape[-1] - 1, tables.col_ptr.shape[-1] - 1)
+
+
+def _operand_shapes(prim_name, a, b, tables, block_size):
+    """Shape rule shared by the three primitives: returns the output shape."""
+    cb, kb = _grid_of(tables)
+    capacity = tables.block_rows.shape[-1]
+    c, k = cb * block_size, kb * block_size
+    w_shape = (capacity, block_size, block_size)
+    if prim_name == "bsmm_updat":
+        if a.shape[-1:] != (c,) or b.shape[-1:] != (k,) or a.shape[:-1] != b.shape[:-1]:
+            raise ValueError(f"{prim_name}: need x [..., {c}] and dy [..., {k}], got {a.shape} and {b.shape}")
+        return w_shape
+    in_features, out_features = (c, k) if prim_name == "bsmm_fprop" else (k, c)
+    if tuple(b.shape) != w_shape:
+        raise ValueError(f"{prim_name}: w must have shape {w_shape}, got {b.shape}")
+    if a.shape[-1:] != (in_features,):
+        raise ValueError(f"{prim_name}: lhs must have shape [..., {in_features}], got {a.shape}")
+    return tuple(a.shape[:-1]) + (out_features,)
+
+
+# ---------------------------------------------------------------------------------
+# References (the definition of each primitive, and its default lowering)
+# ---------------------------------------------------------------------------------
+# Blocks are processed in up to `parts` independent chunks of slots: XLA:CPU runs a
+# batched dot of small matrices on one thread, but runs independent chunks in parallel.
+
+
+def _chunks(capacity: int, parts: int):
+    parts = max(1, min(parts, capacity // 64))
+    bounds = [capacity * i // parts for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _valid(tables: LayoutTables):
+    return jnp.arange(tables.block_rows.shape[0]) < tables.col_ptr[-1]
+
+
+def _fprop_like(lhs, w, gather_idx, scatter_idx, num_in, num_out, block_size, out_dtype, transpose_w, parts):
+    """sum over slots s: lhs[:, gather_idx[s]] @ w[s] (or w[s].T) into block scatter_idx[s]."""
+    lead = lhs.shape[:-1]
+    n = math.prod(lead)
+    lhs_blocks = lhs.reshape(n, num_in, block_size).transpose(1, 0, 2)  # [num_in, n, bs]
+    spec = "snb,skb->snk" if transpose_w else "snb,sbk->snk"
+    out = jnp.zeros((num_out, n, block_size), jnp.float32)
+    for lo, hi in _chunks(w.shape[0], parts):
+        prod = jnp.einsum(spec, lhs_blocks[gather_idx[lo:hi]], w[lo:hi], preferred_element_type=jnp.float32)
+        out = out + jax.ops.segment_sum(prod, scatter_idx[lo:hi], num_segments=num_out)
+    return out.transpose(1, 0, 2).reshape(*lead, num_out * block_size).astype(out_dtype)
+
+
+def bsmm_fprop_reference(x, w, *tables, block_size, out_dtype, impl="auto", parts=1):
+    """y[..., k] = sum over slots s in column k of x[..., rows[s]] @ w[s]."""
+    t = LayoutTables(*tables)
+    cb, kb = _grid_of(t)
+    cols = jnp.where(_valid(t), t.block_cols, kb)  # padding -> dropped by segment_sum
+    return _fprop_like(x, w, t.block_rows, cols, cb, kb, block_size, out_dtype, False, parts)
+
+
+def bsmm_bprop_reference(g, w, *tables, block_size, out_dtype, impl="auto", parts=1):
+    """dx[..., c] = sum over slots s in row c of g[..., cols[s]] @ w[s].T."""
+    t = LayoutTables(*tables)
+    cb, kb = _grid_of(t)
+    rows = jnp.where(_valid(t), t.block_rows, cb)
+    return _fprop_like(g, w, t.block_cols, rows, kb, cb, block_size, out_dtype, True, parts)
+
+
+def bsmm_updat_reference(x, dy, *tables, block_size, out_dtype, impl="auto", parts=1):
+    """dw[s] = x[..., rows[s]].T @ dy[..., cols[s]] over all leading dims; 0 at padding."""
+    t = LayoutTables(*tables)
+    cb, kb = _grid_of(t)
+    n = math.prod(x.shape[:-1])
+    x_blocks = x.reshape(n, cb, block_size).transpose(1, 0, 2)
+    dy_blocks = dy.reshape(n, kb, block_size).transpose(1, 0, 2)
+    pieces = [
+        jnp.einsum(
+            "snb,snk->sbk",
+            x_blocks[t.block_rows[lo:hi]],
+            dy_blocks[t.block_cols[lo:hi]],
+            preferred_element_type=jnp.float32,
+        )
+        for lo, hi in _chunks(t.block_rows.shape[0], parts)
+    ]
+    capacity = t.block_rows.shape[0]
+    dw = jnp.concatenate(pieces) if pieces else jnp.zeros((capacity, block_size, block_size), jnp.float32)
+    return jnp.where(_valid(t)[:, None, None], dw, 0).astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------
+# Primitives and abstract evaluation
+# ---------------------------------------------------------------------------------
+
+bsmm_fprop_p = Primitive("bsmm_fprop")
+bsmm_bprop_p = Primitive("bsmm_bprop")
+bsmm_updat_p = Primitive("bsmm_updat")
+_PRIMITIVES = (bsmm_fprop_p, bsmm_bprop_p, bsmm_updat_p)
+
+
+def _bind(prim, a, b, tables, block_size, out_dtype, impl=None):
+    """Binds ``prim`` with both float operands cast to their common dtype."""
+    common = jnp.promote_types(a.dtype, b.dtype)
+    return prim.bind(
+        a.astype(common),
+        b.astype(common),
+        *tables,
+        block_size=block_size,
+        out_dtype=np.dtype(out_dtype),
+        impl=config.get_implementation() if impl is None else impl,
+    )
+
+
+def _abstract_eval(prim_name, a, b, *tables, block_size, out_dtype, impl):
+    out_shape = _operand_shapes(prim_name, a, b, LayoutTables(*tables), block_size)
+    return a.update(shape=out_shape, dtype=out_dtype, weak_type=False)
+
+
+# ---------------------------------------------------------------------------------
+# Lowerings: reference everywhere (CPU-tuned on 'cpu'), CUDA kernels on 'cuda'
+# ---------------------------------------------------------------------------------
+
+_CPU_PARTS = max(1, min(os.cpu_count() or 1, 8))
+_REFERENCES = {
+    bsmm_fprop_p: bsmm_fprop_reference,
+    bsmm_bprop_p: bsmm_bprop_reference,
+    bsmm_updat_p: bsmm_updat_reference,
+}
+
+
+def _with_parts(reference, parts):
+    def cpu_reference(*operands, **params):
+        return reference(*operands, parts=parts, **params)
+
+    return cpu_reference
+
+
+# ---------------------------------------------------------------------------------
+# Batching
+# ---------------------------------------------------------------------------------
+# Only the lhs of fprop/bprop batched: fold the batch axis into the leading dims.
+# Anything else batched (w, the layout tables, or any operand of updat): stack the B
+# problems into one block-diagonal layout of grid (B*CB, B*KB), so a single call of
+# the same primitive does all of them.
+
+
+def _move_to_front(a, bdim, size):
+    if bdim is None:
+        return jnp.broadcast_to(a, (size,) + a.shape)
+    return jnp.moveaxis(a, bdim, 0)
+
+
+def _stack_tables(tables: LayoutTables):
+    """Block-diagonal layout of B stacked layouts (tables carry a leading B axis).
+
+    Returns (stacked tables, pos) where pos [B, capacity] is each (b, slot)'s slot
+    in the stacked layout: all B*nnz blocks first (sorted by stacked column), then
+    every padding slot.
+    """
+    nb, capacity = tables.block_rows.shape
+    cb, kb = _grid_of(tables)
+    nnz = tables.col_ptr[:, -1]
+    offset = jnp.cumsum(nnz) - nnz  # blocks before batch b
+    total = jnp.sum(nnz)
+    slot = jnp.arange(capacity)[None, :]
+    valid = slot < nnz[:, None]
+    b_index = jnp.arange(nb)[:, None]
+    pads_before = b_index * capacity - offset[:, None]
+    pos = jnp.where(valid, offset[:, None] + slot, total + pads_before + slot - nnz[:, None])
+    flat_pos = pos.reshape(-1)
+
+    def scatter(values):
+        out = jnp.zeros((nb * capacity,), jnp.int32)
+        return out.at[flat_pos].set(values.reshape(-1).astype(jnp.int32), unique_indices=True)
+
+    def ptrs(ptr, width):
+        starts = (offset[:, None] + ptr[:, :width]).reshape(-1)
+        return jnp.concatenate([starts, total[None]]).astype(jnp.int32)
+
+    row_slots = jnp.take_along_axis(pos, tables.row_slots, axis=1)
+    stacked = LayoutTables(
+        block_rows=scatter(jnp.where(valid, tables.block_rows + b_index * cb, 0)),
+        block_cols=scatter(jnp.where(valid, tables.block_cols + b_index * kb, 0)),
+        col_ptr=ptrs(tables.col_ptr, kb),
+        row_ptr=ptrs(tables.row_ptr, cb),
+        row_slots=scatter(jnp.where(valid, row_slots, 0)),
+    )
+    return stacked, pos
+
+
+def _fold_features(a, nb):
+    """[B, ..., F] -> [..., B*F]."""
+    return jnp.moveaxis(a, 0, -2).reshape(*a.shape[1:-1], nb * a.shape[-1])
+
+
+def _unfold_features(a, nb):
+    """[..., B*F] -> [B, ..., F]."""
+    return jnp.moveaxis(a.reshape(*a.shape[:-1], nb, a.shape[-1] // nb), -2, 0)
+
+
+def _batch_rule(prim):
+    def rule(args, dims, *, block_size, out_dtype, impl):
+        params = dict(block_size=block_size, out_dtype=out_dtype, impl=impl)
+        a, b, *tables = args
+        a_dim, b_dim, *table_dims = dims
+        others_batched = any(d is not None for d in [b_dim, *table_dims])
+        if prim is not bsmm_updat_p and not others_batched:
+            a = jnp.moveaxis(a, a_dim, 0)
+            return prim.bind(a, b, *tables, **params), 0
+
+        nb = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+        tables = LayoutTables(*(_move_to_front(t, d, nb) for t, d in zip(tables, table_dims)))
+        stacked, pos = _stack_tables(tables)
+        a = _fold_features(_move_to_front(a, a_dim, nb), nb)
+        b = _move_to_front(b, b_dim, nb)
+        if prim is bsmm_updat_p:
+            dw = prim.bind(a, _fold_features(b, nb), *stacked, **params)
+            return dw[pos], 0
+        capacity = b.shape[1]
+        b_stacked = jnp.zeros((nb * capacity,) + b.shape[2:], b.dtype).at[pos.reshape(-1)].set(
+            b.reshape(nb * capacity, *b.shape[2:]), unique_indices=True
+        )
+        out = prim.bind(a, b_stacked, *stacked, **params)
+        return _unfold_features(out, nb), 0
+
+    return rule
+
+
+# ---------------------------------------------------------------------------------
+# JVP: each primitive is bilinear in its two float operands
+# ---------------------------------------------------------------------------------
+
+
+def _jvp_rule(prim):
+    def rule(primals, tangents, *, block_size, out_dtype, impl):
+        a, b, *tables = primals
+        ta, tb = tangents[:2]
+        out = prim.bind(a, b, *tables, block_size=block_size, out_dtype=out_dtype, impl=impl)
+        terms = []
+        if type(ta) is not ad.Zero:
+            terms.append(_bind(prim, ta, b, tables, block_size, out_dtype, impl))
+        if type(tb) is not ad.Zero:
+            terms.append(_bind(prim, a, tb, tables, block_size, out_dtype, impl))
+        if not terms:
+            return out, ad.Zero.from_primal_value(out)
+        return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+    return rule
+
+
+# ---------------------------------------------------------------------------------
+# Transpose: the cotangent of each operand is one of the other two primitives
+# ---------------------------------------------------------------------------------
+#   fprop(x, w) = y:    ct_x = bprop(ct, w)     ct_w = updat(x, ct)
+#   bprop(g, w) = dx:   ct_g = fprop(ct, w)     ct_w = updat(ct, g)
+#   updat(x, dy) = dw:  ct_x = bprop(dy, ct)    ct_dy = fprop(x, ct)
+
+_TRANSPOSES = {
+    # prim: (prim and operands for ct of operand 0, prim and operands for ct of operand 1)
+    "bsmm_fprop": ((lambda ct, a, b: (bsmm_bprop_p, ct, b)), (lambda ct, a, b: (bsmm_updat_p, a, ct))),
+    "bsmm_bprop": ((lambda ct, a, b: (bsmm_fprop_p, ct, b)), (lambda ct, a, b: (bsmm_updat_p, ct, a))),
+    "bsmm_updat": ((lambda ct, a, b: (bsmm_bprop_p, b, ct)), (lambda ct, a, b: (bsmm_fprop_p, a, ct))),
+}
+
+
+def _transpose_rule(prim):
+    ct_a_rule, ct_b_rule = _TRANSPOSES[prim.name]
+
+    def rule(ct, a, b, *tables, block_size, out_dtype, impl):
+        if any(ad.is_undefined_primal(t) for t in tables):
+            raise ValueError(f"{prim.name}: the layout tables are not differentiable")
+        none_for_tables = [None] * len(tables)
+        if type(ct) is ad.Zero:
+            return [None, None, *none_for_tables]
+        ct_a = ct_b = None
+        if ad.is_undefined_primal(a):
+            p, lhs, rhs = ct_a_rule(ct, a, b)
+            ct_a = _bind(p, lhs, rhs, tables, block_size, a.aval.dtype, impl)
+        if ad.is_undefined_primal(b):
+            p, lhs, rhs = ct_b_rule(ct, a, b)
+            ct_b = _bind(p, lhs, rhs, tables, block_size, b.aval.dtype, impl)
+        return [ct_a, ct_b, *none_for_tables]
+
+    return rule
+
+
+# ---------------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _jitted_bind(prim, params: tuple):
+    return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
+
+
+def _eager_impl(prim):
+    # Eager calls run the same lowering as jit (one compile per shape and params).
+    return lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(*args)
+
+
+for _prim in _PRIMITIVES:
+    _prim.def_impl(_eager_impl(_prim))
+    _prim.def_abstract_eval(lambda *args, _n=_prim.name, **params: _abstract_eval(_n, *args, **params))
+    register_lowerings(
+        _prim,
+        _REFERENCES[_prim],
+        cpu_reference=_with_parts(_REFERENCES[_prim], _CPU_PARTS),
+        cuda_target=f"jbs_{_prim.name}",
+    )
+    batching.primitive_batchers[_prim] = _batch_rule(_prim)
+    ad.primitive_jvps[_prim] = _jvp_rule(_prim)
+    ad.primitive_transposes[_prim] = _transpose_rule(_prim)
