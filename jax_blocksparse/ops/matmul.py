@@ -281,13 +281,36 @@ bsmm_updat_p = Primitive("bsmm_updat")
 _PRIMITIVES = (bsmm_fprop_p, bsmm_bprop_p, bsmm_updat_p)
 
 
+def _varying_axes(aval) -> frozenset:
+    """The shard_map mesh axes an aval varies over (jax 0.10 and 0.11 spell it differently)."""
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _match_varying_axes(operands):
+    """Under shard_map, marks every operand varying over the union of their mesh axes.
+
+    A replicated weight used with a batch-sharded x becomes device-varying before the
+    product, as jax does for its own primitives: then the weight's cotangent is
+    summed over the mesh axes by the transpose of that cast, and every aval matches.
+    """
+    vmas = [_varying_axes(jax.typeof(o)) for o in operands]
+    union = frozenset().union(*vmas)
+    if not union:
+        return list(operands)
+    return [
+        o if v == union else jax.lax.pcast(o, tuple(sorted(union - v)), to="varying")
+        for o, v in zip(operands, vmas)
+    ]
+
+
 def _bind(prim, a, b, tables, block_size, out_dtype, impl=None):
     """Binds ``prim`` with both float operands cast to their common dtype."""
     common = jnp.promote_types(a.dtype, b.dtype)
     return prim.bind(
-        a.astype(common),
-        b.astype(common),
-        *tables,
+        *_match_varying_axes([a.astype(common), b.astype(common), *tables]),
         block_size=block_size,
         out_dtype=np.dtype(out_dtype),
         impl=config.get_implementation() if impl is None else impl,
