@@ -24,6 +24,7 @@ __all__ = [
     "has_cuda_kernels",
     "layouts",
     "nn",
+    "nnx",
     "to_dense",
 ]
 

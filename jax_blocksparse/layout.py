@@ -57,7 +57,7 @@ def check_block_size(block_size, *, name: str = "block_size") -> int:
     return int(block_size)
 
 
-def _check_mask(mask):
+def check_mask(mask):
     """Validates a block mask (numpy or jax, concrete or traced) and returns it."""
     if not hasattr(mask, "shape"):
         mask = np.asarray(mask)
@@ -169,7 +169,7 @@ class Layout:
             blocks beyond ``capacity`` in storage order are dropped.
         """
         block_size = check_block_size(block_size)
-        mask = _check_mask(mask)
+        mask = check_mask(mask)
         grid = (int(mask.shape[0]), int(mask.shape[1]))
         concrete = _is_concrete(mask)
         if concrete:

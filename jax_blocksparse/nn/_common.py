@@ -1,0 +1,159 @@
+"""Pieces shared by the linen and nnx block-sparse layers.
+
+Both layers keep the block mask as a :class:`StaticMask` (hashable, compared by
+value, so the layer is a valid static argument and jit cache key), build their
+:class:`~jax_blocksparse.Layout` through the cached :func:`layout_for`, initialise
+the kernel with :func:`init_kernel` and check inputs with :func:`check_inputs`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_blocksparse.layout import Layout, check_block_size, check_mask
+from jax_blocksparse.ops.matmul import bsmm
+
+
+class StaticMask:
+    """A read-only, hashable block mask: bool [CB, KB].
+
+    Equality and hashing are by shape and content, so two layers built from equal
+    masks compare equal and share jit caches. ``np.asarray(mask)`` gives the bool
+    array back (read-only).
+    """
+
+    __slots__ = ("_array", "_key")
+
+    def __init__(self, mask):
+        if isinstance(mask, StaticMask):
+            array = mask._array
+        else:
+            if isinstance(mask, jax.core.Tracer):
+                raise TypeError(
+                    "mask must be a concrete (numpy) bool array: a layer's block mask is static, "
+                    f"got a traced array of shape {tuple(mask.shape)}"
+                )
+            array = check_mask(np.asarray(mask))
+            array = np.array(array, dtype=bool)  # a private copy
+            array.flags.writeable = False
+        self._array = array
+        self._key = (array.shape, array.tobytes())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._array.shape
+
+    @property
+    def array(self) -> np.ndarray:
+        """The mask as a read-only numpy bool array."""
+        return self._array
+
+    @property
+    def nnz(self) -> int:
+        return int(self._array.sum())
+
+    def __array__(self, dtype=None, copy=None):
+        if dtype is None and not copy:
+            return self._array
+        return np.array(self._array, dtype=dtype)
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        if not isinstance(other, StaticMask):
+            return NotImplemented
+        return self._key == other._key
+
+    def __repr__(self):
+        return f"StaticMask(shape={self.shape}, nnz={self.nnz})"
+
+
+@functools.lru_cache(maxsize=256)
+def layout_for(mask: StaticMask, block_size: int, capacity: int | None) -> Layout:
+    """The layout of ``mask``, built once per (mask, block_size, capacity).
+
+    Built under ``jax.ensure_compile_time_eval`` so that the cached index tables
+    are concrete arrays even when first requested inside a trace.
+    """
+    with jax.ensure_compile_time_eval():
+        return Layout.from_mask(mask.array, block_size, capacity)
+
+
+def check_config(mask: StaticMask, block_size, capacity, in_features: int | None, out_features: int, layer: str):
+    """Validates a layer's static configuration; returns the canonical block size."""
+    block_size = check_block_size(block_size)
+    cb, kb = mask.shape
+    if out_features != kb * block_size:
+        raise ValueError(
+            f"{layer}: output features ({out_features}) must equal mask.shape[1] * block_size = "
+            f"{kb} * {block_size} = {kb * block_size} (mask shape {mask.shape})"
+        )
+    if in_features is not None and in_features != cb * block_size:
+        raise ValueError(
+            f"{layer}: in_features ({in_features}) must equal mask.shape[0] * block_size = "
+            f"{cb} * {block_size} = {cb * block_size} (mask shape {mask.shape})"
+        )
+    if capacity is not None and capacity < mask.nnz:
+        raise ValueError(f"{layer}: capacity={capacity} is smaller than the {mask.nnz} blocks of the mask {mask.shape}")
+    return block_size
+
+
+def check_inputs(inputs, layout: Layout, layer: str):
+    """Raises a ValueError naming the shapes if ``inputs`` is not [..., C]."""
+    c, k = layout.shape
+    shape = tuple(jnp.shape(inputs))
+    if len(shape) < 1 or shape[-1] != c:
+        raise ValueError(
+            f"{layer}: inputs must have shape [..., {c}] (mask {layout.grid} x block_size "
+            f"{layout.block_size} -> kernel [{c}, {k}]), got inputs of shape {shape}"
+        )
+
+
+def fan_in(mask: StaticMask, block_size: int) -> float:
+    """The true fan-in of a block-sparse layer.
+
+    The average number of present blocks per non-empty output block column, times
+    ``block_size``: the number of inputs an average output unit sums over.
+    """
+    per_column = mask.array.sum(axis=0)
+    nonempty = per_column[per_column > 0]
+    blocks = float(nonempty.mean()) if nonempty.size else 1.0
+    return blocks * block_size
+
+
+def default_kernel_init(mask: StaticMask, block_size: int):
+    """LeCun normal (truncated, variance 1 / fan_in) with the layer's true fan-in."""
+    blocks_per_column = fan_in(mask, block_size) / block_size
+    # variance_scaling with batch_axis=0 sees fan_in = block_size for [capacity, bs, bs].
+    return jax.nn.initializers.variance_scaling(
+        1.0 / blocks_per_column, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+    )
+
+
+def init_kernel(kernel_init, key, layout: Layout, mask: StaticMask, param_dtype):
+    """Initialises a [capacity, bs, bs] kernel; padding slots are set to zero.
+
+    ``kernel_init=None`` means :func:`default_kernel_init`; otherwise it is called
+    as ``kernel_init(key, (capacity, bs, bs), param_dtype)``.
+    """
+    if kernel_init is None:
+        kernel_init = default_kernel_init(mask, layout.block_size)
+    kernel = kernel_init(key, layout.w_shape, param_dtype)
+    if tuple(kernel.shape) != layout.w_shape:
+        raise ValueError(f"kernel_init returned shape {tuple(kernel.shape)}, expected {layout.w_shape}")
+    if layout.capacity > mask.nnz:
+        kernel = jnp.where(layout.valid[:, None, None], kernel, jnp.zeros((), kernel.dtype))
+    return kernel
+
+
+def apply(inputs, kernel, bias, layout: Layout):
+    """``inputs @ to_dense(kernel, layout) + bias`` for already dtype-promoted operands."""
+    y = bsmm(inputs, kernel, layout)
+    if bias is not None:
+        y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    return y

@@ -1,0 +1,104 @@
+"""BlockSparseDense: ``flax.linen.Dense`` with a block-sparse kernel."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jax_blocksparse.layout import Layout
+from jax_blocksparse.nn import _common
+
+Array = jax.Array
+Initializer = Callable[..., Array]
+
+
+class BlockSparseDense(nn.Module):
+    """A linear transformation over the last axis whose kernel is block-sparse.
+
+    Equal to ``flax.linen.Dense(features)`` with the kernel
+    ``jbs.to_dense(params["kernel"], layer.layout)``: a [C, K] matrix that is zero
+    outside the blocks of ``mask``. Only the present blocks are stored and
+    multiplied (with :func:`jax_blocksparse.bsmm`).
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> import jax_blocksparse as jbs
+        >>> mask = jbs.layouts.barabasi_albert(8, 2, seed=0)     # [8, 8] blocks
+        >>> layer = jbs.nn.BlockSparseDense(features=128, mask=mask, block_size=16)
+        >>> params = layer.init(jax.random.key(0), jnp.ones((4, 128)))
+        >>> params["params"]["kernel"].shape == layer.layout.w_shape  # (nnz, 16, 16)
+        True
+        >>> y = layer.apply(params, jnp.ones((4, 128)))
+        >>> y.shape
+        (4, 128)
+        >>> W = jbs.to_dense(params["params"]["kernel"], layer.layout)  # [128, 128]
+
+    Attributes:
+      features: the number of output features K; must be ``mask.shape[1] * block_size``.
+      mask: the block mask, bool [C // block_size, K // block_size], static (numpy;
+        stored as a hashable :class:`StaticMask`). Inputs must have C features.
+      block_size: the block edge, one of 8, 16, 32, 64, 128.
+      use_bias: whether to add a bias to the output (default: True).
+      dtype: the dtype of the computation (default: infer from input and params).
+        float32, bfloat16 or float16.
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      kernel_init: initializer for the stored blocks, called as
+        ``kernel_init(key, (capacity, block_size, block_size), param_dtype)``; slot
+        ``s`` holds block ``(layout.tables.block_rows[s], layout.tables.block_cols[s])``.
+        Shape-based initializers see that [capacity, bs, bs] shape, not [C, K]: e.g.
+        ``nn.initializers.lecun_normal()`` would take fan_in = capacity * bs. The
+        default (None) is LeCun normal with the layer's true fan-in (the average
+        number of blocks per non-empty output block column, times ``block_size``),
+        so outputs have unit variance for unit-variance inputs.
+      bias_init: initializer for the bias, ``bias_init(key, (features,), param_dtype)``.
+      capacity: number of storage slots (default: the number of blocks in ``mask``).
+        Slots beyond the blocks of ``mask`` are padding; they initialise to zero and
+        do not contribute to the output.
+    """
+
+    features: int
+    mask: Any
+    block_size: int
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer | None = None
+    bias_init: Initializer = nn.initializers.zeros_init()
+    capacity: int | None = None
+
+    def __post_init__(self):
+        # Attributes may be set until Module.__post_init__ runs; keep the mask hashable.
+        self.mask = _common.StaticMask(self.mask)
+        self.block_size = _common.check_config(
+            self.mask, self.block_size, self.capacity, None, self.features, type(self).__name__
+        )
+        super().__post_init__()
+
+    @property
+    def layout(self) -> Layout:
+        """The :class:`~jax_blocksparse.Layout` of the kernel (for ``jbs.to_dense``)."""
+        return _common.layout_for(self.mask, self.block_size, self.capacity)
+
+    @nn.compact
+    def __call__(self, inputs: Array) -> Array:
+        """Applies the block-sparse linear map to the last axis of ``inputs``.
+
+        Args:
+          inputs: [..., C] with ``C = mask.shape[0] * block_size``.
+
+        Returns:
+          [..., features].
+        """
+        layout = self.layout
+        _common.check_inputs(inputs, layout, type(self).__name__)
+        kernel = self.param(
+            "kernel",
+            lambda key: _common.init_kernel(self.kernel_init, key, layout, self.mask, self.param_dtype),
+        )
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        return _common.apply(inputs, kernel, bias, layout)

@@ -1,0 +1,114 @@
+"""BlockSparseLinear: ``flax.nnx.Linear`` with a block-sparse kernel."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+
+from jax_blocksparse.layout import Layout
+from jax_blocksparse.nn import _common
+
+Array = jax.Array
+Initializer = Callable[..., Array]
+
+
+class BlockSparseLinear(nnx.Module):
+    """A linear transformation over the last axis whose kernel is block-sparse.
+
+    Equal to ``flax.nnx.Linear(in_features, out_features)`` with the kernel
+    ``jbs.to_dense(layer.kernel[...], layer.layout)``: a [C, K] matrix that is zero
+    outside the blocks of ``mask``. Only the present blocks are stored and
+    multiplied (with :func:`jax_blocksparse.bsmm`). Same parameters, defaults and
+    initialisation as :class:`jax_blocksparse.nn.BlockSparseDense`.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jax_blocksparse as jbs
+        >>> from jax_blocksparse.nnx import BlockSparseLinear
+        >>> mask = jbs.layouts.barabasi_albert(8, 2, seed=0)     # [8, 8] blocks
+        >>> layer = BlockSparseLinear(128, 128, mask, 16, rngs=nnx.Rngs(0))
+        >>> layer.kernel.shape == layer.layout.w_shape            # (nnz, 16, 16)
+        True
+        >>> layer(jnp.ones((4, 128))).shape
+        (4, 128)
+        >>> W = jbs.to_dense(layer.kernel[...], layer.layout)     # [128, 128]
+
+    Args:
+      in_features: the number of input features C; must be ``mask.shape[0] * block_size``.
+      out_features: the number of output features K; must be ``mask.shape[1] * block_size``.
+      mask: the block mask, bool [C // block_size, K // block_size], static (numpy;
+        stored as a hashable :class:`~jax_blocksparse.nn.StaticMask`).
+      block_size: the block edge, one of 8, 16, 32, 64, 128.
+      use_bias: whether to add a bias to the output (default: True).
+      dtype: the dtype of the computation (default: infer from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      kernel_init: initializer for the stored blocks, called as
+        ``kernel_init(key, (capacity, block_size, block_size), param_dtype)``.
+        The default (None) is LeCun normal with the layer's true fan-in (the average
+        number of blocks per non-empty output block column, times ``block_size``).
+      bias_init: initializer for the bias, ``bias_init(key, (out_features,), param_dtype)``.
+      capacity: number of storage slots (default: the number of blocks in ``mask``);
+        padding slots initialise to zero and do not contribute to the output.
+      rngs: rng key.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        mask: Any,
+        block_size: int,
+        *,
+        use_bias: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        kernel_init: Initializer | None = None,
+        bias_init: Initializer = nnx.initializers.zeros_init(),
+        capacity: int | None = None,
+        rngs: nnx.Rngs,
+    ):
+        mask = _common.StaticMask(mask)
+        block_size = _common.check_config(mask, block_size, capacity, in_features, out_features, type(self).__name__)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.mask = mask
+        self.block_size = block_size
+        self.capacity = capacity
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+        layout = self.layout
+        self.kernel = nnx.Param(_common.init_kernel(kernel_init, rngs.params(), layout, mask, param_dtype))
+        self.bias: nnx.Param[jax.Array] | None
+        if use_bias:
+            self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
+        else:
+            self.bias = nnx.data(None)
+
+    @property
+    def layout(self) -> Layout:
+        """The :class:`~jax_blocksparse.Layout` of the kernel (for ``jbs.to_dense``)."""
+        return _common.layout_for(self.mask, self.block_size, self.capacity)
+
+    def __call__(self, inputs: Array) -> Array:
+        """Applies the block-sparse linear map to the last axis of ``inputs``.
+
+        Args:
+          inputs: [..., in_features].
+
+        Returns:
+          [..., out_features].
+        """
+        layout = self.layout
+        _common.check_inputs(inputs, layout, type(self).__name__)
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = dtypes.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        return _common.apply(inputs, kernel, bias, layout)
