@@ -19,8 +19,11 @@ def _load():
         from jax_blocksparse import _jbs_cuda  # type: ignore[attr-defined]
     except ImportError as err:
         return None, f"extension not built ({err})"
-    for name, capsule in _jbs_cuda.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA", api_version=1)
+    try:
+        for name, capsule in _jbs_cuda.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA", api_version=1)
+    except Exception as err:  # noqa: BLE001  (report any registration failure as "not loaded")
+        return None, f"extension loaded but its FFI targets could not be registered ({err!r})"
     return _jbs_cuda, None
 
 
@@ -35,6 +38,9 @@ def load_error() -> str | None:
 
 
 def extension_info() -> dict:
-    """What the extension reports about itself (architectures it was built for)."""
+    """What the extension reports about itself: CUDA version, architectures, targets.
+
+    Empty when the extension is not loaded.
+    """
     module, _ = _load()
     return dict(module.build_info()) if module is not None else {}

@@ -11,9 +11,10 @@ Set it with the environment variable ``JAX_BLOCKSPARSE_IMPL`` or, in Python::
         y = jax.jit(f)(x)      # traced (and lowered) inside the context
 
 The choice is read when an op is traced and stored in the primitive's
-parameters, so it is part of the jaxpr: a function jitted and traced under one
-setting keeps it. Wrap the first call (the trace) in the context, or create a
-new ``jax.jit`` inside it.
+parameters, so it is part of the jaxpr. ``jax.jit`` caches traces per function
+and does not know about this setting, so the context manager clears JAX's caches
+when it changes the setting (on entry and on exit): everything called inside is
+traced anew with the setting in force, and nothing traced inside leaks out.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+
+import jax
 
 IMPLEMENTATIONS = ("auto", "reference", "kernels")
 ENV_VAR = "JAX_BLOCKSPARSE_IMPL"
@@ -45,8 +48,14 @@ def get_implementation() -> str:
 @contextlib.contextmanager
 def implementation(value: str):
     """Context manager selecting "auto", "reference" or "kernels" for ops traced inside."""
-    token = _implementation.set(_check(value, "implementation"))
+    value = _check(value, "implementation")
+    changes = value != get_implementation()
+    token = _implementation.set(value)
+    if changes:
+        jax.clear_caches()
     try:
         yield
     finally:
         _implementation.reset(token)
+        if changes:
+            jax.clear_caches()

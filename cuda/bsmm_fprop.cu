@@ -1,0 +1,23 @@
+// DSD launchers (fprop, and bprop = fprop with swapped tables and w^T): float32 inputs
+// (SIMT, float32 FMA) and the dtype dispatch. 16-bit inputs are in bsmm_fprop_{f16,bf16}.cu.
+#include "bsmm_dsd.cuh"
+
+namespace jbs {
+
+bool SupportedBlockSize(int bs) { return bs == 8 || bs == 16 || bs == 32 || bs == 64 || bs == 128; }
+
+cudaError_t LaunchDsdF32(bool transpose_w, const DsdParams& p, cudaStream_t stream) {
+  return transpose_w ? detail::DispatchDsdF32<true>(p, stream) : detail::DispatchDsdF32<false>(p, stream);
+}
+
+cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p,
+                      cudaStream_t stream) {
+  switch (in) {
+    case DType::kF32: return out_f32 ? LaunchDsdF32(transpose_w, p, stream) : cudaErrorInvalidValue;
+    case DType::kF16: return LaunchDsdF16(out_f32, transpose_w, p, stream);
+    case DType::kBF16: return LaunchDsdBF16(out_f32, transpose_w, p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jbs

@@ -1,0 +1,53 @@
+"""``python -m jax_blocksparse``: an environment report.
+
+Prints versions, devices, whether the CUDA extension is built (and for which
+architectures), the implementation switch in force, and for each platform which
+path bsmm takes there.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+
+import jax
+
+import jax_blocksparse as jbs
+from jax_blocksparse import _cuda
+from jax_blocksparse.ops import _lowering
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def report() -> str:
+    lines = ["jax-blocksparse environment report", ""]
+    lines.append(f"python            {sys.version.split()[0]} ({platform.platform()})")
+    for dist in ("jax-blocksparse", "jax", "jaxlib", "flax", "optax", "numpy"):
+        lines.append(f"{dist:17} {_version(dist)}")
+    lines.append("")
+    lines.append("devices:")
+    for device in jax.devices():
+        lines.append(f"  {device.platform:5} {getattr(device, 'device_kind', '')} ({device})")
+    lines.append("")
+    if _cuda.has_cuda_kernels():
+        info = _cuda.extension_info()
+        lines.append("CUDA extension:   built and loaded " + ", ".join(f"{k}={v}" for k, v in info.items()))
+    else:
+        lines.append(f"CUDA extension:   not available: {_cuda.load_error()}")
+    impl = jbs.config.get_implementation()
+    lines.append(f"implementation:   {impl} (env {jbs.config.ENV_VAR}, or jbs.config.implementation(...))")
+    lines.append("")
+    lines.append("bsmm path by platform:")
+    for plat in ("cpu", "cuda"):
+        lines.append(f"  {plat:5} {_lowering.describe_path(plat, impl)}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report())
