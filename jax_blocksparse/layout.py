@@ -66,8 +66,14 @@ def check_mask(mask):
     dtype = np.dtype(mask.dtype)
     if not (dtype == np.bool_ or np.issubdtype(dtype, np.integer)):
         raise TypeError(f"mask must be boolean (or 0/1 integers), got dtype {dtype} with shape {tuple(mask.shape)}")
-    if isinstance(mask, np.ndarray) and dtype != np.bool_ and not np.isin(mask, (0, 1)).all():
-        raise ValueError(f"mask of dtype {dtype} must hold only 0 and 1, got values {np.unique(mask)[:8]}")
+    # Any concrete mask (numpy or jax) is checked; only a traced one cannot be.
+    if dtype != np.bool_ and _is_concrete(mask):
+        values = np.asarray(mask)
+        if not np.isin(values, (0, 1)).all():
+            raise ValueError(
+                f"mask of dtype {dtype} with shape {tuple(mask.shape)} must hold only 0 and 1, "
+                f"got values {np.unique(values)[:8]}"
+            )
     return mask
 
 

@@ -113,10 +113,12 @@ def watts_strogatz(n: int, k: int, p: float, seed: int = 0, extra_edges: int = 0
 
 
 def banded(grid, bandwidth: int) -> np.ndarray:
-    """Band mask: block (c, k) present when |c - k * CB / KB| <= bandwidth.
+    """Band mask of half-width ``bandwidth`` blocks around the (scaled) diagonal.
 
-    For a square grid this is the usual band of half-width ``bandwidth`` around
-    the diagonal; for a rectangular grid the band follows the scaled diagonal.
+    Block column k spans rows [k * CB / KB, (k + 1) * CB / KB) of the diagonal;
+    block (c, k) is present when that span meets rows [c - bandwidth, c + bandwidth].
+    For a square grid this is the usual band |c - k| <= bandwidth; for a
+    rectangular grid every block row and every block column gets at least one block.
 
     Returns:
       bool [CB, KB].
@@ -127,8 +129,9 @@ def banded(grid, bandwidth: int) -> np.ndarray:
         raise ValueError(f"bandwidth must be >= 0, got {bandwidth}")
     c = np.arange(cb)[:, None]
     k = np.arange(kb)[None, :]
-    scale = cb / kb if kb else 1.0
-    return np.abs(c - np.round(k * scale)) <= bandwidth
+    # Integer form of: k * CB/KB < c + 1 + bandwidth and (k + 1) * CB/KB > c - bandwidth
+    # (exact, unlike rounding k * CB/KB, which left the last column empty on wide grids).
+    return (k * cb < (c + 1 + bandwidth) * kb) & ((k + 1) * cb > (c - bandwidth) * kb)
 
 
 def block_norms(W, block_size: int) -> np.ndarray:
@@ -166,3 +169,81 @@ def from_dense_topk(W, block_size: int, density: float) -> np.ndarray:
     mask = np.zeros(norms.size, bool)
     mask[order] = True
     return mask.reshape(norms.shape)
+
+
+def mixing_steps(mask, max_steps: int | None = None):
+    """How many sparse transitions until every block can reach every other block.
+
+    The smallest ``s >= 1`` such that ``(mask | I) ** s`` (boolean matrix power, the
+    mask read as the adjacency matrix of a directed graph with self-loops added) has
+    no zeros: after ``s`` products with a weight of this layout, every output unit
+    block depends on every input unit block. A block-sparse LSTM whose gate product
+    and internal steps all use ``mask`` mixes all units within one timestep when
+    ``internal_steps >= mixing_steps(mask) - 1``.
+
+    Args:
+      mask: square bool [n, n] block mask (e.g. :func:`barabasi_albert`).
+      max_steps: give up after this many steps (default n, enough for any graph).
+    Returns:
+      the number of steps (int), or None if some block never reaches another
+      (a disconnected graph) within ``max_steps``.
+
+    Example::
+
+        >>> ring = np.eye(8, dtype=bool) | np.roll(np.eye(8, dtype=bool), 1, axis=1)
+        >>> mixing_steps(ring)          # a directed ring of 8 needs 7 hops
+        7
+    """
+    mask = np.asarray(mask)
+    if mask.ndim != 2 or mask.shape[0] != mask.shape[1]:
+        raise ValueError(f"mixing_steps needs a square [n, n] mask, got shape {mask.shape}")
+    n = mask.shape[0]
+    if n == 0:
+        return 0
+    adjacency = (mask != 0) | np.eye(n, dtype=bool)
+    step = adjacency.astype(np.int64)
+    limit = n if max_steps is None else int(max_steps)
+    reach = adjacency.copy()
+    for s in range(1, limit + 1):
+        if reach.all():
+            return s
+        grown = (reach.astype(np.int64) @ step) > 0
+        if (grown == reach).all():
+            return None  # reachability stopped growing: never full
+        reach = grown
+    return None
+
+
+def plot(mask, path, *, title: str | None = None):
+    """Writes a picture of a block mask (present blocks dark) to ``path`` as PNG.
+
+    Uses matplotlib's Agg canvas directly (no pyplot state, no display needed). The
+    title gives the shape and density (and ``title`` before them, if given).
+
+    Args:
+      mask: bool [CB, KB] block mask.
+      path: output file (``.png``).
+      title: optional prefix of the title.
+    Returns:
+      ``path``.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    mask = np.asarray(mask)
+    if mask.ndim != 2:
+        raise ValueError(f"plot needs a 2-D [CB, KB] mask, got shape {mask.shape}")
+    cb, kb = mask.shape
+    density = float((mask != 0).mean()) if mask.size else 0.0
+    scale = 6.0 / max(cb, kb, 1)
+    fig = Figure(figsize=(max(2.5, kb * scale), max(2.5, cb * scale) + 0.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.imshow(mask != 0, cmap="Greys", vmin=0, vmax=1, interpolation="nearest", aspect="equal")
+    ax.set_xlabel("output block column")
+    ax.set_ylabel("input block row")
+    label = f"{cb} x {kb} blocks, density {density:.1%} ({int((mask != 0).sum())} blocks)"
+    ax.set_title(f"{title}: {label}" if title else label, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path

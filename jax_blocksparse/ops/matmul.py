@@ -74,7 +74,7 @@ def bsmm(x, w, layout: Layout, *, transpose: bool = False, preferred_element_typ
             f"bsmm: x must have shape [..., {name}={expected}] for a layout of shape "
             f"{layout.shape}{' (transpose=True)' if transpose else ''}, got x {x.shape}"
         )
-    out_dtype = _out_dtype(preferred_element_type, x.dtype, w.dtype)
+    out_dtype = _out_dtype(preferred_element_type, x.dtype, w.dtype, name="preferred_element_type")
     prim = bsmm_bprop_p if transpose else bsmm_fprop_p
     return _bind(prim, x, w, layout.tables, layout.block_size, out_dtype)
 
@@ -103,7 +103,7 @@ def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None):
             f"bsmm_updat: need x [..., C={c}] and dy [..., K={k}] with equal leading dims "
             f"for a layout of shape {layout.shape}, got x {x.shape} and dy {dy.shape}"
         )
-    out_dtype = _out_dtype(out_dtype, x.dtype, dy.dtype)
+    out_dtype = _out_dtype(out_dtype, x.dtype, dy.dtype, name="out_dtype")
     return _bind(bsmm_updat_p, x, dy, layout.tables, layout.block_size, out_dtype)
 
 
@@ -137,15 +137,17 @@ def to_dense(w, layout: Layout):
     w = jnp.asarray(w)
     _check_w(w, layout)
     t, bs, (cb, kb) = layout.tables, layout.block_size, layout.grid
-    rows = jnp.where(layout.valid, t.block_rows, cb)  # padding -> out of range -> dropped
-    blocks = jnp.zeros((cb, kb, bs, bs), w.dtype).at[rows, t.block_cols].set(w, mode="drop")
+    # Padding slot s -> row cb + s: out of range, so dropped, and distinct from every other
+    # index, so the scatter is unique and hence transposable (linear_transpose, from_dense).
+    rows = jnp.where(layout.valid, t.block_rows, cb + jnp.arange(layout.capacity, dtype=t.block_rows.dtype))
+    blocks = jnp.zeros((cb, kb, bs, bs), w.dtype).at[rows, t.block_cols].set(w, mode="drop", unique_indices=True)
     return blocks.transpose(0, 2, 1, 3).reshape(cb * bs, kb * bs)
 
 
 def bsmm_reference(x, w, layout: Layout, *, transpose: bool = False, preferred_element_type=None):
     """The definition of :func:`bsmm` as a dense product (for tests and debugging)."""
     W = to_dense(w, layout)
-    out_dtype = _out_dtype(preferred_element_type, jnp.asarray(x).dtype, W.dtype)
+    out_dtype = _out_dtype(preferred_element_type, jnp.asarray(x).dtype, W.dtype, name="preferred_element_type")
     if transpose:
         W = W.T
     return jnp.matmul(x, W, preferred_element_type=jnp.float32).astype(out_dtype)
@@ -173,12 +175,13 @@ def _check_w(w, layout: Layout):
         )
 
 
-def _out_dtype(requested, *input_dtypes):
+def _out_dtype(requested, *input_dtypes, name="out_dtype"):
+    """The requested output dtype (``name`` is the argument, for the error), else the promoted one."""
     if requested is None:
         return np.dtype(jnp.promote_types(*input_dtypes))
     dtype = np.dtype(requested)
     if not any(dtype == np.dtype(d) for d in SUPPORTED_DTYPES):
-        raise TypeError(f"output dtype must be float32, bfloat16 or float16, got {dtype}")
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype}")
     return dtype
 
 

@@ -1,0 +1,114 @@
+"""Shared test helpers: 8 host devices, a per-dtype tolerance table, layout and array makers.
+
+Everything here is independent of the library's own index arithmetic: the oracles
+(``np_blocks``, ``dense_of``) rebuild storage order from the mask alone, so they
+check the layout tables rather than reuse them.
+"""
+
+import os
+
+# Must run before jax is imported so that pmap / shard_map tests see 8 CPU devices.
+_FLAG = "--xla_force_host_platform_device_count"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}=8".strip()
+
+import jax  # noqa: E402,F401  (after XLA_FLAGS, on purpose)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_blocksparse as jbs  # noqa: E402
+
+NUM_DEVICES = 8
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+# Relative tolerance per dtype for a short dot product (see `tolerance`).
+RTOL = {np.dtype(jnp.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2, np.dtype(jnp.float16): 2e-3}
+# Small grids per block size so that the whole suite stays fast on 2 CPU cores.
+GRIDS = {8: (5, 4), 16: (4, 3), 32: (3, 3), 64: (2, 3), 128: (2, 2)}
+MASK_KINDS = ("random", "empty", "single", "full", "empty_rows_cols", "long_column")
+
+
+def tolerance(dtype, length: int = 1) -> float:
+    """Relative tolerance for ``dtype``, grown with sqrt(length / 64) for long dot products."""
+    return RTOL[np.dtype(dtype)] * max(1.0, float(np.sqrt(length / 64)))
+
+
+def assert_close(got, want, dtype, length: int = 1):
+    """|got - want| <= tol * (|want| + max |want|): relative, robust to cancellation near 0."""
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    tol = tolerance(dtype, length)
+    scale = np.abs(want).max() if want.size else 0.0
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale)
+
+
+def make_mask(kind: str, grid, seed: int = 0) -> np.ndarray:
+    """A bool block mask of ``grid``; ``kind`` is one of MASK_KINDS (several adversarial)."""
+    cb, kb = grid
+    rng = np.random.default_rng(seed)
+    mask = np.zeros(grid, bool)
+    if kind == "random":
+        mask = rng.random(grid) < 0.5
+        mask[rng.integers(cb), rng.integers(kb)] = True
+    elif kind == "single":
+        mask[rng.integers(cb), rng.integers(kb)] = True
+    elif kind == "full":
+        mask[:] = True
+    elif kind == "empty_rows_cols":  # row 1 and column 0 empty, everything else present
+        mask[:] = True
+        mask[1 % cb, :] = False
+        mask[:, 0] = False
+    elif kind == "long_column":  # one full column, one lone block elsewhere
+        mask[:, kb // 2] = True
+        mask[0, (kb // 2 + 1) % kb] = True
+    elif kind != "empty":
+        raise ValueError(f"unknown mask kind {kind!r}")
+    return mask
+
+
+def rand(shape, dtype=jnp.float32, seed: int = 0):
+    """Standard-normal jax array of ``shape`` in ``dtype``."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
+
+
+def storage_order(mask):
+    """(rows, cols) of the blocks in storage order: sorted by column, then row."""
+    cols, rows = np.nonzero(np.asarray(mask).T)
+    return rows, cols
+
+
+def np_blocks(W, mask, block_size: int, capacity=None) -> np.ndarray:
+    """numpy oracle of ``from_dense``: [capacity, bs, bs] gathered in storage order."""
+    W = np.asarray(W).astype(np.float32)
+    cb, kb = np.shape(mask)
+    rows, cols = storage_order(mask)
+    blocks = W.reshape(cb, block_size, kb, block_size).transpose(0, 2, 1, 3)[rows, cols]
+    pad = (capacity or len(rows)) - len(rows)
+    return np.concatenate([blocks, np.zeros((pad, block_size, block_size), np.float32)])
+
+
+def np_dense(w, mask, block_size: int) -> np.ndarray:
+    """numpy float32 oracle of ``to_dense``: w[:nnz] scattered into [C, K] by the mask."""
+    cb, kb = np.shape(mask)
+    rows, cols = storage_order(mask)
+    blocks = np.zeros((cb, kb, block_size, block_size), np.float32)
+    blocks[rows, cols] = np.asarray(w).astype(np.float32)[: len(rows)]
+    return blocks.transpose(0, 2, 1, 3).reshape(cb * block_size, kb * block_size)
+
+
+def dense_of(w, mask, block_size: int):
+    """Differentiable jnp oracle of ``to_dense``: scatters w[:nnz] into [C, K] by the mask."""
+    cb, kb = np.shape(mask)
+    rows, cols = storage_order(mask)
+    blocks = jnp.zeros((cb, kb, block_size, block_size), w.dtype)
+    blocks = blocks.at[rows, cols].set(w[: len(rows)], unique_indices=True)
+    return blocks.transpose(0, 2, 1, 3).reshape(cb * block_size, kb * block_size)
+
+
+def make_problem(kind="random", block_size=8, grid=None, dtype=jnp.float32, capacity=None, seed=0):
+    """(mask, layout, w) with w drawn at random for the layout (padding slots zero)."""
+    grid = grid or GRIDS[block_size]
+    mask = make_mask(kind, grid, seed)
+    layout = jbs.Layout.from_mask(mask, block_size, capacity=capacity)
+    W = rand(layout.shape, dtype, seed + 1)
+    return mask, layout, jnp.asarray(np_blocks(W, mask, block_size, layout.capacity), dtype)
