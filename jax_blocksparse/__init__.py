@@ -9,6 +9,14 @@
 from jax_blocksparse import config, layouts
 from jax_blocksparse._cuda import has_cuda_kernels
 from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
+from jax_blocksparse.ops.conv import (
+    bsconv,
+    bsconv_reference,
+    bsconv_transpose,
+    bsconv_transpose_reference,
+    conv_from_dense,
+    conv_to_dense,
+)
 from jax_blocksparse.ops.matmul import bsmm, bsmm_reference, bsmm_updat, from_dense, to_dense
 
 __version__ = "0.1.0"
@@ -16,10 +24,16 @@ __version__ = "0.1.0"
 __all__ = [
     "Layout",
     "SUPPORTED_BLOCK_SIZES",
+    "bsconv",
+    "bsconv_reference",
+    "bsconv_transpose",
+    "bsconv_transpose_reference",
     "bsmm",
     "bsmm_reference",
     "bsmm_updat",
     "config",
+    "conv_from_dense",
+    "conv_to_dense",
     "from_dense",
     "has_cuda_kernels",
     "layouts",

@@ -7,6 +7,9 @@ The nnx counterpart is :class:`jax_blocksparse.nnx.BlockSparseLinear`.
 """
 
 from jax_blocksparse.nn._common import StaticMask
+from jax_blocksparse.nn.conv import BlockSparseConv, BlockSparseConvTranspose
 from jax_blocksparse.nn.dense import BlockSparseDense
+from jax_blocksparse.nn.recurrent import BlockSparseLSTM, BlockSparseLSTMCell, BlockSparseMLSTMCell
 
-__all__ = ["BlockSparseDense", "StaticMask"]
+__all__ = ["BlockSparseConv", "BlockSparseConvTranspose", "BlockSparseDense", "StaticMask"]
+__all__ += ["BlockSparseLSTM", "BlockSparseLSTMCell", "BlockSparseMLSTMCell"]

@@ -7,6 +7,10 @@
 The linen counterpart is :class:`jax_blocksparse.nn.BlockSparseDense`.
 """
 
+from jax_blocksparse.nnx.conv import BlockSparseConv, BlockSparseConvTranspose
 from jax_blocksparse.nnx.linear import BlockSparseLinear
+from jax_blocksparse.nnx.recurrent import BlockSparseLSTM, BlockSparseLSTMCell, BlockSparseMLSTMCell
 
 __all__ = ["BlockSparseLinear"]
+__all__ += ["BlockSparseConv", "BlockSparseConvTranspose"]
+__all__ += ["BlockSparseLSTM", "BlockSparseLSTMCell", "BlockSparseMLSTMCell"]

@@ -1,0 +1,236 @@
+"""BlockSparseConv / BlockSparseConvTranspose: ``flax.nnx.Conv`` / ``ConvTranspose``
+with a block-sparse kernel.
+
+Same computation, parameters, defaults and initialisation as the linen layers
+:class:`jax_blocksparse.nn.BlockSparseConv` and
+:class:`jax_blocksparse.nn.BlockSparseConvTranspose`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_blocksparse.layout import Layout
+from jax_blocksparse.nn import _common
+from jax_blocksparse.nn import conv as _conv
+
+Array = jax.Array
+Initializer = Callable[..., Array]
+
+
+class BlockSparseConv(nnx.Module):
+    """A convolution whose kernel mixes channels through a block-sparse matrix.
+
+    Equal to ``flax.nnx.Conv(in_features, out_features, kernel_size, ...)`` with the
+    HWIO kernel ``jbs.conv_to_dense(layer.kernel[...], layer.layout)``:
+    [*kernel_size, in_features, out_features], zero outside the blocks of ``mask`` at
+    every tap. Only the present blocks are stored and multiplied.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jax_blocksparse as jbs
+        >>> from jax_blocksparse.nnx import BlockSparseConv
+        >>> mask = jbs.layouts.random((4, 4), 0.5, seed=0)
+        >>> layer = BlockSparseConv(64, 64, (3, 3), mask, 16, strides=2, rngs=nnx.Rngs(0))
+        >>> layer.kernel.shape                                   # (nnz, 3, 3, 16, 16)
+        (8, 3, 3, 16, 16)
+        >>> layer(jnp.ones((2, 8, 8, 64))).shape
+        (2, 4, 4, 64)
+
+    Args:
+      in_features: input channels C; must be ``mask.shape[0] * block_size``.
+      out_features: output channels K; must be ``mask.shape[1] * block_size``.
+      kernel_size: the spatial shape of the kernel; an int means a 1-D kernel ``(k,)``.
+      mask: the block mask, bool [C // block_size, K // block_size], static.
+      block_size: the block edge, one of 8, 16, 32, 64, 128.
+      strides: an int or ``n`` ints (default 1).
+      padding: as ``flax.nnx.Conv``: ``"SAME"``, ``"VALID"``, ``"SAME_LOWER"``,
+        ``"CIRCULAR"``, ``"REFLECT"``, ``"CAUSAL"`` (1-D), an int, or ``n`` ints or
+        ``(low, high)`` pairs.
+      input_dilation: an int or ``n`` ints (default 1).
+      kernel_dilation: an int or ``n`` ints (default 1).
+      use_bias: whether to add a bias (default: True).
+      dtype: the dtype of the computation (default: infer from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      kernel_init: initializer called as
+        ``kernel_init(key, (capacity, *kernel_size, bs, bs), param_dtype)``. The default
+        (None) is LeCun normal with the true fan-in (average blocks per non-empty
+        output block column times ``block_size * prod(kernel_size)``).
+      bias_init: initializer for the bias, ``bias_init(key, (out_features,), param_dtype)``.
+      capacity: number of storage slots (default: the number of blocks in ``mask``).
+      rngs: rng key.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        kernel_size: int | Sequence[int],
+        mask: Any,
+        block_size: int,
+        strides: None | int | Sequence[int] = 1,
+        *,
+        padding: Any = "SAME",
+        input_dilation: None | int | Sequence[int] = 1,
+        kernel_dilation: None | int | Sequence[int] = 1,
+        use_bias: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        kernel_init: Initializer | None = None,
+        bias_init: Initializer = nnx.initializers.zeros_init(),
+        capacity: int | None = None,
+        rngs: nnx.Rngs,
+    ):
+        name = type(self).__name__
+        mask = _common.StaticMask(mask)
+        kernel_size = _conv.kernel_size_tuple(kernel_size, name)
+        block_size = _common.check_config(mask, block_size, capacity, in_features, out_features, name)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.kernel_size = kernel_size
+        self.mask = mask
+        self.block_size = block_size
+        self.capacity = capacity
+        self.strides = _conv.hashable(strides)
+        self.padding = _conv.hashable(padding)
+        self.input_dilation = _conv.hashable(input_dilation)
+        self.kernel_dilation = _conv.hashable(kernel_dilation)
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+        layout = self.layout
+        self.kernel_shape = (layout.capacity, *kernel_size, block_size, block_size)
+        self.kernel = nnx.Param(
+            _conv.init_conv_kernel(kernel_init, rngs.params(), layout, mask, kernel_size, param_dtype)
+        )
+        self.bias: nnx.Param[jax.Array] | None
+        if use_bias:
+            self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
+        else:
+            self.bias = nnx.data(None)
+
+    @property
+    def layout(self) -> Layout:
+        """The :class:`~jax_blocksparse.Layout` of the kernel (for ``jbs.conv_to_dense``)."""
+        return _common.layout_for(self.mask, self.block_size, self.capacity)
+
+    def __call__(self, inputs: Array) -> Array:
+        """Applies the convolution to ``inputs`` [*batch_dims, *spatial, in_features]."""
+        layout = self.layout
+        _conv.check_conv_inputs(inputs, self.in_features, len(self.kernel_size), type(self).__name__, layout)
+        bias = self.bias[...] if self.bias is not None else None
+        return _conv.conv_apply(
+            inputs, self.kernel[...], bias, layout, self.kernel_size, self.strides, self.padding,
+            self.input_dilation, self.kernel_dilation, self.dtype,
+        )
+
+
+class BlockSparseConvTranspose(nnx.Module):
+    """A transposed convolution whose kernel mixes channels through a block-sparse matrix.
+
+    Equal to ``flax.nnx.ConvTranspose(in_features, out_features, kernel_size, ...)``
+    (``lax.conv_transpose``) with the kernel ``jbs.conv_to_dense(layer.kernel[...],
+    layer.layout)``: [*kernel_size, in_features, out_features], or
+    [*kernel_size, out_features, in_features] with ``transpose_kernel=True``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jax_blocksparse as jbs
+        >>> from jax_blocksparse.nnx import BlockSparseConvTranspose
+        >>> mask = jbs.layouts.random((4, 2), 0.5, seed=0)        # 64 -> 32 channels
+        >>> layer = BlockSparseConvTranspose(64, 32, (3, 3), mask, 16, strides=2, rngs=nnx.Rngs(0))
+        >>> layer(jnp.ones((2, 4, 4, 64))).shape
+        (2, 8, 8, 32)
+
+    Args:
+      in_features, out_features: channels of the input and the output.
+      kernel_size: the spatial shape of the kernel; an int means ``(k,)``.
+      mask: the block mask, static: [in // bs, out // bs], or [out // bs, in // bs]
+        with ``transpose_kernel=True``.
+      block_size: the block edge, one of 8, 16, 32, 64, 128.
+      strides: the fractional strides, an int or ``n`` ints (default 1).
+      padding: ``"SAME"``, ``"VALID"``, ``"CIRCULAR"``, an int, or ``n`` ints or
+        ``(low, high)`` pairs, as ``flax.nnx.ConvTranspose``.
+      kernel_dilation: an int or ``n`` ints (default 1).
+      use_bias, dtype, param_dtype, kernel_init, bias_init, capacity: as
+        :class:`BlockSparseConv`.
+      transpose_kernel: flip the kernel's spatial axes and swap its channel axes.
+      rngs: rng key.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        kernel_size: int | Sequence[int],
+        mask: Any,
+        block_size: int,
+        strides: None | int | Sequence[int] = 1,
+        *,
+        padding: Any = "SAME",
+        kernel_dilation: None | int | Sequence[int] = 1,
+        use_bias: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        kernel_init: Initializer | None = None,
+        bias_init: Initializer = nnx.initializers.zeros_init(),
+        transpose_kernel: bool = False,
+        capacity: int | None = None,
+        rngs: nnx.Rngs,
+    ):
+        name = type(self).__name__
+        mask = _common.StaticMask(mask)
+        kernel_size = _conv.kernel_size_tuple(kernel_size, name)
+        block_size = _conv.check_transpose_config(
+            mask, block_size, capacity, in_features, out_features, transpose_kernel, name
+        )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.kernel_size = kernel_size
+        self.mask = mask
+        self.block_size = block_size
+        self.capacity = capacity
+        self.strides = _conv.hashable(strides)
+        self.padding = _conv.hashable(padding)
+        self.kernel_dilation = _conv.hashable(kernel_dilation)
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.transpose_kernel = transpose_kernel
+
+        layout = self.layout
+        self.kernel_shape = (layout.capacity, *kernel_size, block_size, block_size)
+        self.kernel = nnx.Param(
+            _conv.init_conv_kernel(
+                kernel_init, rngs.params(), layout, mask, kernel_size, param_dtype, fan_in_rows=transpose_kernel
+            )
+        )
+        self.bias: nnx.Param[jax.Array] | None
+        if use_bias:
+            self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
+        else:
+            self.bias = nnx.data(None)
+
+    @property
+    def layout(self) -> Layout:
+        """The :class:`~jax_blocksparse.Layout` of the kernel (for ``jbs.conv_to_dense``)."""
+        return _common.layout_for(self.mask, self.block_size, self.capacity)
+
+    def __call__(self, inputs: Array) -> Array:
+        """Applies the transposed convolution to ``inputs`` [*batch_dims, *spatial, in_features]."""
+        layout = self.layout
+        _conv.check_conv_inputs(inputs, self.in_features, len(self.kernel_size), type(self).__name__, layout)
+        bias = self.bias[...] if self.bias is not None else None
+        return _conv.conv_transpose_apply(
+            inputs, self.kernel[...], bias, layout, self.kernel_size, self.strides, self.padding,
+            self.kernel_dilation, self.transpose_kernel, self.dtype,
+        )
