@@ -199,8 +199,9 @@ class Layout:
                     f"capacity={capacity} is smaller than the number of blocks in the mask "
                     f"({nnz} of grid {grid})"
                 )
+            # Host (numpy) tables: constants wherever the layout is used, so a layout
+            # built (and cached) during any trace never captures a tracer.
             tables = _tables_numpy(mask_np, capacity)
-            tables = LayoutTables(*(jnp.asarray(t) for t in tables))
         else:
             tables = _tables_traced(jnp.asarray(mask), capacity)
         return cls(block_size, grid, capacity, tables)

@@ -77,11 +77,10 @@ class StaticMask:
 def layout_for(mask: StaticMask, block_size: int, capacity: int | None) -> Layout:
     """The layout of ``mask``, built once per (mask, block_size, capacity).
 
-    Built under ``jax.ensure_compile_time_eval`` so that the cached index tables
-    are concrete arrays even when first requested inside a trace.
+    Its tables are numpy arrays (a concrete mask gives host tables), so caching is
+    safe even when the first request comes from inside a trace.
     """
-    with jax.ensure_compile_time_eval():
-        return Layout.from_mask(mask.array, block_size, capacity)
+    return Layout.from_mask(mask.array, block_size, capacity)
 
 
 def check_config(mask: StaticMask, block_size, capacity, in_features: int | None, out_features: int, layer: str):
@@ -157,3 +156,19 @@ def apply(inputs, kernel, bias, layout: Layout):
     if bias is not None:
         y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     return y
+
+
+def check_dynamic_layout(layout, expected: Layout, layer: str):
+    """Raises if a dynamic layer's current layout does not fit its configuration.
+
+    The current layout (from the "layout" collection / variable) must be a
+    :class:`~jax_blocksparse.Layout` with the grid, block size and capacity the
+    layer was built with (those fix the kernel's shape).
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{layer}: the layout variable must hold a jax_blocksparse.Layout, got {type(layout).__name__}")
+    if (layout.grid, layout.block_size, layout.capacity) != (expected.grid, expected.block_size, expected.capacity):
+        raise ValueError(
+            f"{layer}: the current layout {layout} does not match the layer's grid {expected.grid}, "
+            f"block_size {expected.block_size} and capacity {expected.capacity}"
+        )
