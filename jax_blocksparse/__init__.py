@@ -39,13 +39,14 @@ __all__ = [
     "layouts",
     "nn",
     "nnx",
+    "training",
     "to_dense",
 ]
 
 
 def __getattr__(name):
-    # Flax layers import lazily so that the ops import without flax.
-    if name in ("nn", "nnx"):
+    # Flax layers and training import lazily so that the ops import without flax.
+    if name in ("nn", "nnx", "training"):
         import importlib
 
         return importlib.import_module(f"jax_blocksparse.{name}")

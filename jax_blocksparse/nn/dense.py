@@ -10,6 +10,10 @@ import jax.numpy as jnp
 
 from jax_blocksparse.layout import Layout
 from jax_blocksparse.nn import _common
+from jax_blocksparse.training import probe as _probe
+
+#: The linen variable collection that holds the layouts of dynamic layers.
+LAYOUT_COLLECTION = "layout"
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -58,6 +62,22 @@ class BlockSparseDense(nn.Module):
       capacity: number of storage slots (default: the number of blocks in ``mask``).
         Slots beyond the blocks of ``mask`` are padding; they initialise to zero and
         do not contribute to the output.
+      dynamic: if True, the layout is data, not configuration: it lives in the
+        ``"layout"`` variable collection (``variables["layout"][...]["kernel"]``, a
+        :class:`~jax_blocksparse.Layout` of fixed ``capacity``), initialised from
+        ``mask``, and the layer multiplies with whatever layout it is given there.
+        Dynamic sparse training (:mod:`jax_blocksparse.training`) changes it inside
+        jit without recompiling. ``mask`` is then only the initial layout (and sets
+        the default init's fan-in). Apply with
+        ``model.apply({"params": params, "layout": layouts}, x)``.
+
+    Dynamic example::
+
+        >>> layer = jbs.nn.BlockSparseDense(128, mask, 16, capacity=40, dynamic=True)
+        >>> variables = layer.init(jax.random.key(0), jnp.ones((4, 128)))
+        >>> variables["layout"]["kernel"].capacity
+        40
+        >>> y = layer.apply(variables, jnp.ones((4, 128)))
     """
 
     features: int
@@ -69,6 +89,7 @@ class BlockSparseDense(nn.Module):
     kernel_init: Initializer | None = None
     bias_init: Initializer = nn.initializers.zeros_init()
     capacity: int | None = None
+    dynamic: bool = False
 
     def __post_init__(self):
         # Attributes may be set until Module.__post_init__ runs; keep the mask hashable.
@@ -80,7 +101,11 @@ class BlockSparseDense(nn.Module):
 
     @property
     def layout(self) -> Layout:
-        """The :class:`~jax_blocksparse.Layout` of the kernel (for ``jbs.to_dense``)."""
+        """The :class:`~jax_blocksparse.Layout` of the kernel (for ``jbs.to_dense``).
+
+        With ``dynamic=True`` this is the initial layout; the current one is
+        ``variables["layout"][...]["kernel"]``.
+        """
         return _common.layout_for(self.mask, self.block_size, self.capacity)
 
     @nn.compact
@@ -101,4 +126,8 @@ class BlockSparseDense(nn.Module):
         )
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        return _common.apply(inputs, kernel, bias, layout)
+        if not self.dynamic:
+            return _common.apply(inputs, kernel, bias, layout)
+        current = self.variable(LAYOUT_COLLECTION, "kernel", lambda: layout).value
+        _common.check_dynamic_layout(_probe.unwrap(current)[0], layout, type(self).__name__)
+        return _probe.linear(inputs, kernel, current, bias)

@@ -11,9 +11,20 @@ from flax.nnx.nn import dtypes
 
 from jax_blocksparse.layout import Layout
 from jax_blocksparse.nn import _common
+from jax_blocksparse.training import probe as _probe
 
 Array = jax.Array
 Initializer = Callable[..., Array]
+
+
+class BlockLayout(nnx.Variable):
+    """An nnx variable holding a :class:`~jax_blocksparse.Layout` (a dynamic layer's layout).
+
+    Filter with it to separate layouts from params:
+    ``graphdef, params, layouts, rest = nnx.split(model, nnx.Param, BlockLayout, ...)``.
+    It is not an ``nnx.Param``, so ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` and
+    ``nnx.grad`` leave it alone.
+    """
 
 
 class BlockSparseLinear(nnx.Module):
@@ -55,6 +66,11 @@ class BlockSparseLinear(nnx.Module):
       bias_init: initializer for the bias, ``bias_init(key, (out_features,), param_dtype)``.
       capacity: number of storage slots (default: the number of blocks in ``mask``);
         padding slots initialise to zero and do not contribute to the output.
+      dynamic: if True, the layout is state: the attribute ``kernel_layout`` (a
+        :class:`BlockLayout` variable holding a :class:`~jax_blocksparse.Layout` of
+        fixed ``capacity``), initialised from ``mask``. Dynamic sparse training
+        (:mod:`jax_blocksparse.training`, e.g. :func:`~jax_blocksparse.training.nnx_update`)
+        replaces it inside ``nnx.jit`` without recompiling; ``layout`` returns it.
       rngs: rng key.
     """
 
@@ -71,6 +87,7 @@ class BlockSparseLinear(nnx.Module):
         kernel_init: Initializer | None = None,
         bias_init: Initializer = nnx.initializers.zeros_init(),
         capacity: int | None = None,
+        dynamic: bool = False,
         rngs: nnx.Rngs,
     ):
         mask = _common.StaticMask(mask)
@@ -83,18 +100,26 @@ class BlockSparseLinear(nnx.Module):
         self.use_bias = use_bias
         self.dtype = dtype
         self.param_dtype = param_dtype
+        self.dynamic = bool(dynamic)
 
-        layout = self.layout
+        layout = _common.layout_for(mask, block_size, capacity)
         self.kernel = nnx.Param(_common.init_kernel(kernel_init, rngs.params(), layout, mask, param_dtype))
         self.bias: nnx.Param[jax.Array] | None
         if use_bias:
             self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
         else:
             self.bias = nnx.data(None)
+        if self.dynamic:
+            self.kernel_layout = BlockLayout(layout)
 
     @property
     def layout(self) -> Layout:
-        """The :class:`~jax_blocksparse.Layout` of the kernel (for ``jbs.to_dense``)."""
+        """The :class:`~jax_blocksparse.Layout` of the kernel (for ``jbs.to_dense``).
+
+        With ``dynamic=True``, the current layout (``self.kernel_layout``).
+        """
+        if self.dynamic:
+            return _probe.unwrap(self.kernel_layout.get_value())[0]
         return _common.layout_for(self.mask, self.block_size, self.capacity)
 
     def __call__(self, inputs: Array) -> Array:
@@ -111,4 +136,8 @@ class BlockSparseLinear(nnx.Module):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = dtypes.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        return _common.apply(inputs, kernel, bias, layout)
+        if not self.dynamic:
+            return _common.apply(inputs, kernel, bias, layout)
+        expected = _common.layout_for(self.mask, self.block_size, self.capacity)
+        _common.check_dynamic_layout(layout, expected, type(self).__name__)
+        return _probe.linear(inputs, kernel, self.kernel_layout.get_value(), bias)
