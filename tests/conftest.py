@@ -15,6 +15,7 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 import jax  # noqa: E402,F401  (after XLA_FLAGS, on purpose)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 import jax_blocksparse as jbs  # noqa: E402
 
@@ -112,3 +113,14 @@ def make_problem(kind="random", block_size=8, grid=None, dtype=jnp.float32, capa
     layout = jbs.Layout.from_mask(mask, block_size, capacity=capacity)
     W = rand(layout.shape, dtype, seed + 1)
     return mask, layout, jnp.asarray(np_blocks(W, mask, block_size, layout.capacity), dtype)
+
+
+def require_cuda_extension():
+    """Skips the calling test unless the CUDA extension is built (fails instead when
+    JBS_REQUIRE_CUDA_EXTENSION=1, as CI sets: there a missing build must not pass)."""
+    if jbs.has_cuda_kernels():
+        return
+    reason = f"CUDA extension not built: {jbs._cuda.load_error()} (run `python build.py`)"
+    if os.environ.get("JBS_REQUIRE_CUDA_EXTENSION") == "1":
+        pytest.fail(f"JBS_REQUIRE_CUDA_EXTENSION=1 but {reason}")
+    pytest.skip(reason)

@@ -8,18 +8,16 @@ check ``conv_to_dense`` and the tap-stacked layouts rather than reuse them.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, dense_of, make_mask, rand, storage_order
+from conftest import assert_close, dense_of, make_mask, rand, require_cuda_extension, storage_order
 from jax import lax
 from jax.test_util import check_grads
 
 import jax_blocksparse as jbs
-from jax_blocksparse import _cuda
 from jax_blocksparse.ops.conv import stack_taps
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -633,12 +631,7 @@ CUDA_TARGETS = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
 
 @pytest.fixture
 def cuda_extension():
-    if jbs.has_cuda_kernels():
-        return
-    reason = f"CUDA extension not built: {_cuda.load_error()} (run `python build.py`)"
-    if os.environ.get("JBS_REQUIRE_CUDA_EXTENSION") == "1":
-        pytest.fail(f"JBS_REQUIRE_CUDA_EXTENSION=1 but {reason}")
-    pytest.skip(reason)
+    require_cuda_extension()
 
 
 def _lowering_cases():

@@ -11,12 +11,12 @@ a missing extension is a failure.
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import require_cuda_extension
 
 import jax_blocksparse as jbs
 from jax_blocksparse import _cuda
@@ -30,12 +30,7 @@ N = 7
 
 @pytest.fixture(autouse=True)
 def _need_extension():
-    if jbs.has_cuda_kernels():
-        return
-    reason = f"CUDA extension not built: {_cuda.load_error()} (run `python build.py`)"
-    if os.environ.get("JBS_REQUIRE_CUDA_EXTENSION") == "1":
-        pytest.fail(f"JBS_REQUIRE_CUDA_EXTENSION=1 but {reason}")
-    pytest.skip(reason)
+    require_cuda_extension()
 
 
 def _layout():

@@ -13,16 +13,15 @@ JBS_REQUIRE_CUDA_EXTENSION=1 (CI), where a missing extension is a failure.
 
 from __future__ import annotations
 
-import os
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import require_cuda_extension
 
 import jax_blocksparse as jbs
-from jax_blocksparse import _cuda
 from jax_blocksparse.nn import BlockSparseLSTM, BlockSparseLSTMCell, BlockSparseMLSTMCell
 
 TARGETS = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
@@ -30,12 +29,7 @@ BS, HB, D, B, T = 16, 4, 32, 2, 6
 
 
 def _need_extension():
-    if jbs.has_cuda_kernels():
-        return
-    reason = f"CUDA extension not built: {_cuda.load_error()} (run `python build.py`)"
-    if os.environ.get("JBS_REQUIRE_CUDA_EXTENSION") == "1":
-        pytest.fail(f"JBS_REQUIRE_CUDA_EXTENSION=1 but {reason}")
-    pytest.skip(reason)
+    require_cuda_extension()
 
 
 CELLS = {
