@@ -1,18 +1,26 @@
 #!/usr/bin/env python3
-"""Builds the CUDA extension ``jax_blocksparse/_jbs_cuda*.so`` from ``cuda/`` with nvcc.
+"""Builds the native extension ``jax_blocksparse/_jbs_kernels*.so`` from ``cuda/``.
 
-Every translation unit in ``cuda/`` (``*.cu`` device code, ``*.cc`` host code: the XLA
-FFI handlers and the pybind11 module) is compiled in parallel into ``build/``, then
-linked into one shared library with the CUDA runtime linked statically, so that the
-module imports on a machine without a GPU (``jax_blocksparse.has_cuda_kernels()``).
+The extension always holds the CPU kernels (``cuda/cpu/``), compiled by the host C++
+compiler alone, so a CPU-only machine gets them from ``pip install``. When nvcc is
+found (and ``--cpu-only`` is not given) it also holds the CUDA kernels (``cuda/*.cu``)
+and their handlers, with the CUDA runtime linked statically so that the module still
+imports on a machine without a GPU. One module registers both platforms
+(``jax_blocksparse/_native.py``).
+
+Translation units compile in parallel into ``build/``; each command is printed before
+it runs, and an object is rebuilt only when its source, a header or its command
+changed. The CPU kernels are compiled once per instruction set (on x86-64: baseline,
+AVX2+FMA, AVX-512; elsewhere baseline only) and the best one is chosen at run time.
 
 Headers: XLA FFI from ``jax.ffi.include_dir()``, pybind11 from ``pybind11.get_include()``,
-Python from ``sysconfig``. Every nvcc command is printed before it runs.
+Python from ``sysconfig``.
 
 Usage::
 
-    python build.py                              # sm_80, sm_90a SASS + compute_90 PTX
-    python build.py --cuda-arch sm_90a --jobs 8  # one architecture, 8 parallel nvcc
+    python build.py                              # CPU + CUDA (sm_80, sm_90a, compute_90 PTX)
+    python build.py --cuda-arch sm_90a --jobs 8  # one architecture, 8 parallel compilers
+    python build.py --cpu-only                   # no nvcc needed
     python build.py --dry-run                    # print the commands only
 
 ``setup.py`` imports this file and calls :func:`find_nvcc` and :func:`main`.
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -33,13 +42,38 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 SRC_DIR = ROOT / "cuda"
+CPU_DIR = SRC_DIR / "cpu"
 BUILD_DIR = ROOT / "build"
 DEFAULT_OUTPUT_DIR = ROOT / "jax_blocksparse"
-MODULE_NAME = "_jbs_cuda"
+MODULE_NAME = "_jbs_kernels"
 # SASS for Ampere and Hopper, plus compute_90 PTX that newer GPUs JIT-compile.
 DEFAULT_ARCHS = ("sm_80", "sm_90a", "compute_90")
-COMMON_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden")
+HOST_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden")
+NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden")
 DEVICE_FLAGS = ("-lineinfo", "--expt-relaxed-constexpr")
+# The CPU kernels per instruction set: namespace -> (floats per vector register, flags).
+CPU_KERNELS = CPU_DIR / "bsmm_cpu_kernels.cc"
+X86_ISAS = {
+    "baseline": (4, ()),
+    "avx2": (8, ("-mavx2", "-mfma")),
+    "avx512": (16, ("-mavx512f", "-mavx2", "-mfma")),
+}
+PORTABLE_ISAS = {"baseline": (4, ())}
+# Host-compiled with nvcc because they include CUDA headers.
+CUDA_HOST_SOURCES = (SRC_DIR / "bsmm_cuda_handlers.cc",)
+
+
+def is_x86_64() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def find_cxx() -> str | None:
+    """The host C++ compiler: $CXX, else sysconfig's CXX, else c++ or g++ or clang++ on PATH."""
+    candidates = [os.environ.get("CXX"), (sysconfig.get_config_var("CXX") or "").split(" ")[0], "c++", "g++", "clang++"]
+    for name in candidates:
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
 
 
 def find_nvcc() -> str | None:
@@ -67,6 +101,7 @@ def gencode_flags(archs) -> list[str]:
     return flags
 
 
+
 def include_flags() -> list[str]:
     import jax  # noqa: PLC0415  (only the build needs it)
     import pybind11  # noqa: PLC0415
@@ -79,12 +114,8 @@ def include_flags() -> list[str]:
     return flags + [f"-I{SRC_DIR}", f"-I{BUILD_DIR}"]
 
 
-def _sources() -> list[Path]:
-    return sorted(list(SRC_DIR.glob("*.cu")) + list(SRC_DIR.glob("*.cc")))
-
-
 def _headers() -> list[Path]:
-    return sorted(list(SRC_DIR.glob("*.h")) + list(SRC_DIR.glob("*.cuh")))
+    return sorted(p for pattern in ("*.h", "*.cuh") for p in SRC_DIR.rglob(pattern))
 
 
 def _up_to_date(obj: Path, src: Path, cmd: list[str]) -> bool:
@@ -107,58 +138,93 @@ def _run(cmd: list[str], dry_run: bool) -> tuple[float, str]:
     return time.perf_counter() - start, proc.stdout + proc.stderr
 
 
+def _object(src: Path, tag: str = "") -> Path:
+    name = "__".join(src.relative_to(SRC_DIR).parts)
+    return BUILD_DIR / (f"{name}.{tag}.o" if tag else f"{name}.o")
+
+
+def compile_jobs(cxx: str, nvcc: str | None, archs: list[str], includes: list[str]) -> list[tuple[Path, Path, list[str]]]:
+    """(source, object, command) for every translation unit of this build."""
+    with_cuda = nvcc is not None
+    isas = X86_ISAS if is_x86_64() else PORTABLE_ISAS
+    cpu_defines = ["-DJBS_CPU_X86_VARIANTS"] if is_x86_64() else []
+    jobs = []
+    for isa, (lanes, flags) in isas.items():
+        obj = _object(CPU_KERNELS, isa)
+        cmd = [cxx, *HOST_FLAGS, "-ffp-contract=fast", *flags, f"-DJBS_CPU_ISA={isa}", f"-DJBS_CPU_LANES={lanes}",
+               *includes, "-c", str(CPU_KERNELS), "-o", str(obj)]
+        jobs.append((CPU_KERNELS, obj, cmd))
+    host_sources = [SRC_DIR / "bsmm_checks.cc", SRC_DIR / "module.cc", *sorted(CPU_DIR.glob("*.cc"))]
+    for src in host_sources:
+        if src == CPU_KERNELS:
+            continue
+        defines = [*cpu_defines, *(["-DJBS_WITH_CUDA"] if with_cuda and src.name == "module.cc" else [])]
+        jobs.append((src, _object(src), [cxx, *HOST_FLAGS, *defines, *includes, "-c", str(src), "-o", str(_object(src))]))
+    if with_cuda:
+        gencode = gencode_flags(archs)
+        for src in sorted(SRC_DIR.glob("*.cu")):
+            cmd = [nvcc, *NVCC_FLAGS, *DEVICE_FLAGS, *gencode, "-cudart=static", *includes, "-c", str(src),
+                   "-o", str(_object(src))]
+            jobs.append((src, _object(src), cmd))
+        for src in CUDA_HOST_SOURCES:
+            cmd = [nvcc, *NVCC_FLAGS, "-cudart=static", *includes, "-c", str(src), "-o", str(_object(src))]
+            jobs.append((src, _object(src), cmd))
+    return jobs
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Build the jax-blocksparse CUDA extension with nvcc.")
+    parser = argparse.ArgumentParser(description="Build the jax-blocksparse native extension (CPU, and CUDA with nvcc).")
     parser.add_argument(
         "--cuda-arch",
         default=",".join(DEFAULT_ARCHS),
         help="comma-separated sm_XY (SASS) and compute_XY (PTX) targets (default: %(default)s)",
     )
+    parser.add_argument("--cpu-only", action="store_true", help="build the CPU kernels only, even if nvcc is found")
     parser.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 1,
-                        help="parallel nvcc processes (default: CPU count, %(default)s)")
+                        help="parallel compiler processes (default: CPU count, %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands without running them")
     parser.add_argument("--output-dir", default=str(DEFAULT_OUTPUT_DIR),
                         help="where the extension goes (default: %(default)s)")
     parser.add_argument("--nvcc", default=None, help="nvcc to use (default: $CUDA_HOME/bin/nvcc or PATH)")
+    parser.add_argument("--cxx", default=None, help="host C++ compiler (default: $CXX, sysconfig's CXX, c++)")
     parser.add_argument("--force", action="store_true", help="rebuild every object even if up to date")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    nvcc = args.nvcc or find_nvcc()
-    if nvcc is None:
-        print("build.py: nvcc not found (set CUDA_HOME or put nvcc on PATH)", file=sys.stderr)
+    cxx = args.cxx or find_cxx()
+    if cxx is None:
+        print("build.py: no C++ compiler found (set CXX or install g++)", file=sys.stderr)
+        return 1
+    nvcc = None if args.cpu_only else (args.nvcc or find_nvcc())
+    if nvcc is None and args.nvcc:
+        print(f"build.py: nvcc not found at {args.nvcc}", file=sys.stderr)
         return 1
     archs = [a.strip() for a in args.cuda_arch.split(",") if a.strip()]
     try:
-        gencode = gencode_flags(archs)
+        gencode_flags(archs)
     except ValueError as err:
         print(f"build.py: {err}", file=sys.stderr)
         return 2
     includes = include_flags()
     output = Path(args.output_dir) / f"{MODULE_NAME}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    print(f"build.py: CPU kernels with {cxx}; " + (f"CUDA kernels with {nvcc} for {', '.join(archs)}"
+                                                    if nvcc else "no CUDA kernels (nvcc not found or --cpu-only)"))
 
     if not args.dry_run:
         BUILD_DIR.mkdir(exist_ok=True)
         info = BUILD_DIR / "jbs_build_info.h"
-        text = f'#define JBS_CUDA_ARCHS "{",".join(archs)}"\n'
+        text = f'#define JBS_CUDA_ARCHS "{",".join(archs) if nvcc else ""}"\n'
         if not info.exists() or info.read_text() != text:
             info.write_text(text)
 
-    jobs = []
-    for src in _sources():
-        obj = BUILD_DIR / (src.name + ".o")
-        device = src.suffix == ".cu"
-        cmd = [nvcc, *COMMON_FLAGS, *(DEVICE_FLAGS + tuple(gencode) if device else ()), "-cudart=static",
-               *includes, "-c", str(src), "-o", str(obj)]
-        jobs.append((src, obj, cmd))
-
+    jobs = compile_jobs(cxx, nvcc, archs, includes)
     start = time.perf_counter()
     pending = [(s, o, c) for s, o, c in jobs if args.force or args.dry_run or not _up_to_date(o, s, c)]
-    for src, _, _ in jobs:
-        if all(src != p[0] for p in pending):
-            print(f"  (up to date: {src.relative_to(ROOT)})")
+    for src, obj, _ in jobs:
+        if all(obj != p[1] for p in pending):
+            print(f"  (up to date: {obj.name})")
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             futures = {pool.submit(_run, cmd, args.dry_run): (src, obj, cmd) for src, obj, cmd in pending}
@@ -167,21 +233,26 @@ def main(argv=None) -> int:
                 seconds, log = fut.result()
                 if not args.dry_run:
                     obj.with_suffix(obj.suffix + ".cmd").write_text(shlex.join(cmd))
-                    print(f"  compiled {src.relative_to(ROOT)} in {seconds:.1f} s")
+                    print(f"  compiled {obj.name} in {seconds:.1f} s")
                     if log.strip():
                         print(log.rstrip())
     except RuntimeError as err:
         print(f"build.py: {err}", file=sys.stderr)
         return 1
 
-    link = [nvcc, "-shared", "-cudart=static", *[str(o) for _, o, _ in jobs], "-o", str(output)]
+    objects = [str(o) for _, o, _ in jobs]
+    if nvcc:
+        link = [nvcc, "-shared", "-cudart=static", *objects, "-o", str(output)]
+    else:
+        link = [cxx, "-shared", *objects, "-o", str(output), "-lpthread"]
     try:
         _run(link, args.dry_run)
     except RuntimeError as err:
         print(f"build.py: {err}", file=sys.stderr)
         return 1
     if not args.dry_run:
-        print(f"built {output} in {time.perf_counter() - start:.1f} s (archs: {', '.join(archs)})")
+        kinds = "CPU + CUDA (" + ", ".join(archs) + ")" if nvcc else "CPU only"
+        print(f"built {output} in {time.perf_counter() - start:.1f} s ({kinds})")
     return 0
 
 

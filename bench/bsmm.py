@@ -11,6 +11,9 @@ dense product of the same shape in the same process, and reports
 Peers, where importable and on a GPU: torch's BSR matmul (Triton ``bsr_dense_mm``)
 and ``jax.experimental.sparse`` (BCOO, element-sparse), both on the fprop problem.
 
+On CPU the block-sparse column is the native CPU kernels (the default CPU path when
+built) and an extra column times the pure-JAX reference lowering of the same op.
+
 Usage::
 
     python bench/bsmm.py                       # preset chosen by the device: cpu or gpu
@@ -163,7 +166,7 @@ def run(args) -> dict:
     device_kind = getattr(device, "device_kind", device.platform)
     results = []
     header = (f"{'op':6} {'dtype':9} {'bs':>4} {'density':>8} {'dense ms':>9} {'sparse ms':>10} "
-              f"{'effic.':>7} {'speedup':>8} {'bound':>6} {'torch_bsr':>10} {'jax_bcoo':>9}")
+              f"{'effic.':>7} {'speedup':>8} {'bound':>6} {'torch_bsr':>10} {'jax_bcoo':>9} {'ref ms':>9}")
     print(header)
     print("-" * len(header))
     key = jax.random.key(args.seed)
@@ -189,6 +192,10 @@ def run(args) -> dict:
                         row["torch_bsr_s"] = _torch_bsr_time(c, k, n, bs, mask, dtype, args.repeats)
                         W_masked = jbs.to_dense(jbs.from_dense(d_args[1], layout), layout)
                         row["jax_bcoo_s"] = _jax_sparse_time(d_args[0], W_masked, args.repeats)
+                    if args.reference:
+                        with jbs.config.implementation("reference"):
+                            (ref, r_args), _ = _problem(op, c, k, n, layout, dtype, key)
+                            row["reference_s"] = time_fn(ref, *r_args, repeats=args.repeats)
                     results.append(row)
 
                     def ms(v):
@@ -197,11 +204,12 @@ def run(args) -> dict:
                     print(f"{op:6} {dtype:9} {bs:>4} {real_density:>8.3f} {t_dense * 1e3:>9.3f} "
                           f"{t_sparse * 1e3:>10.3f} {row['efficiency']:>7.2f} {row['speedup']:>8.2f} "
                           f"{(f'{bound:.1f}' if bound else 'n/a'):>6} {ms(row.get('torch_bsr_s')):>10} "
-                          f"{ms(row.get('jax_bcoo_s')):>9}", flush=True)
+                          f"{ms(row.get('jax_bcoo_s')):>9} {ms(row.get('reference_s')):>9}", flush=True)
     return dict(
         device=str(device), device_kind=device_kind, platform=device.platform,
         jax_version=jax.__version__, jax_blocksparse_version=jbs.__version__,
         implementation=jbs.config.get_implementation(), cuda_kernels=jbs.has_cuda_kernels(),
+        cpu_kernels=jbs.has_cpu_kernels(), extension=jbs._native.extension_info(),
         commit=git_commit(), date=datetime.date.today().isoformat(),
         host=platform.node(), python=sys.version.split()[0],
         size=dict(C=c, K=k, N=n), results=results,
@@ -220,9 +228,14 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peers", dest="peers", action="store_false", help="skip torch / jax.experimental.sparse")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the pure-JAX reference lowering (default: on CPU only)")
     p.add_argument("--json", type=Path, help="write results here")
     args = p.parse_args(argv)
-    preset = PRESETS[args.preset or ("gpu" if jax.devices()[0].platform == "gpu" else "cpu")]
+    on_gpu = jax.devices()[0].platform == "gpu"
+    preset = PRESETS[args.preset or ("gpu" if on_gpu else "cpu")]
+    if args.reference is None:
+        args.reference = not on_gpu
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

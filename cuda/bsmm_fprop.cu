@@ -4,8 +4,6 @@
 
 namespace jbs {
 
-bool SupportedBlockSize(int bs) { return bs == 8 || bs == 16 || bs == 32 || bs == 64 || bs == 128; }
-
 cudaError_t LaunchDsdF32(bool transpose_w, const DsdParams& p, cudaStream_t stream) {
   return transpose_w ? detail::DispatchDsdF32<true>(p, stream) : detail::DispatchDsdF32<false>(p, stream);
 }

@@ -1,24 +1,36 @@
-// The Python binding `_jbs_cuda`: exports the FFI handler capsules and build facts.
-// Nothing here touches a GPU, so the module imports on machines without one.
+// The Python binding `_jbs_kernels`: exports the FFI handler capsules and build facts.
+//
+// Always holds the CPU handlers. When build.py found nvcc it also holds the CUDA
+// handlers (and defines JBS_WITH_CUDA); the CUDA runtime is linked statically and
+// nothing here touches a GPU, so the module imports on machines without one.
 #include <string>
 
-#include <cuda_runtime_api.h>
 #include <pybind11/pybind11.h>
 
+#include "cpu/bsmm_cpu.h"
 #include "xla/ffi/api/api.h"
+
+#ifdef JBS_WITH_CUDA
+#include "bsmm_cuda_info.h"
+#endif
 
 namespace py = pybind11;
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmFprop);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmBprop);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmUpdat);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmFpropCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmBpropCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmUpdatCpu);
+#ifdef JBS_WITH_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmFpropCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmBpropCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmUpdatCuda);
+#endif
 
 // build.py writes build/jbs_build_info.h with JBS_CUDA_ARCHS ("sm_80,sm_90a,...").
 #if __has_include("jbs_build_info.h")
 #include "jbs_build_info.h"
 #endif
 #ifndef JBS_CUDA_ARCHS
-#define JBS_CUDA_ARCHS "unknown"
+#define JBS_CUDA_ARCHS ""
 #endif
 
 namespace {
@@ -41,27 +53,44 @@ py::list ArchList() {
   return archs;
 }
 
+std::string VersionString(int cudart) {
+  return std::to_string(cudart / 1000) + "." + std::to_string((cudart % 1000) / 10);
+}
+
 }  // namespace
 
-PYBIND11_MODULE(_jbs_cuda, m) {
-  m.doc() = "jax-blocksparse CUDA kernels (XLA FFI handlers)";
+PYBIND11_MODULE(_jbs_kernels, m) {
+  m.doc() = "jax-blocksparse native kernels (XLA FFI handlers for CPU and, when built, CUDA)";
   m.def("registrations", []() {
-    py::dict d;
-    d["jbs_bsmm_fprop"] = Capsule(JbsBsmmFprop);
-    d["jbs_bsmm_bprop"] = Capsule(JbsBsmmBprop);
-    d["jbs_bsmm_updat"] = Capsule(JbsBsmmUpdat);
-    return d;
-  }, "FFI target name -> handler capsule (api_version 1), for jax.ffi.register_ffi_target.");
+    py::dict cpu;
+    cpu["jbs_bsmm_fprop"] = Capsule(JbsBsmmFpropCpu);
+    cpu["jbs_bsmm_bprop"] = Capsule(JbsBsmmBpropCpu);
+    cpu["jbs_bsmm_updat"] = Capsule(JbsBsmmUpdatCpu);
+    py::dict by_platform;
+    by_platform["cpu"] = cpu;
+#ifdef JBS_WITH_CUDA
+    py::dict cuda;
+    cuda["jbs_bsmm_fprop"] = Capsule(JbsBsmmFpropCuda);
+    cuda["jbs_bsmm_bprop"] = Capsule(JbsBsmmBpropCuda);
+    cuda["jbs_bsmm_updat"] = Capsule(JbsBsmmUpdatCuda);
+    by_platform["CUDA"] = cuda;
+#endif
+    return by_platform;
+  }, "platform ('cpu', 'CUDA') -> {FFI target name -> handler capsule (api_version 1)}.");
   m.def("build_info", []() {
     py::dict d;
-    d["cuda_version"] = py::str(std::to_string(CUDART_VERSION / 1000) + "." +
-                                std::to_string((CUDART_VERSION % 1000) / 10));
-    d["cudart_version"] = CUDART_VERSION;
-    int runtime = 0;  // the statically linked runtime; works without a driver
-    d["cudart_runtime_version"] = cudaRuntimeGetVersion(&runtime) == cudaSuccess ? runtime : -1;
+    d["cpu_isa"] = py::str(jbs::cpu::KernelIsa());
+#ifdef JBS_WITH_CUDA
+    d["cuda"] = true;
+    d["cuda_version"] = py::str(VersionString(jbs::CudaRuntimeVersionBuiltAgainst()));
+    d["cudart_version"] = jbs::CudaRuntimeVersionBuiltAgainst();
+    d["cudart_runtime_version"] = jbs::CudaRuntimeVersionLinked();
     d["archs"] = ArchList();
+#else
+    d["cuda"] = false;
+#endif
     d["targets"] = py::make_tuple("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat");
     d["block_sizes"] = py::make_tuple(8, 16, 32, 64, 128);
     return d;
-  }, "Facts about this build: CUDA version, compiled architectures, targets.");
+  }, "Facts about this build: CPU instruction set in use, CUDA version and architectures.");
 }

@@ -7,7 +7,7 @@
 """
 
 from jax_blocksparse import config, layouts
-from jax_blocksparse._cuda import has_cuda_kernels
+from jax_blocksparse._native import has_cpu_kernels, has_cuda_kernels
 from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
 from jax_blocksparse.ops.conv import (
     bsconv,
@@ -35,6 +35,7 @@ __all__ = [
     "conv_from_dense",
     "conv_to_dense",
     "from_dense",
+    "has_cpu_kernels",
     "has_cuda_kernels",
     "layouts",
     "nn",

@@ -1,8 +1,8 @@
 """``python -m jax_blocksparse``: an environment report.
 
-Prints versions, devices, whether the CUDA extension is built (and for which
-architectures), the implementation switch in force, and for each platform which
-path bsmm takes there.
+Prints versions, devices, whether the native extension is built (the CPU instruction
+set its kernels use; CUDA or not, and for which architectures), the implementation
+switch in force, and for each platform which path bsmm takes there.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import jax
 
 import jax_blocksparse as jbs
-from jax_blocksparse import _cuda
+from jax_blocksparse import _native
 from jax_blocksparse.ops import _lowering
 
 
@@ -35,11 +35,11 @@ def report() -> str:
     for device in jax.devices():
         lines.append(f"  {device.platform:5} {getattr(device, 'device_kind', '')} ({device})")
     lines.append("")
-    if _cuda.has_cuda_kernels():
-        info = _cuda.extension_info()
-        lines.append("CUDA extension:   built and loaded " + ", ".join(f"{k}={v}" for k, v in info.items()))
+    info = _native.extension_info()
+    if info:
+        lines.append("native extension: built and loaded " + ", ".join(f"{k}={v}" for k, v in info.items()))
     else:
-        lines.append(f"CUDA extension:   not available: {_cuda.load_error()}")
+        lines.append(f"native extension: not available: {_native.load_error()}")
     impl = jbs.config.get_implementation()
     lines.append(f"implementation:   {impl} (env {jbs.config.ENV_VAR}, or jbs.config.implementation(...))")
     lines.append("")

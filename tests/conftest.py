@@ -115,12 +115,18 @@ def make_problem(kind="random", block_size=8, grid=None, dtype=jnp.float32, capa
     return mask, layout, jnp.asarray(np_blocks(W, mask, block_size, layout.capacity), dtype)
 
 
-def require_cuda_extension():
-    """Skips the calling test unless the CUDA extension is built (fails instead when
-    JBS_REQUIRE_CUDA_EXTENSION=1, as CI sets: there a missing build must not pass)."""
-    if jbs.has_cuda_kernels():
+def require_kernels(platform: str):
+    """Skips the calling test unless the native kernels for ``platform`` ("cpu" or
+    "cuda") are built (fails instead when JBS_REQUIRE_KERNELS=1, as CI sets: there the
+    install builds both, and a missing build must not pass)."""
+    if jbs._native.has_kernels(platform):
         return
-    reason = f"CUDA extension not built: {jbs._cuda.load_error()} (run `python build.py`)"
-    if os.environ.get("JBS_REQUIRE_CUDA_EXTENSION") == "1":
-        pytest.fail(f"JBS_REQUIRE_CUDA_EXTENSION=1 but {reason}")
+    reason = f"{platform} kernels not built: {jbs._native.load_error(platform)} (run `python build.py`)"
+    if os.environ.get("JBS_REQUIRE_KERNELS") == "1":
+        pytest.fail(f"JBS_REQUIRE_KERNELS=1 but {reason}")
     pytest.skip(reason)
+
+
+def require_cuda_extension():
+    """The CUDA kernels are built (see :func:`require_kernels`)."""
+    require_kernels("cuda")

@@ -5,7 +5,7 @@ the 'cuda' lowering rules and gives StableHLO text. Under implementation "kernel
 text must call the expected FFI targets and never build the dense [C, K] weight; under
 "reference" it must call none of them.
 
-Skips when the extension is not built, unless JBS_REQUIRE_CUDA_EXTENSION=1 (CI), where
+Skips when the extension is not built, unless JBS_REQUIRE_KERNELS=1 (CI), where
 a missing extension is a failure.
 """
 
@@ -19,7 +19,7 @@ import pytest
 from conftest import require_cuda_extension
 
 import jax_blocksparse as jbs
-from jax_blocksparse import _cuda
+from jax_blocksparse import _native
 
 TARGETS = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
 BLOCK = 16
@@ -144,7 +144,7 @@ def test_order_operand_and_out_dtype_cast():
 
 
 def test_kernels_without_extension_raise_at_lowering(monkeypatch):
-    monkeypatch.setattr(_cuda, "_load", lambda: (None, "simulated: extension not built"))
+    monkeypatch.setattr(_native, "_load", lambda: (None, frozenset(), "simulated: extension not built"))
     fun, _ = CASES["fprop"]
     with pytest.raises(RuntimeError, match="implementation 'kernels'.*simulated: extension not built"):
         _lower(fun, *_args(jnp.float32), impl="kernels")
@@ -154,6 +154,6 @@ def test_kernels_without_extension_raise_at_lowering(monkeypatch):
 
 
 def test_extension_info():
-    info = _cuda.extension_info()
-    assert info["cuda_version"] and info["archs"], info
+    info = _native.extension_info()
+    assert info["cuda"] and info["cuda_version"] and info["archs"], info
     assert set(info["targets"]) == set(TARGETS)

@@ -8,7 +8,7 @@ loss through ``BlockSparseLSTM`` must call ``jbs_bsmm_fprop`` (forward products)
 "reference" it must call none of them.
 
 The kernel checks skip when the extension is not built, unless
-JBS_REQUIRE_CUDA_EXTENSION=1 (CI), where a missing extension is a failure.
+JBS_REQUIRE_KERNELS=1 (CI), where a missing extension is a failure.
 """
 
 from __future__ import annotations

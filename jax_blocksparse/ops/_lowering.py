@@ -1,15 +1,17 @@
 """Per-platform lowering of an op's primitives: the one place that picks a path.
 
-Every platform gets the pure-JAX reference (``mlir.lower_fun``). On "cuda" the
-primitive's ``impl`` parameter (see :mod:`jax_blocksparse.config`) chooses between
-the reference and the XLA FFI custom call into the CUDA extension:
+Every platform gets the pure-JAX reference (``mlir.lower_fun``). On "cpu" and "cuda"
+the primitive's ``impl`` parameter (see :mod:`jax_blocksparse.config`) chooses between
+the reference and the XLA FFI custom call into the native extension, which registers
+the same target names for both platforms (``_native.py``):
 
 * ``"reference"``: never the kernels.
 * ``"kernels"``: always the kernels; a clear ``RuntimeError`` at lowering time when the
-  extension is not built.
-* ``"auto"``: the kernels when the extension is loaded *and* the op's target is listed
-  in :data:`VERIFIED_CUDA_TARGETS` (checked against the reference on GPU hardware),
-  else the reference. A kernel that gives a wrong answer is worse than none.
+  extension has no kernels for that platform.
+* ``"auto"``: the kernels when they are built for the platform *and* the op's target
+  is listed as verified for it (:data:`VERIFIED_TARGETS`: checked against the
+  reference on that hardware), else the reference. A kernel that gives a wrong answer
+  is worse than none.
 
 The kernel lowering is itself ``mlir.lower_fun`` of a small jnp function
 (:func:`_kernel_call`): it computes the extra int32 operands a target wants (see
@@ -17,7 +19,7 @@ The kernel lowering is itself ``mlir.lower_fun`` of a small jnp function
 to the requested dtype. The layout stays data: no host reads, no recompiles when it
 changes.
 
-Operands of the bsmm targets (documented with the handlers in cuda/bsmm_handlers.cc):
+Operands of the bsmm targets (documented with the shared checks in cuda/bsmm_checks.h):
 ``a, b, block_rows, block_cols, col_ptr, row_ptr, row_slots`` and, for fprop and bprop
 only, ``order``: the output block columns (fprop) or block rows (bprop) sorted by their
 number of blocks, longest first, so that the longest outputs start first (load balance).
@@ -35,34 +37,46 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_blocksparse import _cuda
+from jax_blocksparse import _native
 
-# FFI targets whose kernels have been checked against the reference on a GPU
-# (tests/gpu/test_bsmm_kernels.py and tests/gpu/run_sanitizer.sh). Only these are used by
-# implementation "auto". Empty until someone runs those tests on GPU hardware.
+KERNEL_PLATFORMS = ("cpu", "cuda")
+
+# FFI targets whose kernels have been checked against the reference on real hardware,
+# per platform; only these are used by implementation "auto".
+# CPU: the whole test suite runs on the CPU kernels in CI (tests/test_matmul.py runs
+# every case on both paths).
+BSMM_TARGETS = frozenset({"jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat"})
+VERIFIED_CPU_TARGETS: frozenset[str] = BSMM_TARGETS
+# CUDA: tests/gpu/test_bsmm_kernels.py and tests/gpu/run_sanitizer.sh on a GPU. Empty
+# until someone runs those tests on GPU hardware.
 VERIFIED_CUDA_TARGETS: frozenset[str] = frozenset()
+
+
+def verified_targets(platform: str) -> frozenset[str]:
+    return {"cpu": VERIFIED_CPU_TARGETS, "cuda": VERIFIED_CUDA_TARGETS}.get(platform, frozenset())
 
 
 def _reference_rule(reference: Callable):
     return mlir.lower_fun(reference, multiple_results=False)
 
 
-def cuda_kernels_selected(impl: str, target: str | None = None) -> bool:
-    """Whether a primitive traced with ``impl`` lowers to the CUDA kernel ``target``.
+def kernels_selected(platform: str, impl: str, target: str | None = None) -> bool:
+    """Whether a primitive traced with ``impl`` lowers to the native ``target`` on ``platform``.
 
     Raises a clear error (at lowering time) when kernels are demanded but not built.
     """
     if impl == "reference":
         return False
     if impl == "kernels":
-        if _cuda.has_cuda_kernels():
+        if _native.has_kernels(platform):
             return True
+        hint = "needs nvcc at build time" if platform == "cuda" else "needs a C++ compiler"
         raise RuntimeError(
-            "jax_blocksparse: implementation 'kernels' was requested for platform 'cuda' "
-            f"but the CUDA extension is not available: {_cuda.load_error()}. Build it with "
-            "`python build.py` (needs nvcc), or use implementation 'auto' or 'reference'."
+            f"jax_blocksparse: implementation 'kernels' was requested for platform {platform!r} "
+            f"but its native kernels are not available: {_native.load_error(platform)}. Build them "
+            f"with `python build.py` ({hint}), or use implementation 'auto' or 'reference'."
         )
-    return _cuda.has_cuda_kernels() and target is not None and target in VERIFIED_CUDA_TARGETS
+    return _native.has_kernels(platform) and target is not None and target in verified_targets(platform)
 
 
 # ---------------------------------------------------------------------------------
@@ -117,46 +131,50 @@ def register_lowerings(
     primitive,
     reference: Callable,
     *,
-    cuda_target: str,
+    target: str,
     cpu_reference: Callable | None = None,
 ) -> None:
-    """Registers the reference lowering everywhere and the CUDA seam on 'cuda'.
+    """Registers the reference lowering everywhere and the kernel seam on 'cpu' and 'cuda'.
 
     Args:
       primitive: the primitive; its params must include ``impl``.
       reference: pure-JAX function ``(*operands, **params) -> out``.
-      cuda_target: the FFI target name the CUDA extension registers.
+      target: the FFI target name the native extension registers (for both platforms).
       cpu_reference: an optional CPU-tuned variant of ``reference``.
     """
     reference_rule = _reference_rule(reference)
     mlir.register_lowering(primitive, reference_rule)
-    if cpu_reference is not None:
-        mlir.register_lowering(primitive, _reference_rule(cpu_reference), platform="cpu")
-    kernel_rule = _kernel_rule(cuda_target)
+    kernel_rule = _kernel_rule(target)
+    for platform in KERNEL_PLATFORMS:
+        fallback = _reference_rule(cpu_reference) if platform == "cpu" and cpu_reference else reference_rule
 
-    def cuda_rule(ctx, *operands, impl, **params):
-        if cuda_kernels_selected(impl, cuda_target):
-            return kernel_rule(ctx, *operands)
-        return reference_rule(ctx, *operands, impl=impl, **params)
+        def rule(ctx, *operands, impl, _platform=platform, _fallback=fallback, **params):
+            if kernels_selected(_platform, impl, target):
+                return kernel_rule(ctx, *operands)
+            return _fallback(ctx, *operands, impl=impl, **params)
 
-    mlir.register_lowering(primitive, cuda_rule, platform="cuda")
+        mlir.register_lowering(primitive, rule, platform=platform)
 
 
 def describe_path(platform: str, impl: str) -> str:
     """One line saying which path bsmm takes on ``platform`` under ``impl`` (for reports)."""
-    if platform != "cuda":
+    if platform not in KERNEL_PLATFORMS:
         return "pure-JAX reference (no native kernels for this platform)"
+    kind = "CUDA kernels" if platform == "cuda" else "native CPU kernels"
     if impl == "reference":
         return "pure-JAX reference (implementation 'reference')"
-    built = _cuda.has_cuda_kernels()
+    built = _native.has_kernels(platform)
     if impl == "kernels":
-        return "CUDA kernels" if built else f"error at lowering: kernels requested but {_cuda.load_error()}"
+        return kind if built else f"error at lowering: kernels requested but {_native.load_error(platform)}"
     if not built:
-        return f"pure-JAX reference (CUDA extension not available: {_cuda.load_error()})"
-    verified = sorted(VERIFIED_CUDA_TARGETS)
+        return f"pure-JAX reference ({kind} not available: {_native.load_error(platform)})"
+    verified = sorted(verified_targets(platform))
+    if verified_targets(platform) >= BSMM_TARGETS:
+        isa = _native.extension_info().get("cpu_isa") if platform == "cpu" else None
+        return kind + (f" ({isa})" if isa else "")
     if verified:
-        return f"CUDA kernels for {', '.join(verified)}; reference for the rest"
+        return f"{kind} for {', '.join(verified)}; reference for the rest"
     return (
-        "pure-JAX reference: the CUDA kernels are built but not yet verified on GPU hardware "
+        f"pure-JAX reference: the {kind} are built but not yet verified on this hardware "
         "(set JAX_BLOCKSPARSE_IMPL=kernels to use them)"
     )

@@ -514,7 +514,7 @@ for _prim in _PRIMITIVES:
         _prim,
         _REFERENCES[_prim],
         cpu_reference=_with_parts(_REFERENCES[_prim], _CPU_PARTS),
-        cuda_target=f"jbs_{_prim.name}",
+        target=f"jbs_{_prim.name}",
     )
     batching.primitive_batchers[_prim] = _batch_rule(_prim)
     ad.primitive_jvps[_prim] = _jvp_rule(_prim)

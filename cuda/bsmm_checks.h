@@ -1,0 +1,65 @@
+// Argument checks of the bsmm FFI handlers, shared by the CPU and CUDA handlers.
+//
+// Targets (operands in order; every table is int32 rank 1; see jax_blocksparse/layout.py):
+//
+//   jbs_bsmm_fprop(x [N..., C], w [cap, bs, bs], block_rows [cap], block_cols [cap],
+//                  col_ptr [KB + 1], row_ptr [CB + 1], row_slots [cap], order [KB])
+//       -> y [N..., K]
+//   jbs_bsmm_bprop(g [N..., K], w [cap, bs, bs], <same five tables>, order [CB])
+//       -> dx [N..., C]
+//   jbs_bsmm_updat(x [N..., C], dy [N..., K], <same five tables>) -> dw [cap, bs, bs]
+//
+// `order` is the extra operand computed by the lowering (ops/_lowering.py): the output
+// block columns (fprop) / rows (bprop) sorted longest first; workers visit them in that
+// order. Inputs are float32, float16 or bfloat16 (both float operands alike); the output
+// is the input dtype or float32. bs = w.shape[-1] (fprop, bprop) or dw.shape[-1] (updat).
+//
+// Shapes are checked here, not only in Python, because a custom call can be built by
+// hand: any mismatch returns ffi::Error::InvalidArgument naming the target and the
+// shapes. On success the checks fill the problem a kernel runs (bsmm_problem.h) with the
+// buffers' data pointers; they never read the buffers, so they are safe for device memory.
+#ifndef JAX_BLOCKSPARSE_CUDA_BSMM_CHECKS_H_
+#define JAX_BLOCKSPARSE_CUDA_BSMM_CHECKS_H_
+
+#include <string>
+
+#include "bsmm_problem.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jbs {
+
+// Block sizes with compiled kernels: 8, 16, 32, 64, 128.
+bool SupportedBlockSize(int bs);
+
+// "[d0, d1, ...]" of a buffer, for error messages.
+std::string ShapeStr(const xla::ffi::AnyBuffer& b);
+
+// The dtypes a kernel runs with.
+struct KernelDtypes {
+  DType in;      // both float inputs
+  bool out_f32;  // float32 output (else the input dtype)
+};
+
+// fprop (transpose = false: lhs = x, out = y) and bprop (transpose = true: lhs = g, out = dx).
+// `shapes` receives a description of the operands for later error messages.
+xla::ffi::Error CheckDsd(const char* op, bool transpose, const xla::ffi::AnyBuffer& lhs,
+                         const xla::ffi::AnyBuffer& w, const xla::ffi::AnyBuffer& block_rows,
+                         const xla::ffi::AnyBuffer& block_cols, const xla::ffi::AnyBuffer& col_ptr,
+                         const xla::ffi::AnyBuffer& row_ptr, const xla::ffi::AnyBuffer& row_slots,
+                         const xla::ffi::AnyBuffer& order, xla::ffi::AnyBuffer& out,
+                         KernelDtypes* dtypes, DsdParams* p, std::string* shapes);
+
+// updat.
+xla::ffi::Error CheckSdd(const char* op, const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& dy,
+                         const xla::ffi::AnyBuffer& block_rows, const xla::ffi::AnyBuffer& block_cols,
+                         const xla::ffi::AnyBuffer& col_ptr, const xla::ffi::AnyBuffer& row_ptr,
+                         const xla::ffi::AnyBuffer& row_slots, xla::ffi::AnyBuffer& dw,
+                         KernelDtypes* dtypes, SddParams* p, std::string* shapes);
+
+// Whether a checked problem has no output element (nothing to launch).
+inline bool IsEmpty(const DsdParams& p) { return p.n == 0 || p.nseg == 0; }
+inline bool IsEmpty(const SddParams& p) { return p.cap == 0; }
+
+}  // namespace jbs
+
+#endif  // JAX_BLOCKSPARSE_CUDA_BSMM_CHECKS_H_

@@ -1,0 +1,163 @@
+// XLA FFI handlers of the bsmm custom calls on CPU: the shared checks, then the kernels
+// on XLA's intra-op thread pool.
+//
+// Same targets, operands and checks as on CUDA (bsmm_checks.h). The handlers are
+// synchronous: they return when every work item has run. The calling thread works too,
+// and waits only for items already claimed by running workers, so a busy pool delays
+// the call but cannot deadlock it.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "bsmm_checks.h"
+#include "cpu/bsmm_cpu.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jbs {
+namespace {
+
+// Work shared by the caller and the pool tasks. Tasks that start after every item is
+// claimed touch only this state (kept alive by their shared_ptr), never the job.
+struct Work {
+  int64_t count;
+  void (*body)(void*, int64_t);
+  void* arg;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable all_done;
+
+  void Run() {
+    int64_t finished = 0;
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+      body(arg, i);
+      ++finished;
+    }
+    if (finished > 0 && done.fetch_add(finished) + finished == count) {
+      std::lock_guard<std::mutex> lock(mu);
+      all_done.notify_all();
+    }
+  }
+};
+
+void ForEachOnPool(void* ctx, int64_t count, void (*body)(void*, int64_t), void* arg) {
+  auto& pool = *static_cast<ffi::ThreadPool*>(ctx);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
+  if (helpers <= 0) {
+    for (int64_t i = 0; i < count; ++i) body(arg, i);
+    return;
+  }
+  auto work = std::make_shared<Work>();
+  work->count = count;
+  work->body = body;
+  work->arg = arg;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->all_done.wait(lock, [&] { return work->done.load() == count; });
+}
+
+cpu::Parallel OnPool(ffi::ThreadPool& pool) {
+  return cpu::Parallel{&pool, static_cast<int>(std::max<int64_t>(1, pool.num_threads())), &ForEachOnPool};
+}
+
+ffi::Error Unsupported(const char* op, const std::string& shapes) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": no CPU kernel for " + shapes);
+}
+
+ffi::Error DsdImpl(const char* op, bool transpose, ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer w,
+                   ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr,
+                   ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots, ffi::AnyBuffer order,
+                   ffi::Result<ffi::AnyBuffer> out) {
+  KernelDtypes dt;
+  DsdParams p;
+  std::string shapes;
+  if (ffi::Error e = CheckDsd(op, transpose, a, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
+                              order, *out, &dt, &p, &shapes);
+      e.failure()) {
+    return e;
+  }
+  if (IsEmpty(p)) return ffi::Error::Success();
+  if (!cpu::RunDsd(dt.in, dt.out_f32, transpose, p, OnPool(pool))) return Unsupported(op, shapes);
+  return ffi::Error::Success();
+}
+
+ffi::Error FpropImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
+                     ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
+                     ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> y) {
+  return DsdImpl("jbs_bsmm_fprop", false, pool, x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
+                 order, y);
+}
+
+ffi::Error BpropImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
+                     ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
+                     ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> dx) {
+  return DsdImpl("jbs_bsmm_bprop", true, pool, g, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
+                 order, dx);
+}
+
+ffi::Error UpdatImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer block_rows,
+                     ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
+                     ffi::AnyBuffer row_slots, ffi::Result<ffi::AnyBuffer> dw) {
+  const char* op = "jbs_bsmm_updat";
+  KernelDtypes dt;
+  SddParams p;
+  std::string shapes;
+  if (ffi::Error e = CheckSdd(op, x, dy, block_rows, block_cols, col_ptr, row_ptr, row_slots, *dw, &dt, &p,
+                              &shapes);
+      e.failure()) {
+    return e;
+  }
+  if (IsEmpty(p)) return ffi::Error::Success();
+  if (!cpu::RunSdd(dt.in, dt.out_f32, p, OnPool(pool))) return Unsupported(op, shapes);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jbs
+
+// Bindings: the operands of the CUDA targets (bsmm_cuda_handlers.cc), with XLA's
+// intra-op thread pool in place of the stream.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmFpropCpu, jbs::FpropImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [N..., C]
+                                  .Arg<ffi::AnyBuffer>()  // w [cap, bs, bs]
+                                  .Arg<ffi::AnyBuffer>()  // block_rows [cap]
+                                  .Arg<ffi::AnyBuffer>()  // block_cols [cap]
+                                  .Arg<ffi::AnyBuffer>()  // col_ptr [KB + 1]
+                                  .Arg<ffi::AnyBuffer>()  // row_ptr [CB + 1]
+                                  .Arg<ffi::AnyBuffer>()  // row_slots [cap]
+                                  .Arg<ffi::AnyBuffer>()  // order [KB]: columns longest first
+                                  .Ret<ffi::AnyBuffer>());  // y [N..., K]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmBpropCpu, jbs::BpropImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // g [N..., K]
+                                  .Arg<ffi::AnyBuffer>()  // w [cap, bs, bs]
+                                  .Arg<ffi::AnyBuffer>()  // block_rows [cap]
+                                  .Arg<ffi::AnyBuffer>()  // block_cols [cap]
+                                  .Arg<ffi::AnyBuffer>()  // col_ptr [KB + 1]
+                                  .Arg<ffi::AnyBuffer>()  // row_ptr [CB + 1]
+                                  .Arg<ffi::AnyBuffer>()  // row_slots [cap]
+                                  .Arg<ffi::AnyBuffer>()  // order [CB]: rows longest first
+                                  .Ret<ffi::AnyBuffer>());  // dx [N..., C]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmUpdatCpu, jbs::UpdatImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [N..., C]
+                                  .Arg<ffi::AnyBuffer>()  // dy [N..., K]
+                                  .Arg<ffi::AnyBuffer>()  // block_rows [cap]
+                                  .Arg<ffi::AnyBuffer>()  // block_cols [cap]
+                                  .Arg<ffi::AnyBuffer>()  // col_ptr [KB + 1]
+                                  .Arg<ffi::AnyBuffer>()  // row_ptr [CB + 1] (unused)
+                                  .Arg<ffi::AnyBuffer>()  // row_slots [cap] (unused)
+                                  .Ret<ffi::AnyBuffer>());  // dw [cap, bs, bs]

@@ -1,0 +1,524 @@
+// CPU kernels of fprop, bprop (DSD) and updat (SDD), compiled once per instruction set.
+//
+// build.py compiles this file with -DJBS_CPU_ISA=<namespace> -DJBS_CPU_LANES=<floats per
+// vector register> and the matching -m flags (baseline: 4, avx2: 8, avx512: 16). Read
+// bsmm_cpu.h first: this file must not use C++ library templates (see there why).
+//
+// Every product is a sum of small dense products accumulated in float32 by one register
+// tile routine, Tile<L, NV, R>: C[R rows][NV vectors of L floats] += A[R, K] @ B[K, NV*L],
+// with A read one scalar at a time (broadcast) and B one row of vectors at a time. The
+// accumulators of a tile stay in registers for the whole K loop.
+//
+//   fprop/bprop, one work item = one output block column/row j x one tile of rows:
+//     acc[rows, bs] = sum over the segment's slots s of A_s[rows, bs] @ W_s[bs, bs]
+//     with A_s the lhs rows at input block in_block[s] (read in place when float32, else
+//     widened into a scratch tile) and W_s = w[s] (or w[s]^T) widened into a scratch block.
+//   updat, one work item = one slot s:
+//     dw[s][bs, bs] = sum over tiles of rows of X_s[rows, bs]^T @ DY_s[rows, bs]
+//     (A = X_s^T is read with strides (1, row stride): no transpose is materialised).
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // only for broadcasts (Splat); the arithmetic is vector extensions
+#endif
+
+#include "bsmm_problem.h"
+#include "cpu/bsmm_cpu.h"
+
+#if !defined(JBS_CPU_ISA) || !defined(JBS_CPU_LANES)
+#error "build.py defines JBS_CPU_ISA and JBS_CPU_LANES for this file"
+#endif
+
+namespace jbs {
+namespace cpu {
+namespace JBS_CPU_ISA {
+namespace {
+
+// ---------------------------------------------------------------------------------
+// 16-bit floats (bit patterns in uint16_t), round to nearest even like XLA
+// ---------------------------------------------------------------------------------
+
+inline float BitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint32_t FloatToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float Bf16ToFloat(uint16_t h) { return BitsToFloat(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u = FloatToBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float F16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  const uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0x1f) return BitsToFloat(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float magnitude = static_cast<float>(mantissa) * (1.0f / 16777216.0f);
+    return sign ? -magnitude : magnitude;
+  }
+  return BitsToFloat(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+inline uint16_t FloatToF16(float f) {
+  uint32_t u = FloatToBits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (u >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (u < 0x38800000u) {  // below 2^-14: a subnormal (or zero) in units of 2^-24
+    const float units = BitsToFloat(u) * 16777216.0f;
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(__builtin_rintf(units)));
+  }
+  u += 0xfffu + ((u >> 13) & 1u);  // round the 13 dropped bits to nearest even
+  return static_cast<uint16_t>(sign | ((u - (112u << 23)) >> 13));
+}
+
+// Widens `count` elements of dtype `in` to float32.
+inline void Widen(DType in, const void* src, float* dst, int count) {
+  switch (in) {
+    case DType::kF32: std::memcpy(dst, src, sizeof(float) * count); return;
+    case DType::kBF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int i = 0; i < count; ++i) dst[i] = Bf16ToFloat(s[i]);
+      return;
+    }
+    case DType::kF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int i = 0; i < count; ++i) dst[i] = F16ToFloat(s[i]);
+      return;
+    }
+  }
+}
+
+// Stores `count` float32 values as `out` (float32 or the 16-bit input dtype).
+inline void Narrow(const float* src, DType out, void* dst, int count) {
+  switch (out) {
+    case DType::kF32: std::memcpy(dst, src, sizeof(float) * count); return;
+    case DType::kBF16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int i = 0; i < count; ++i) d[i] = FloatToBf16(src[i]);
+      return;
+    }
+    case DType::kF16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int i = 0; i < count; ++i) d[i] = FloatToF16(src[i]);
+      return;
+    }
+  }
+}
+
+inline int64_t ElementBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+inline const void* Offset(const void* base, int64_t elements, DType t) {
+  return static_cast<const char*>(base) + elements * ElementBytes(t);
+}
+
+inline void* Offset(void* base, int64_t elements, DType t) {
+  return static_cast<char*>(base) + elements * ElementBytes(t);
+}
+
+inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t Max(int64_t a, int64_t b) { return a > b ? a : b; }
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------------
+// The register tile
+// ---------------------------------------------------------------------------------
+
+typedef float V4 __attribute__((vector_size(16)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V16 __attribute__((vector_size(64)));
+// Same, but only 4-byte aligned: for loads and stores at any float address.
+typedef float V4u __attribute__((vector_size(16), aligned(4)));
+typedef float V8u __attribute__((vector_size(32), aligned(4)));
+typedef float V16u __attribute__((vector_size(64), aligned(4)));
+
+template <int L> struct VecOf;
+template <> struct VecOf<4> { typedef V4 type; typedef V4u unaligned; };
+template <> struct VecOf<8> { typedef V8 type; typedef V8u unaligned; };
+template <> struct VecOf<16> { typedef V16 type; typedef V16u unaligned; };
+
+// Every lane = x, as one broadcast load where the instruction set has it. (Not
+// `V{} + x`: that adds 0.0, which the compiler must keep for -0.0, and then broadcasts
+// from a register on a port the FMAs need.)
+template <typename V, int L>
+inline V Splat(const float* x) {
+#if defined(__AVX512F__)
+  if constexpr (L == 16) return reinterpret_cast<V>(_mm512_set1_ps(*x));
+#endif
+#if defined(__AVX__)
+  if constexpr (L == 8) return reinterpret_cast<V>(_mm256_set1_ps(*x));
+#endif
+#if defined(__SSE__)
+  if constexpr (L == 4) return reinterpret_cast<V>(_mm_set1_ps(*x));
+#endif
+  V v;
+  for (int i = 0; i < L; ++i) v[i] = *x;
+  return v;
+}
+
+// C[r * ldc + j] += sum_k A[r * a_row + k * a_k] * B[k * ldb + j] for r < R, j < NV * L.
+template <int L, int NV, int R>
+inline void Tile(int64_t K, const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb, float* C,
+                 int64_t ldc) {
+  typedef typename VecOf<L>::type V;
+  typedef typename VecOf<L>::unaligned U;
+  V c[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) c[r][v] = *reinterpret_cast<const U*>(C + r * ldc + v * L);
+  for (int64_t k = 0; k < K; ++k) {
+    V b[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) b[v] = *reinterpret_cast<const U*>(B + k * ldb + v * L);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const V a = Splat<V, L>(A + r * a_row + k * a_k);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) *reinterpret_cast<U*>(C + r * ldc + v * L) = c[r][v];
+}
+
+// Tile shape per instruction set and block size: L floats per vector, NV vectors per
+// row, R rows. R * NV accumulators + NV + 1 registers fit the register file (16 vector
+// registers below AVX-512, 32 with it).
+template <int BS>
+struct TileShape {
+  static constexpr int kLanes = JBS_CPU_LANES < BS ? JBS_CPU_LANES : BS;
+  static constexpr int kVectors = BS / kLanes < 2 ? BS / kLanes : 2;
+  static constexpr int kRows = JBS_CPU_LANES == 16 || kVectors == 1 ? 8 : 4;
+};
+
+// C[rows, BS] += A[rows, K] @ B[K, BS] (A with strides a_row, a_k; B and C row-major).
+template <int BS>
+void Gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb,
+          float* C, int64_t ldc) {
+  constexpr int L = TileShape<BS>::kLanes, NV = TileShape<BS>::kVectors, R = TileShape<BS>::kRows;
+  const int64_t full = rows - rows % R;  // rows in whole tiles; the rest one by one
+  for (int j = 0; j < BS; j += NV * L) {
+    for (int64_t r = 0; r < full; r += R) {
+      Tile<L, NV, R>(K, A + r * a_row, a_row, a_k, B + j, ldb, C + r * ldc + j, ldc);
+    }
+    for (int64_t r = 0; r < rows - full; ++r) {
+      const int64_t row = full + r;
+      Tile<L, NV, 1>(K, A + row * a_row, a_row, a_k, B + j, ldb, C + row * ldc + j, ldc);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Scratch
+// ---------------------------------------------------------------------------------
+
+constexpr int64_t kBlockFloats = 128 * 128;
+// Packed operands of one chunk of rows (float32, block-major) stay under this size;
+// longer inputs are processed in several chunks of rows.
+constexpr int64_t kPackFloats = int64_t{4} << 20;  // 16 MiB
+// Widened (transposed) weight blocks for one call stay under this size, else each row
+// tile widens the blocks it uses.
+constexpr int64_t kPackWeightFloats = int64_t{32} << 20;  // 128 MiB
+
+// Per worker thread: one widened (transposed) weight block and one [bs, bs] accumulator.
+struct Scratch {
+  alignas(64) float w[kBlockFloats];
+  alignas(64) float acc[kBlockFloats];
+};
+
+Scratch& ThreadScratch() {
+  static thread_local Scratch scratch;
+  return scratch;
+}
+
+// A growable buffer kept by the calling thread between calls (packing is per call).
+struct Buffer {
+  float* data = nullptr;
+  int64_t floats = 0;
+  ~Buffer() { std::free(data); }
+  float* Get(int64_t want) {
+    if (want > floats) {
+      std::free(data);
+      void* fresh = nullptr;
+      if (posix_memalign(&fresh, 64, sizeof(float) * want) != 0) fresh = nullptr;
+      data = static_cast<float*>(fresh);
+      floats = data ? want : 0;
+    }
+    return data;
+  }
+};
+
+Buffer& CallerBuffer(int which) {
+  static thread_local Buffer buffers[3];
+  return buffers[which];
+}
+
+// Widens rows [row0, row0 + rows) of block `block` of src [n, blocks * BS] into
+// dst [rows, BS] (the block's slice of a block-major [blocks][rows][BS] array).
+template <int BS>
+void PackBlock(DType in, const void* src, int64_t ld, int64_t block, int64_t row0, int64_t rows, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) Widen(in, Offset(src, (row0 + r) * ld + block * BS, in), dst + r * BS, BS);
+}
+
+// ---------------------------------------------------------------------------------
+// DSD: fprop and bprop
+// ---------------------------------------------------------------------------------
+// Per chunk of rows: (1) the lhs is widened into block-major [nin][rows][bs] (each
+// input block read once, contiguous afterwards), (2) the items run: output block
+// order[i / tiles] x row tile i % tiles, summing its slots' products in registers.
+
+struct DsdJob {
+  const DsdParams* p;
+  DType in;
+  DType out;
+  bool transpose_w;
+  int64_t nnz;
+  int64_t row0, rows;  // the chunk of rows
+  float* packed;       // [nin][rows][bs]
+  float* blocks;       // [cap][bs][bs] every W(s) widened (transposed), or nullptr
+  int64_t tiles;       // row tiles per output block in this chunk
+  int64_t tile_rows;
+};
+
+// W(s) as float32 row-major [BS, BS] (w[s] or its transpose).
+template <int BS>
+const float* LoadBlock(const DsdJob& job, int64_t slot, float* scratch) {
+  const void* src = Offset(job.p->w, slot * BS * BS, job.in);
+  if (!job.transpose_w) {
+    if (job.in == DType::kF32) return static_cast<const float*>(src);  // in place
+    Widen(job.in, src, scratch, BS * BS);
+    return scratch;
+  }
+  float row[BS];
+  for (int i = 0; i < BS; ++i) {
+    Widen(job.in, Offset(src, int64_t{i} * BS, job.in), row, BS);
+    for (int j = 0; j < BS; ++j) scratch[j * BS + i] = row[j];
+  }
+  return scratch;
+}
+
+template <int BS>
+void DsdBlockItem(void* arg, int64_t slot) {
+  const DsdJob& job = *static_cast<const DsdJob*>(arg);
+  if (slot < job.nnz) LoadBlock<BS>(job, slot, job.blocks + slot * BS * BS);
+}
+
+template <int BS>
+void DsdPackItem(void* arg, int64_t block) {
+  const DsdJob& job = *static_cast<const DsdJob*>(arg);
+  const int64_t fin = int64_t{job.p->nin} * BS;
+  PackBlock<BS>(job.in, job.p->a, fin, block, job.row0, job.rows, job.packed + block * job.rows * BS);
+}
+
+template <int BS>
+void DsdItem(void* arg, int64_t item) {
+  const DsdJob& job = *static_cast<const DsdJob*>(arg);
+  const DsdParams& p = *job.p;
+  const int64_t seg = p.order[item / job.tiles];
+  if (seg < 0 || seg >= p.nseg) return;  // not a permutation: the handler's contract is broken
+  const int64_t first = (item % job.tiles) * job.tile_rows;  // within the chunk
+  const int64_t rows = Min(job.tile_rows, job.rows - first);
+  if (rows <= 0) return;
+  Scratch& s = ThreadScratch();
+  std::memset(s.acc, 0, sizeof(float) * rows * BS);
+  for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
+    const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
+    if (slot < 0 || slot >= job.nnz) continue;  // padding
+    const int64_t block = p.in_block[slot];
+    if (block < 0 || block >= p.nin) continue;
+    const float* w = job.blocks ? job.blocks + slot * BS * BS : LoadBlock<BS>(job, slot, s.w);
+    const float* a = job.packed + (block * job.rows + first) * BS;
+    Gemm<BS>(rows, BS, a, BS, 1, w, BS, s.acc, BS);
+  }
+  const int64_t fout = int64_t{p.nseg} * BS;
+  for (int64_t r = 0; r < rows; ++r) {
+    Narrow(s.acc + r * BS, job.out, Offset(p.out, (job.row0 + first + r) * fout + seg * BS, job.out), BS);
+  }
+}
+
+// Row tiles per output block: enough that the longest block splits over the workers
+// (load balance), few enough that each widened weight block serves many rows, and
+// each tile's accumulator stays in L1 (at most 4096 floats).
+int64_t DsdTiles(const DsdParams& p, int64_t rows, int bs, int workers) {
+  int64_t longest = 0, total = 0;
+  for (int j = 0; j < p.nseg; ++j) {
+    const int64_t len = p.seg_ptr[j + 1] - p.seg_ptr[j];
+    longest = Max(longest, len);
+    total += len;
+  }
+  const int64_t for_cache = CeilDiv(rows, Max(8, 4096 / bs));
+  const int64_t for_balance = total > 0 ? CeilDiv(longest * 4 * workers, total) : 1;
+  return Max(1, Min(CeilDiv(rows, 8), Max(for_cache, for_balance)));
+}
+
+template <int BS>
+bool RunDsdBlock(DsdJob& job, const Parallel& par) {
+  const DsdParams& p = *job.p;
+  const int64_t chunk = Max(1, kPackFloats / (int64_t{p.nin} * BS + 1));
+  float* packed = CallerBuffer(0).Get(Min(chunk, p.n) * Max(1, p.nin) * BS);
+  if (packed == nullptr) return false;
+  // Weights that are not float32 [bs, bs] as stored are widened (transposed) once per
+  // call, when that fits the budget, rather than once per row tile.
+  job.blocks = nullptr;
+  const int64_t block_floats = job.nnz * BS * BS;
+  if ((job.in != DType::kF32 || job.transpose_w) && job.nnz > 0 && block_floats <= kPackWeightFloats) {
+    job.blocks = CallerBuffer(1).Get(block_floats);
+    if (job.blocks != nullptr) par.for_each(par.ctx, job.nnz, &DsdBlockItem<BS>, &job);
+  }
+  for (int64_t row0 = 0; row0 < p.n; row0 += chunk) {
+    job.row0 = row0;
+    job.rows = Min(chunk, p.n - row0);
+    job.packed = packed;
+    par.for_each(par.ctx, p.nin, &DsdPackItem<BS>, &job);
+    job.tiles = DsdTiles(p, job.rows, BS, par.workers);
+    job.tile_rows = CeilDiv(job.rows, job.tiles);
+    par.for_each(par.ctx, job.tiles * p.nseg, &DsdItem<BS>, &job);
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------
+// SDD: updat
+// ---------------------------------------------------------------------------------
+// Per chunk of rows: (1) x and dy are widened into block-major [cb][rows][bs] and
+// [kb][rows][bs], (2) one item per slot adds x_block^T @ dy_block to its accumulator,
+// k-blocked so that both operand panels stay in L1. Accumulators: dw itself when it is
+// float32, a per-thread block when there is one chunk, else a float32 [cap, bs, bs].
+
+struct SddJob {
+  const SddParams* p;
+  DType in;
+  DType out;
+  int64_t nnz;
+  int64_t rows;        // rows of the current chunk
+  bool first, last;    // the current chunk is the first / last one
+  const float* px;     // [cb][rows][bs]
+  const float* pdy;    // [kb][rows][bs]
+  float* accumulators; // [cap, bs, bs] float32 (dw itself, or scratch), or nullptr
+};
+
+template <int BS>
+void SddPackItem(void* arg, int64_t item) {
+  const SddJob& job = *static_cast<const SddJob*>(arg);
+  const SddParams& p = *job.p;
+  const int64_t row0 = 0;  // the chunk's rows start at the operand pointers (see RunSddBlock)
+  if (item < p.cb) {
+    PackBlock<BS>(job.in, p.x, int64_t{p.cb} * BS, item, row0, job.rows, const_cast<float*>(job.px) + item * job.rows * BS);
+  } else {
+    const int64_t block = item - p.cb;
+    PackBlock<BS>(job.in, p.dy, int64_t{p.kb} * BS, block, row0, job.rows, const_cast<float*>(job.pdy) + block * job.rows * BS);
+  }
+}
+
+template <int BS>
+void SddItem(void* arg, int64_t slot) {
+  const SddJob& job = *static_cast<const SddJob*>(arg);
+  const SddParams& p = *job.p;
+  const int64_t row_block = slot < job.nnz ? p.block_rows[slot] : -1;
+  const int64_t col_block = slot < job.nnz ? p.block_cols[slot] : -1;
+  const bool valid = row_block >= 0 && row_block < p.cb && col_block >= 0 && col_block < p.kb;
+  float* acc = job.accumulators ? job.accumulators + slot * BS * BS : ThreadScratch().acc;
+  if (job.first) std::memset(acc, 0, sizeof(float) * BS * BS);  // padding stays zero
+  if (valid) {
+    const float* x = job.px + row_block * job.rows * BS;
+    const float* dy = job.pdy + col_block * job.rows * BS;
+    const int64_t panel = Max(16, 4096 / BS);  // rows per k-block: 2 panels of <= 16 KiB
+    for (int64_t k0 = 0; k0 < job.rows; k0 += panel) {
+      Gemm<BS>(BS, Min(panel, job.rows - k0), x + k0 * BS, 1, BS, dy + k0 * BS, BS, acc, BS);
+    }
+  }
+  if (job.last && job.out != DType::kF32) Narrow(acc, job.out, Offset(p.dw, slot * BS * BS, job.out), BS * BS);
+}
+
+template <int BS>
+bool RunSddBlock(SddJob& job, const Parallel& par) {
+  const SddParams& p = *job.p;
+  const int64_t chunk = Max(1, kPackFloats / ((int64_t{p.cb} + p.kb) * BS + 1));
+  const int64_t chunks = Max(1, CeilDiv(p.n, chunk));
+  const int64_t rows_max = Min(chunk, Max(1, p.n));
+  float* px = CallerBuffer(0).Get(rows_max * Max(1, p.cb) * BS);
+  float* pdy = CallerBuffer(1).Get(rows_max * Max(1, p.kb) * BS);
+  if (px == nullptr || pdy == nullptr) return false;
+  job.accumulators = nullptr;
+  if (job.out == DType::kF32) {
+    job.accumulators = static_cast<float*>(p.dw);
+  } else if (chunks > 1) {
+    job.accumulators = CallerBuffer(2).Get(int64_t{p.cap} * BS * BS);
+    if (job.accumulators == nullptr) return false;
+  }
+  SddParams shifted = p;  // operand pointers moved to each chunk's first row
+  job.p = &shifted;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t row0 = c * chunk;
+    job.rows = Max(0, Min(chunk, p.n - row0));
+    job.first = c == 0;
+    job.last = c == chunks - 1;
+    shifted.x = Offset(p.x, row0 * p.cb * BS, job.in);
+    shifted.dy = Offset(p.dy, row0 * p.kb * BS, job.in);
+    job.px = px;
+    job.pdy = pdy;
+    if (job.rows > 0) par.for_each(par.ctx, int64_t{p.cb} + p.kb, &SddPackItem<BS>, &job);
+    // One item per slot: every slot is the same work. Consecutive slots mostly share
+    // an output block column (storage order), so neighbouring items reuse dy.
+    par.for_each(par.ctx, p.cap, &SddItem<BS>, &job);
+  }
+  job.p = &p;
+  return true;
+}
+
+}  // namespace
+
+bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Parallel& par) {
+  DsdJob job{};
+  job.p = &p;
+  job.in = in;
+  job.out = out_f32 ? DType::kF32 : in;
+  job.transpose_w = transpose_w;
+  job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
+  switch (p.bs) {
+    case 8: return RunDsdBlock<8>(job, par);
+    case 16: return RunDsdBlock<16>(job, par);
+    case 32: return RunDsdBlock<32>(job, par);
+    case 64: return RunDsdBlock<64>(job, par);
+    case 128: return RunDsdBlock<128>(job, par);
+    default: return false;
+  }
+}
+
+bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
+  SddJob job{};
+  job.p = &p;
+  job.in = in;
+  job.out = out_f32 ? DType::kF32 : in;
+  job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
+  switch (p.bs) {
+    case 8: return RunSddBlock<8>(job, par);
+    case 16: return RunSddBlock<16>(job, par);
+    case 32: return RunSddBlock<32>(job, par);
+    case 64: return RunSddBlock<64>(job, par);
+    case 128: return RunSddBlock<128>(job, par);
+    default: return false;
+  }
+}
+
+}  // namespace JBS_CPU_ISA
+}  // namespace cpu
+}  // namespace jbs

@@ -1,0 +1,138 @@
+"""The native CPU kernels behind the XLA FFI layer: what the bsmm suite does not cover.
+
+tests/test_matmul.py runs every bsmm case on these kernels and on the reference. Here:
+the default CPU lowering is the custom call, the handlers reject malformed calls with
+an error (never a crash), long inputs processed in several chunks of rows, empty
+problems, and determinism across runs (each output element is summed by one worker).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close, make_problem, rand, require_kernels
+
+import jax_blocksparse as jbs
+from jax_blocksparse.ops import _lowering
+
+TARGETS = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
+
+
+@pytest.fixture(autouse=True)
+def _need_cpu_kernels():
+    require_kernels("cpu")
+
+
+def _ops(layout):
+    return {
+        "fprop": lambda x, w, dy: jbs.bsmm(x, w, layout),
+        "bprop": lambda x, w, dy: jbs.bsmm(dy, w, layout, transpose=True),
+        "updat": lambda x, w, dy: jbs.bsmm_updat(x, dy, layout),
+    }
+
+
+def test_auto_lowers_to_the_cpu_kernels():
+    _, layout, w = make_problem(block_size=16)
+    x = rand((5, layout.shape[0]), jnp.float32, 1)
+    grad = jax.grad(lambda x, w: jnp.sum(jbs.bsmm(x, w, layout) ** 2), argnums=(0, 1))
+    with jbs.config.implementation("auto"):
+        text = jax.jit(grad).trace(x, w).lower().as_text()
+    for target in TARGETS:
+        assert f"@{target}(" in text, target
+    assert "native CPU kernels" in _lowering.describe_path("cpu", "auto")
+    with jbs.config.implementation("reference"):
+        assert "custom_call" not in jax.jit(grad).trace(x, w).lower().as_text()
+
+
+def _call(target, out_shape, out_dtype, *operands):
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, out_dtype))(*operands)
+
+
+def _tables(layout):
+    return [jnp.asarray(t) for t in layout.tables]
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("w_shape", "w must be \\[capacity=.*bs in \\{8, 16, 32, 64, 128\\}"),
+        ("features", "need lhs \\[\\.\\.\\., 48\\] and out"),
+        ("dtypes", "inputs must share one dtype"),
+        ("out_dtype", "output dtype must be the input dtype or float32"),
+        ("table_dtype", "block_rows must be a rank-1 int32 table"),
+        ("order", "order must be int32 \\[5\\]"),
+    ],
+)
+def test_handler_rejects_malformed_fprop(case, message):
+    _, layout, w = make_problem(block_size=16, grid=(3, 5))
+    x = jnp.ones((4, 48), jnp.float32)
+    tables = _tables(layout)
+    order = jnp.arange(5, dtype=jnp.int32)
+    out_shape, out_dtype = (4, 80), jnp.float32
+    if case == "w_shape":
+        w = jnp.ones((layout.capacity, 16, 8), jnp.float32)
+    elif case == "features":
+        x = jnp.ones((4, 40), jnp.float32)
+    elif case == "dtypes":
+        w = w.astype(jnp.bfloat16)
+    elif case == "out_dtype":
+        x, w, out_dtype = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), jnp.float16
+    elif case == "table_dtype":
+        tables[0] = tables[0].astype(jnp.float32)
+    elif case == "order":
+        order = jnp.arange(4, dtype=jnp.int32)
+    with pytest.raises(Exception, match="jbs_bsmm_fprop: " + message):
+        jax.block_until_ready(_call("jbs_bsmm_fprop", out_shape, out_dtype, x, w, *tables, order))
+
+
+def test_handler_rejects_malformed_updat():
+    _, layout, _ = make_problem(block_size=16, grid=(3, 5))
+    x, dy = jnp.ones((4, 48)), jnp.ones((3, 80))
+    with pytest.raises(Exception, match="jbs_bsmm_updat: x and dy must share leading dims"):
+        jax.block_until_ready(_call("jbs_bsmm_updat", layout.w_shape, jnp.float32, x, dy, *_tables(layout)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_long_inputs_run_in_chunks_of_rows(dtype):
+    # 16 MiB of packed rows per chunk: 4100 rows of 1024 + 1024 features is > 2 chunks
+    # for updat and > 1 for fprop/bprop; bfloat16 with a bfloat16 dW also takes the
+    # float32 accumulator path across chunks.
+    grid, bs, n = (8, 8), 128, 4100
+    _, layout, w = make_problem("random", block_size=bs, grid=grid, dtype=dtype)
+    x = rand((n, grid[0] * bs), dtype, 3)
+    dy = rand((n, grid[1] * bs), dtype, 4)
+    for name, op in _ops(layout).items():
+        with jbs.config.implementation("kernels"):
+            got = jax.jit(op)(x, w, dy)
+        with jbs.config.implementation("reference"):
+            want = jax.jit(op)(x, w, dy)
+        # The kernels and the reference sum in different orders: a 16-bit output can
+        # differ by one rounding, hence the length of the dot product in the tolerance.
+        assert_close(got, np.asarray(jnp.asarray(want, jnp.float32)), dtype, length=n if name == "updat" else bs)
+
+
+def test_empty_rows_and_empty_layout():
+    _, layout, w = make_problem(block_size=8, grid=(2, 3))
+    with jbs.config.implementation("kernels"):
+        assert jbs.bsmm(jnp.zeros((0, 16)), w, layout).shape == (0, 24)
+        dw = jbs.bsmm_updat(jnp.zeros((0, 16)), jnp.zeros((0, 24)), layout)
+        np.testing.assert_array_equal(dw, 0)
+        empty = jbs.Layout.from_mask(np.zeros((2, 3), bool), 8, capacity=2)
+        w0 = jnp.ones(empty.w_shape)
+        np.testing.assert_array_equal(jbs.bsmm(jnp.ones((4, 16)), w0, empty), 0)
+        np.testing.assert_array_equal(jbs.bsmm(jnp.ones((4, 24)), w0, empty, transpose=True), 0)
+        np.testing.assert_array_equal(jbs.bsmm_updat(jnp.ones((4, 16)), jnp.ones((4, 24)), empty), 0)
+
+
+def test_results_do_not_depend_on_scheduling():
+    _, layout, w = make_problem("long_column", block_size=32, grid=(16, 16))
+    x = rand((300, 512), jnp.float32, 5)
+    dy = rand((300, 512), jnp.float32, 6)
+    with jbs.config.implementation("kernels"):
+        for op in _ops(layout).values():
+            f = jax.jit(op)
+            first = np.asarray(f(x, w, dy))
+            for _ in range(3):
+                np.testing.assert_array_equal(np.asarray(f(x, w, dy)), first)
