@@ -198,8 +198,8 @@ def main(argv=None) -> int:
         print("build.py: no C++ compiler found (set CXX or install g++)", file=sys.stderr)
         return 1
     nvcc = None if args.cpu_only else (args.nvcc or find_nvcc())
-    if nvcc is None and args.nvcc:
-        print(f"build.py: nvcc not found at {args.nvcc}", file=sys.stderr)
+    if nvcc is not None and not os.access(nvcc, os.X_OK):
+        print(f"build.py: --nvcc {nvcc} is not an executable (or use --cpu-only)", file=sys.stderr)
         return 1
     archs = [a.strip() for a in args.cuda_arch.split(",") if a.strip()]
     try:
