@@ -36,6 +36,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from jax_blocksparse import _cuda
+from jax_blocksparse.ops._partitioning import partitioned
 
 # FFI targets whose kernels have been checked against the reference on a GPU
 # (tests/gpu/test_bsmm_kernels.py and tests/gpu/run_sanitizer.sh). Only these are used by
@@ -129,9 +130,9 @@ def register_lowerings(
       cpu_reference: an optional CPU-tuned variant of ``reference``.
     """
     reference_rule = _reference_rule(reference)
-    mlir.register_lowering(primitive, reference_rule)
+    mlir.register_lowering(primitive, partitioned(primitive, reference_rule))
     if cpu_reference is not None:
-        mlir.register_lowering(primitive, _reference_rule(cpu_reference), platform="cpu")
+        mlir.register_lowering(primitive, partitioned(primitive, _reference_rule(cpu_reference)), platform="cpu")
     kernel_rule = _kernel_rule(cuda_target)
 
     def cuda_rule(ctx, *operands, impl, **params):
@@ -139,7 +140,7 @@ def register_lowerings(
             return kernel_rule(ctx, *operands)
         return reference_rule(ctx, *operands, impl=impl, **params)
 
-    mlir.register_lowering(primitive, cuda_rule, platform="cuda")
+    mlir.register_lowering(primitive, partitioned(primitive, cuda_rule), platform="cuda")
 
 
 def describe_path(platform: str, impl: str) -> str:
