@@ -52,14 +52,16 @@ BS = 16
 
 
 class MLP(nn.Module):
-    """64 -> 256 (random blocks, half dense) -> 256 (Barabasi-Albert blocks) -> 10."""
+    """64 -> hidden (random blocks, half dense) -> hidden (Barabasi-Albert blocks) -> 10."""
 
+    hidden: int = 256
     seed: int = 0
 
     @nn.compact
     def __call__(self, x):
-        x = nn.relu(BlockSparseDense(256, jbs.layouts.random((64 // BS, 256 // BS), 0.5, seed=self.seed), BS)(x))
-        x = nn.relu(BlockSparseDense(256, jbs.layouts.barabasi_albert(256 // BS, 2, seed=self.seed), BS)(x))
+        kb = self.hidden // BS
+        x = nn.relu(BlockSparseDense(self.hidden, jbs.layouts.random((64 // BS, kb), 0.5, seed=self.seed), BS)(x))
+        x = nn.relu(BlockSparseDense(self.hidden, jbs.layouts.barabasi_albert(kb, 2, seed=self.seed), BS)(x))
         return nn.Dense(10)(x)
 
 
@@ -77,7 +79,7 @@ def batches(num_train: int, steps: int, batch_size: int, seed: int) -> np.ndarra
 
 
 def train(mode: str, steps: int = 200, batch_size: int = 128, seed: int = 0, num_devices: int | None = None,
-          data=None, lr: float = 0.05):
+          data=None, lr: float = 0.05, hidden: int = 256):
     """Trains the MLP in ``mode`` (one of MODES); returns (params, metrics dict)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -86,8 +88,8 @@ def train(mode: str, steps: int = 200, batch_size: int = 128, seed: int = 0, num
     if batch_size % n:
         raise ValueError(f"batch_size={batch_size} must be divisible by the number of devices ({n})")
     x_train, x_test, y_train, y_test = data if data is not None else load_data(seed)
-    model, tx = MLP(seed), optax.sgd(lr, momentum=0.9)
-    params = model.init(jax.random.key(seed), jnp.zeros((1, 64)))["params"]
+    model, tx = MLP(hidden, seed), optax.sgd(lr, momentum=0.9)
+    params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 64)))["params"]
     opt_state = tx.init(params)
     idx = batches(len(x_train), steps, batch_size, seed)
 
