@@ -6,7 +6,7 @@
     y = jbs.bsmm(x, w, layout)               # == x @ jbs.to_dense(w, layout)
 """
 
-from jax_blocksparse import config, layouts
+from jax_blocksparse import config, layouts, sharding
 from jax_blocksparse._native import has_cpu_kernels, has_cuda_kernels
 from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
 from jax_blocksparse.ops.conv import (
@@ -38,6 +38,7 @@ __all__ = [
     "has_cpu_kernels",
     "has_cuda_kernels",
     "layouts",
+    "sharding",
     "nn",
     "nnx",
     "training",

@@ -75,7 +75,7 @@ import numpy as np
 
 from jax_blocksparse.layout import Layout, check_block_size
 from jax_blocksparse.nn import _common
-from jax_blocksparse.ops.matmul import bsmm, bsmm_updat
+from jax_blocksparse.ops.matmul import _varying_axes, bsmm, bsmm_updat
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -443,6 +443,39 @@ def cell_step(fns: _Fns, params, carry, x):
     return (c, h), h
 
 
+def _vary_like(tree, *refs):
+    """Under shard_map, marks ``tree``'s leaves varying over every mesh axis ``refs`` vary over.
+
+    A scan carry must keep its type: an initial carry built from constants (zeros, a
+    replicated initial state) becomes device-varying once it meets batch-sharded inputs.
+    """
+    axes = frozenset().union(*(_varying_axes(jax.typeof(r)) for r in jax.tree.leaves(refs)))
+    if not axes:
+        return tree
+
+    def cast(a):
+        missing = tuple(sorted(axes - _varying_axes(jax.typeof(a))))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(cast, tree)
+
+
+def _sum_like(cts, primals):
+    """Under shard_map, sums each cotangent over the mesh axes its primal does not vary over.
+
+    The transpose of :func:`_vary_like`: a custom VJP must give an invariant (replicated)
+    input an invariant cotangent, the sum of the per-device contributions.
+    """
+
+    def total(ct, primal):
+        if ct is None:
+            return ct
+        extra = tuple(sorted(_varying_axes(jax.typeof(ct)) - _varying_axes(jax.typeof(primal))))
+        return jax.lax.psum(ct, extra) if extra else ct
+
+    return jax.tree.map(total, cts, primals, is_leaf=lambda x: x is None)
+
+
 @functools.lru_cache(maxsize=64)
 def _recurrence(fns: _Fns):
     """The scan over time with a custom VJP (see the module docstring).
@@ -468,7 +501,7 @@ def _recurrence(fns: _Fns):
             ys = (new_carry[1], tuple(rs), tuple(zs), carry[0]) if save else new_carry[1]
             return new_carry, ys
 
-        return jax.lax.scan(body, carry0, aux)
+        return jax.lax.scan(body, _vary_like(carry0, aux), aux)
 
     @jax.custom_vjp
     def run(weights, small, aux, carry0):
@@ -477,10 +510,10 @@ def _recurrence(fns: _Fns):
 
     def run_fwd(weights, small, aux, carry0):
         carry, (hs, rs, zs, c_prev) = scan_forward(weights, small, aux, carry0, save=True)
-        return (hs, carry), (weights, small, aux, rs, zs, c_prev)
+        return (hs, carry), (weights, small, aux, carry0, rs, zs, c_prev)
 
     def run_bwd(res, cts):
-        weights, small, aux, rs, zs, c_prev = res
+        weights, small, aux, carry0, rs, zs, c_prev = res
         ct_hs, (ct_c, ct_h) = cts
         h_dtype = ct_hs.dtype
         wc = tuple(w.astype(fns.dtype) for w in weights)
@@ -515,7 +548,8 @@ def _recurrence(fns: _Fns):
             daux_t = tuple(d for d in daux if d is not None)
             return (dc, dh_prev, tuple(dsmall)), (tuple(dzs), daux_t)
 
-        init = (ct_c, ct_h, zero_small)
+        # dsmall keeps small's type: each step's vjp already sums an invariant one's share.
+        init = (*_vary_like((ct_c, ct_h), ct_hs, aux), zero_small)
         (dc0, dh0, dsmall), (dzs, daux) = jax.lax.scan(body, init, (ct_hs, aux, zs, c_prev), reverse=True)
         # One SDDMM per recurrent weight over all T*B rows.
         dweights = tuple(
@@ -525,7 +559,7 @@ def _recurrence(fns: _Fns):
             for stage, w, r, dz in zip(stages, weights, rs, dzs)
         )
         daux_full = (daux[0], daux[1] if aux[1] is not None else None)
-        return dweights, dsmall, daux_full, (dc0, dh0)
+        return _sum_like((dweights, dsmall, daux_full, (dc0, dh0)), (weights, small, aux, carry0))
 
     run.defvjp(run_fwd, run_bwd)
     return run

@@ -38,6 +38,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from jax_blocksparse import _native
+from jax_blocksparse.ops._partitioning import partitioned
 
 KERNEL_PLATFORMS = ("cpu", "cuda")
 
@@ -143,7 +144,9 @@ def register_lowerings(
       cpu_reference: an optional CPU-tuned variant of ``reference``.
     """
     reference_rule = _reference_rule(reference)
-    mlir.register_lowering(primitive, reference_rule)
+    # Every rule is wrapped by the sharding rule (ops/_partitioning.py), so that jit with
+    # sharded inputs splits the op over the devices instead of gathering its operands.
+    mlir.register_lowering(primitive, partitioned(primitive, reference_rule))
     kernel_rule = _kernel_rule(target)
     for platform in KERNEL_PLATFORMS:
         fallback = _reference_rule(cpu_reference) if platform == "cpu" and cpu_reference else reference_rule
@@ -153,7 +156,7 @@ def register_lowerings(
                 return kernel_rule(ctx, *operands)
             return _fallback(ctx, *operands, impl=impl, **params)
 
-        mlir.register_lowering(primitive, rule, platform=platform)
+        mlir.register_lowering(primitive, partitioned(primitive, rule), platform=platform)
 
 
 def describe_path(platform: str, impl: str) -> str:

@@ -35,6 +35,7 @@ from jax.interpreters import ad, batching
 from jax_blocksparse import config
 from jax_blocksparse.layout import Layout, LayoutTables, check_layout
 from jax_blocksparse.ops._lowering import register_lowerings
+from jax_blocksparse.ops._partitioning import mark_partitioned
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -313,7 +314,7 @@ def _bind(prim, a, b, tables, block_size, out_dtype, impl=None):
     """Binds ``prim`` with both float operands cast to their common dtype."""
     common = jnp.promote_types(a.dtype, b.dtype)
     return prim.bind(
-        *_match_varying_axes([a.astype(common), b.astype(common), *tables]),
+        *mark_partitioned(_match_varying_axes([a.astype(common), b.astype(common), *tables])),
         block_size=block_size,
         out_dtype=np.dtype(out_dtype),
         impl=config.get_implementation() if impl is None else impl,
