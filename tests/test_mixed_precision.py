@@ -357,6 +357,25 @@ def test_loss_scaling_unscales_and_skips_nonfinite_with_inner_state_kept():
     assert float(jst.scale_loss(jnp.float16(2.0), chained)) == 2048.0
 
 
+def test_loss_scaling_with_nnx_optimizer():
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, jst.dynamic_loss_scaling(optax.sgd(0.1), growth_interval=2), wrt=nnx.Param)
+    x = jnp.ones((3, 4))
+
+    @nnx.jit
+    def step(model, opt, boost):
+        scale = jst.loss_scale(opt.opt_state)
+        opt.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2) * scale * boost)(model))
+
+    kernel = model.kernel[...]
+    step(model, opt, jnp.float32(jnp.inf))  # overflow: skipped
+    np.testing.assert_array_equal(model.kernel[...], kernel)
+    for _ in range(4):
+        step(model, opt, jnp.float32(1.0))
+    assert float(jst.loss_scale(opt.opt_state)) == 2.0**16  # 2^15, halved once, then doubled twice
+    assert not np.array_equal(model.kernel[...], kernel)
+
+
 def test_loss_scaling_bad_arguments_raise():
     with pytest.raises(ValueError, match="growth_interval must be an int >= 1, got 0"):
         jst.dynamic_loss_scaling(optax.sgd(1.0), growth_interval=0)
