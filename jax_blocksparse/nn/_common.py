@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen import dtypes as nn_dtypes
 
 from jax_blocksparse.layout import Layout, check_block_size, check_mask
 from jax_blocksparse.ops.matmul import bsmm
@@ -150,9 +151,38 @@ def init_kernel(kernel_init, key, layout: Layout, mask: StaticMask, param_dtype)
     return kernel
 
 
-def apply(inputs, kernel, bias, layout: Layout):
-    """``inputs @ to_dense(kernel, layout) + bias`` for already dtype-promoted operands."""
-    y = bsmm(inputs, kernel, layout)
+def check_float32_dw(float32_dw, param_dtype, layer: str) -> bool:
+    """Validates a layer's ``float32_dw`` against its ``param_dtype``; returns it as a bool."""
+    if not isinstance(float32_dw, (bool, np.bool_)):
+        raise TypeError(f"{layer}: float32_dw must be a bool, got {float32_dw!r}")
+    if float32_dw and np.dtype(param_dtype) != np.dtype(np.float32):
+        raise ValueError(
+            f"{layer}: float32_dw=True keeps the kernel gradients in float32, which needs "
+            f"param_dtype float32, got param_dtype {np.dtype(param_dtype)}"
+        )
+    return bool(float32_dw)
+
+
+def promote(inputs, kernel, bias, dtype, float32_dw: bool):
+    """``flax.linen.dtypes.promote_dtype`` for a layer with a ``float32_dw`` option.
+
+    The compute dtype is ``dtype``, else the promotion of inputs, kernel and bias
+    (Flax's rule). Inputs and bias are cast to it; so is the kernel, unless
+    ``float32_dw``: then it stays float32 and the product casts it (the op's
+    ``compute_dtype``), so that its gradient comes out of the float32 accumulator.
+
+    Returns ``(inputs, kernel, bias, compute_dtype)``.
+    """
+    compute = np.dtype(nn_dtypes.canonicalize_dtype(inputs, kernel, bias, dtype=dtype))
+    inputs, bias = jnp.asarray(inputs, compute), None if bias is None else jnp.asarray(bias, compute)
+    if not float32_dw:
+        kernel = jnp.asarray(kernel, compute)
+    return inputs, kernel, bias, compute
+
+
+def apply(inputs, kernel, bias, layout: Layout, compute_dtype=None, float32_dw: bool = False):
+    """``inputs @ to_dense(kernel, layout) + bias`` for operands from :func:`promote`."""
+    y = bsmm(inputs, kernel, layout, compute_dtype=compute_dtype, float32_dw=float32_dw)
     if bias is not None:
         y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     return y

@@ -74,6 +74,9 @@ class BlockSparseConv(nn.Module):
       bias_init: initializer for the bias, ``bias_init(key, (features,), param_dtype)``.
       capacity: number of storage slots (default: the number of blocks in ``mask``);
         padding slots initialise to zero and do not contribute.
+      float32_dw: keep the kernel's gradient in float32 when ``dtype`` is 16-bit,
+        straight from the float32 accumulator of its weight-gradient product (see
+        :class:`~jax_blocksparse.nn.BlockSparseDense`). Needs ``param_dtype`` float32.
     """
 
     features: int
@@ -90,9 +93,11 @@ class BlockSparseConv(nn.Module):
     kernel_init: Initializer | None = None
     bias_init: Initializer = nn.initializers.zeros_init()
     capacity: int | None = None
+    float32_dw: bool = False
 
     def __post_init__(self):
         self.mask = _common.StaticMask(self.mask)
+        self.float32_dw = _common.check_float32_dw(self.float32_dw, self.param_dtype, type(self).__name__)
         self.kernel_size = kernel_size_tuple(self.kernel_size, type(self).__name__)
         self.block_size = _common.check_config(
             self.mask, self.block_size, self.capacity, None, self.features, type(self).__name__
@@ -129,7 +134,7 @@ class BlockSparseConv(nn.Module):
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         return conv_apply(
             inputs, kernel, bias, layout, self.kernel_size, self.strides, self.padding,
-            self.input_dilation, self.kernel_dilation, self.dtype,
+            self.input_dilation, self.kernel_dilation, self.dtype, self.float32_dw,
         )
 
 
@@ -162,7 +167,8 @@ class BlockSparseConvTranspose(nn.Module):
         ``(low, high)`` pairs, as in ``flax.linen.ConvTranspose`` (strings name the
         forward conv's padding; pairs pad the stride-dilated input).
       kernel_dilation: an int or ``n`` ints (default 1).
-      use_bias, dtype, param_dtype, bias_init, capacity: as in :class:`BlockSparseConv`.
+      use_bias, dtype, param_dtype, bias_init, capacity, float32_dw: as in
+        :class:`BlockSparseConv`.
       kernel_init: as in :class:`BlockSparseConv`; the default's fan-in counts the
         blocks that feed an output channel (per block column of the mask, or per
         block row with ``transpose_kernel=True``).
@@ -185,9 +191,11 @@ class BlockSparseConvTranspose(nn.Module):
     bias_init: Initializer = nn.initializers.zeros_init()
     transpose_kernel: bool = False
     capacity: int | None = None
+    float32_dw: bool = False
 
     def __post_init__(self):
         self.mask = _common.StaticMask(self.mask)
+        self.float32_dw = _common.check_float32_dw(self.float32_dw, self.param_dtype, type(self).__name__)
         self.kernel_size = kernel_size_tuple(self.kernel_size, type(self).__name__)
         self.block_size = check_transpose_config(
             self.mask, self.block_size, self.capacity, None, self.features, self.transpose_kernel,
@@ -226,7 +234,7 @@ class BlockSparseConvTranspose(nn.Module):
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         return conv_transpose_apply(
             inputs, kernel, bias, layout, self.kernel_size, self.strides, self.padding,
-            self.kernel_dilation, self.transpose_kernel, self.dtype,
+            self.kernel_dilation, self.transpose_kernel, self.dtype, self.float32_dw,
         )
 
 
@@ -340,7 +348,8 @@ def _finish(y, bias, batch_shape):
     return y
 
 
-def conv_apply(inputs, kernel, bias, layout, kernel_size, strides, padding, input_dilation, kernel_dilation, dtype):
+def conv_apply(inputs, kernel, bias, layout, kernel_size, strides, padding, input_dilation, kernel_dilation, dtype,
+               float32_dw=False):
     """The forward pass of BlockSparseConv (linen and nnx), as ``flax.linen.Conv``."""
     n = len(kernel_size)
     inputs, batch_shape = _flatten_batch(inputs, n)
@@ -356,16 +365,16 @@ def conv_apply(inputs, kernel, bias, layout, kernel_size, strides, padding, inpu
             raise ValueError(f"CAUSAL padding is only implemented for 1-D convolutions, got kernel_size {kernel_size}")
         inputs = jnp.pad(inputs, [(0, 0), (kernel_dilation[0] * (kernel_size[0] - 1), 0), (0, 0)])
         padding_lax = "VALID"
-    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=dtype)
+    inputs, kernel, bias, compute = _common.promote(inputs, kernel, bias, dtype, float32_dw)
     y = bsconv(
         inputs, kernel, layout, strides=strides, padding=padding_lax, dilation=kernel_dilation,
-        input_dilation=input_dilation,
+        input_dilation=input_dilation, compute_dtype=compute, float32_dw=float32_dw,
     )
     return _finish(y, bias, batch_shape)
 
 
 def conv_transpose_apply(inputs, kernel, bias, layout, kernel_size, strides, padding, kernel_dilation,
-                         transpose_kernel, dtype):
+                         transpose_kernel, dtype, float32_dw=False):
     """The forward pass of BlockSparseConvTranspose (linen and nnx), as ``flax.linen.ConvTranspose``."""
     n = len(kernel_size)
     inputs, batch_shape = _flatten_batch(inputs, n)
@@ -373,10 +382,10 @@ def conv_transpose_apply(inputs, kernel, bias, layout, kernel_size, strides, pad
     padding_lax = canonicalize_padding(padding, n)
     if padding_lax == "CIRCULAR":
         padding_lax = "VALID"
-    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=dtype)
+    inputs, kernel, bias, compute = _common.promote(inputs, kernel, bias, dtype, float32_dw)
     y = bsconv_transpose(
         inputs, kernel, layout, strides=strides, padding=padding_lax, dilation=kernel_dilation,
-        transpose_kernel=bool(transpose_kernel),
+        transpose_kernel=bool(transpose_kernel), compute_dtype=compute, float32_dw=float32_dw,
     )
     if padding == "CIRCULAR":
         y = _wrap_circular(y, inputs.shape[1:-1], strides, transpose_kernel)

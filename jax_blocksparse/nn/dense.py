@@ -50,6 +50,11 @@ class BlockSparseDense(nn.Module):
       dtype: the dtype of the computation (default: infer from input and params).
         float32, bfloat16 or float16.
       param_dtype: the dtype passed to parameter initializers (default: float32).
+      float32_dw: keep the kernel's gradient in float32 when ``dtype`` is 16-bit:
+        computed from the float32 accumulator of the weight-gradient product
+        (``bsmm_updat(x, dy, out_dtype=float32)``) rather than rounded to ``dtype``
+        and widened, which is what autodiff of the usual cast-then-multiply gives
+        (see :func:`jax_blocksparse.bsmm`). Needs ``param_dtype`` float32. Default False.
       kernel_init: initializer for the stored blocks, called as
         ``kernel_init(key, (capacity, block_size, block_size), param_dtype)``; slot
         ``s`` holds block ``(layout.tables.block_rows[s], layout.tables.block_cols[s])``.
@@ -90,10 +95,12 @@ class BlockSparseDense(nn.Module):
     bias_init: Initializer = nn.initializers.zeros_init()
     capacity: int | None = None
     dynamic: bool = False
+    float32_dw: bool = False
 
     def __post_init__(self):
         # Attributes may be set until Module.__post_init__ runs; keep the mask hashable.
         self.mask = _common.StaticMask(self.mask)
+        self.float32_dw = _common.check_float32_dw(self.float32_dw, self.param_dtype, type(self).__name__)
         self.block_size = _common.check_config(
             self.mask, self.block_size, self.capacity, None, self.features, type(self).__name__
         )
@@ -125,9 +132,9 @@ class BlockSparseDense(nn.Module):
             lambda key: _common.init_kernel(self.kernel_init, key, layout, self.mask, self.param_dtype),
         )
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
-        inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        inputs, kernel, bias, compute = _common.promote(inputs, kernel, bias, self.dtype, self.float32_dw)
         if not self.dynamic:
-            return _common.apply(inputs, kernel, bias, layout)
+            return _common.apply(inputs, kernel, bias, layout, compute, self.float32_dw)
         current = self.variable(LAYOUT_COLLECTION, "kernel", lambda: layout).value
         _common.check_dynamic_layout(_probe.unwrap(current)[0], layout, type(self).__name__)
-        return _probe.linear(inputs, kernel, current, bias)
+        return _probe.linear(inputs, kernel, current, bias, compute, self.float32_dw)

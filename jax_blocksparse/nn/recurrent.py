@@ -58,7 +58,10 @@ Design choices:
 
 Carries are kept in their own dtype (``param_dtype`` from ``initialize_carry``);
 with ``dtype=jnp.bfloat16`` the products run in bfloat16 (float32 accumulation) while
-the cell state and all elementwise math stay in float32.
+the cell state and all elementwise math stay in float32. The kernel gradients are
+then rounded to bfloat16 (as autodiff of a bfloat16 product gives them) unless
+``float32_dw=True``: then every kernel gradient (block-sparse and the dense input
+kernel) is the float32 accumulator of its weight-gradient product.
 """
 
 from __future__ import annotations
@@ -332,6 +335,34 @@ class _Fns:
     activation_fn: Callable
     internal_activation: Callable | None
     dtype: Any  # compute dtype of the products
+    float32_dw: bool = False  # kernel gradients from the float32 accumulators
+
+
+def _product_weights(fns: _Fns, weights):
+    """Kernels as the products take them: float32 with ``float32_dw``, else in the compute dtype."""
+    return tuple(weights) if fns.float32_dw else tuple(w.astype(fns.dtype) for w in weights)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _dense_f32_dw(x, kernel, compute):
+    """``x @ kernel`` in ``compute`` (float32 accumulation and result) for a float32 kernel
+    whose gradient stays float32: the dense counterpart of ``bsmm(..., float32_dw=True)``.
+
+    The tangent in the kernel is a float32 product of the (exactly) widened ``x``, so
+    its transpose is the float32 accumulator ``x.T @ dy``, never rounded to ``compute``.
+    """
+    return jnp.matmul(x.astype(compute), kernel.astype(compute), preferred_element_type=_F32)
+
+
+@_dense_f32_dw.defjvp
+def _dense_f32_dw_jvp(compute, primals, tangents):
+    x, kernel = primals
+    tx, tk = tangents
+    xc = x.astype(compute)
+    y = jnp.matmul(xc, kernel.astype(compute), preferred_element_type=_F32)
+    ty = jnp.matmul(tx.astype(compute), kernel.astype(compute), preferred_element_type=_F32)
+    ty = ty + jnp.matmul(xc.astype(_F32), tk.astype(_F32), preferred_element_type=_F32)
+    return y, ty
 
 
 def _group_norm(z, groups: int, eps: float):
@@ -352,11 +383,16 @@ def project_inputs(fns: _Fns, params, x):
     """
     cfg, h = fns.config, fns.config.features
     x = x.astype(fns.dtype)
-    kernel = params["input_kernel"].astype(fns.dtype)
-    if cfg.input_mask is None:
+    (kernel,) = _product_weights(fns, (params["input_kernel"],))
+    if cfg.input_mask is None and fns.float32_dw and np.dtype(fns.dtype) != np.dtype(_F32):
+        p = _dense_f32_dw(x, kernel, np.dtype(fns.dtype))
+    elif cfg.input_mask is None:
         p = jnp.matmul(x, kernel, preferred_element_type=_F32)
     else:
-        p = bsmm(x, kernel, cfg.input_layout(), preferred_element_type=_F32)
+        p = bsmm(
+            x, kernel, cfg.input_layout(), preferred_element_type=_F32, compute_dtype=fns.dtype,
+            float32_dw=fns.float32_dw,
+        )
     if cfg.layer_norm:
         p = _group_norm(p, cfg.groups, cfg.epsilon) * params["input_scale"].astype(_F32)
     xg = (p[..., : 4 * h] + params["bias"].astype(_F32)).astype(fns.dtype)
@@ -415,7 +451,7 @@ def _split_params(fns: _Fns, params):
 def _chain(fns: _Fns, weights, small, carry, aux):
     """One timestep of the recurrence given the projected inputs ``aux = (xg, xm)``.
 
-    ``weights`` are already in the compute dtype. Returns the new carry and, per
+    ``weights`` come from :func:`_product_weights`. Returns the new carry and, per
     stage, the product's input ``r`` and output ``z`` (what the backward pass needs).
     """
     c, h = carry
@@ -423,7 +459,7 @@ def _chain(fns: _Fns, weights, small, carry, aux):
     r = h.astype(fns.dtype)
     rs, zs = [], []
     for stage, w, sm in zip(fns.config.stages, weights, small):
-        z = bsmm(r, w, stage.layout(bs))
+        z = bsmm(r, w, stage.layout(bs), compute_dtype=fns.dtype, float32_dw=fns.float32_dw)
         rs.append(r)
         zs.append(z)
         out = _piece(fns, stage, z, aux, c, h.dtype, sm)
@@ -438,8 +474,7 @@ def cell_step(fns: _Fns, params, carry, x):
     """One timestep: carry (c, h) [..., H], x [..., D] -> (new carry, h)."""
     aux = project_inputs(fns, params, x)
     weights, small = _split_params(fns, params)
-    weights = tuple(w.astype(fns.dtype) for w in weights)
-    (c, h), _, _ = _chain(fns, weights, small, carry, aux)
+    (c, h), _, _ = _chain(fns, _product_weights(fns, weights), small, carry, aux)
     return (c, h), h
 
 
@@ -494,7 +529,7 @@ def _recurrence(fns: _Fns):
     bs = fns.config.block_size
 
     def scan_forward(weights, small, aux, carry0, save):
-        wc = tuple(w.astype(fns.dtype) for w in weights)
+        wc = _product_weights(fns, weights)
 
         def body(carry, aux_t):
             new_carry, rs, zs = _chain(fns, wc, small, carry, aux_t)
@@ -551,11 +586,14 @@ def _recurrence(fns: _Fns):
         # dsmall keeps small's type: each step's vjp already sums an invariant one's share.
         init = (*_vary_like((ct_c, ct_h), ct_hs, aux), zero_small)
         (dc0, dh0, dsmall), (dzs, daux) = jax.lax.scan(body, init, (ct_hs, aux, zs, c_prev), reverse=True)
-        # One SDDMM per recurrent weight over all T*B rows.
+        # One SDDMM per recurrent weight over all T*B rows, accumulated in float32 and
+        # delivered as autodiff of the cell would: rounded to the compute dtype, unless
+        # float32_dw.
+        dw_dtype = _F32 if fns.float32_dw else fns.dtype
         dweights = tuple(
             bsmm_updat(
-                r.reshape(-1, r.shape[-1]), dz.reshape(-1, dz.shape[-1]), stage.layout(bs), out_dtype=w.dtype
-            )
+                r.reshape(-1, r.shape[-1]), dz.reshape(-1, dz.shape[-1]), stage.layout(bs), out_dtype=dw_dtype
+            ).astype(w.dtype)
             for stage, w, r, dz in zip(stages, weights, rs, dzs)
         )
         daux_full = (daux[0], daux[1] if aux[1] is not None else None)
@@ -656,6 +694,10 @@ class BlockSparseLSTMCell(nn.RNNCellBase):
       param_dtype: parameter (and carry) dtype (default float32).
       carry_init: initializer of the carry (default zeros).
       epsilon: layer-norm epsilon.
+      float32_dw: keep every kernel gradient in float32 when ``dtype`` is 16-bit,
+        straight from the float32 accumulator of its weight-gradient product (see
+        :func:`jax_blocksparse.bsmm`); also in :class:`BlockSparseLSTM`. Needs
+        ``param_dtype`` float32. Default False.
     """
 
     multiplicative: ClassVar[bool] = False
@@ -677,11 +719,13 @@ class BlockSparseLSTMCell(nn.RNNCellBase):
     param_dtype: Any = jnp.float32
     carry_init: Initializer = nn.initializers.zeros_init()
     epsilon: float = 1e-5
+    float32_dw: bool = False
 
     def _mh_mask(self):
         return None
 
     def __post_init__(self):
+        self.float32_dw = _common.check_float32_dw(self.float32_dw, self.param_dtype, type(self).__name__)
         config = cell_config(
             type(self).__name__, self.features, self.mask, self.block_size,
             multiplicative=self.multiplicative, internal_steps=self.internal_steps, step_masks=self.step_masks,
@@ -740,7 +784,7 @@ class BlockSparseLSTMCell(nn.RNNCellBase):
 
     def _fns(self, inputs) -> _Fns:
         return _Fns(self.config, self.gate_fn, self.activation_fn, self.internal_activation,
-                    compute_dtype(self.dtype, inputs, self.param_dtype))
+                    compute_dtype(self.dtype, inputs, self.param_dtype), self.float32_dw)
 
     def __call__(self, carry, inputs):
         """One timestep.

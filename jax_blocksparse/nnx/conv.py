@@ -64,6 +64,9 @@ class BlockSparseConv(nnx.Module):
         output block column times ``block_size * prod(kernel_size)``).
       bias_init: initializer for the bias, ``bias_init(key, (out_features,), param_dtype)``.
       capacity: number of storage slots (default: the number of blocks in ``mask``).
+      float32_dw: keep the kernel's gradient in float32 when ``dtype`` is 16-bit,
+        straight from the float32 accumulator of its weight-gradient product (see
+        :class:`~jax_blocksparse.nnx.BlockSparseLinear`). Needs ``param_dtype`` float32.
       rngs: rng key.
     """
 
@@ -85,9 +88,11 @@ class BlockSparseConv(nnx.Module):
         kernel_init: Initializer | None = None,
         bias_init: Initializer = nnx.initializers.zeros_init(),
         capacity: int | None = None,
+        float32_dw: bool = False,
         rngs: nnx.Rngs,
     ):
         name = type(self).__name__
+        self.float32_dw = _common.check_float32_dw(float32_dw, param_dtype, name)
         mask = _common.StaticMask(mask)
         kernel_size = _conv.kernel_size_tuple(kernel_size, name)
         block_size = _common.check_config(mask, block_size, capacity, in_features, out_features, name)
@@ -128,7 +133,7 @@ class BlockSparseConv(nnx.Module):
         bias = self.bias[...] if self.bias is not None else None
         return _conv.conv_apply(
             inputs, self.kernel[...], bias, layout, self.kernel_size, self.strides, self.padding,
-            self.input_dilation, self.kernel_dilation, self.dtype,
+            self.input_dilation, self.kernel_dilation, self.dtype, self.float32_dw,
         )
 
 
@@ -161,7 +166,7 @@ class BlockSparseConvTranspose(nnx.Module):
       padding: ``"SAME"``, ``"VALID"``, ``"CIRCULAR"``, an int, or ``n`` ints or
         ``(low, high)`` pairs, as ``flax.nnx.ConvTranspose``.
       kernel_dilation: an int or ``n`` ints (default 1).
-      use_bias, dtype, param_dtype, kernel_init, bias_init, capacity: as
+      use_bias, dtype, param_dtype, kernel_init, bias_init, capacity, float32_dw: as
         :class:`BlockSparseConv`.
       transpose_kernel: flip the kernel's spatial axes and swap its channel axes.
       rngs: rng key.
@@ -185,9 +190,11 @@ class BlockSparseConvTranspose(nnx.Module):
         bias_init: Initializer = nnx.initializers.zeros_init(),
         transpose_kernel: bool = False,
         capacity: int | None = None,
+        float32_dw: bool = False,
         rngs: nnx.Rngs,
     ):
         name = type(self).__name__
+        self.float32_dw = _common.check_float32_dw(float32_dw, param_dtype, name)
         mask = _common.StaticMask(mask)
         kernel_size = _conv.kernel_size_tuple(kernel_size, name)
         block_size = _conv.check_transpose_config(
@@ -232,5 +239,5 @@ class BlockSparseConvTranspose(nnx.Module):
         bias = self.bias[...] if self.bias is not None else None
         return _conv.conv_transpose_apply(
             inputs, self.kernel[...], bias, layout, self.kernel_size, self.strides, self.padding,
-            self.kernel_dilation, self.transpose_kernel, self.dtype,
+            self.kernel_dilation, self.transpose_kernel, self.dtype, self.float32_dw,
         )

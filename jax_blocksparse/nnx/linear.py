@@ -7,7 +7,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.nn import dtypes
 
 from jax_blocksparse.layout import Layout
 from jax_blocksparse.nn import _common
@@ -59,6 +58,11 @@ class BlockSparseLinear(nnx.Module):
       use_bias: whether to add a bias to the output (default: True).
       dtype: the dtype of the computation (default: infer from input and params).
       param_dtype: the dtype passed to parameter initializers (default: float32).
+      float32_dw: keep the kernel's gradient in float32 when ``dtype`` is 16-bit:
+        computed from the float32 accumulator of the weight-gradient product
+        (``bsmm_updat(x, dy, out_dtype=float32)``) rather than rounded to ``dtype``
+        and widened, which is what autodiff of the usual cast-then-multiply gives
+        (see :func:`jax_blocksparse.bsmm`). Needs ``param_dtype`` float32. Default False.
       kernel_init: initializer for the stored blocks, called as
         ``kernel_init(key, (capacity, block_size, block_size), param_dtype)``.
         The default (None) is LeCun normal with the layer's true fan-in (the average
@@ -88,10 +92,12 @@ class BlockSparseLinear(nnx.Module):
         bias_init: Initializer = nnx.initializers.zeros_init(),
         capacity: int | None = None,
         dynamic: bool = False,
+        float32_dw: bool = False,
         rngs: nnx.Rngs,
     ):
         mask = _common.StaticMask(mask)
         block_size = _common.check_config(mask, block_size, capacity, in_features, out_features, type(self).__name__)
+        self.float32_dw = _common.check_float32_dw(float32_dw, param_dtype, type(self).__name__)
         self.in_features = in_features
         self.out_features = out_features
         self.mask = mask
@@ -135,9 +141,9 @@ class BlockSparseLinear(nnx.Module):
         _common.check_inputs(inputs, layout, type(self).__name__)
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
-        inputs, kernel, bias = dtypes.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        inputs, kernel, bias, compute = _common.promote(inputs, kernel, bias, self.dtype, self.float32_dw)
         if not self.dynamic:
-            return _common.apply(inputs, kernel, bias, layout)
+            return _common.apply(inputs, kernel, bias, layout, compute, self.float32_dw)
         expected = _common.layout_for(self.mask, self.block_size, self.capacity)
         _common.check_dynamic_layout(layout, expected, type(self).__name__)
-        return _probe.linear(inputs, kernel, self.kernel_layout.get_value(), bias)
+        return _probe.linear(inputs, kernel, self.kernel_layout.get_value(), bias, compute, self.float32_dw)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_blocksparse.layout import Layout
+from jax_blocksparse.nn import _common
 from jax_blocksparse.nn import recurrent as _rec
 
 Array = jax.Array
@@ -68,6 +69,8 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
       param_dtype: parameter and carry dtype (default float32).
       carry_init: default initializer of the carry (zeros).
       epsilon: layer-norm epsilon.
+      float32_dw: keep every kernel gradient in float32 when ``dtype`` is 16-bit, as
+        the linen cell's ``float32_dw``. Needs ``param_dtype`` float32.
       rngs: parameter initialisation keys.
     """
 
@@ -95,9 +98,11 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
         carry_init: Initializer | None = None,
         epsilon: float = 1e-5,
         mh_mask: Any = None,
+        float32_dw: bool = False,
         rngs: nnx.Rngs,
     ):
         name = type(self).__name__
+        self.float32_dw = _common.check_float32_dw(float32_dw, param_dtype, name)
         config = _rec.cell_config(
             name, hidden_features, mask, block_size, multiplicative=self.multiplicative,
             internal_steps=internal_steps, step_masks=step_masks, mh_mask=mh_mask, input_mask=input_mask,
@@ -140,7 +145,7 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
 
     def _fns(self, inputs):
         return _rec._Fns(self.config, self.gate_fn, self.activation_fn, self.internal_activation,
-                         _rec.compute_dtype(self.dtype, inputs, self.param_dtype))
+                         _rec.compute_dtype(self.dtype, inputs, self.param_dtype), self.float32_dw)
 
     def _check_inputs(self, inputs):
         if jnp.shape(inputs)[-1:] != (self.in_features,):

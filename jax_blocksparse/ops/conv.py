@@ -76,7 +76,15 @@ import numpy as np
 from jax import lax
 
 from jax_blocksparse.layout import Layout, LayoutTables, check_layout
-from jax_blocksparse.ops.matmul import _as_float_array, _out_dtype, bsmm, from_dense, to_dense
+from jax_blocksparse.ops.matmul import (
+    _as_float_array,
+    _check_float32_dw,
+    _compute_dtype,
+    _out_dtype,
+    bsmm,
+    from_dense,
+    to_dense,
+)
 
 PADDING_STRINGS = ("SAME", "SAME_LOWER", "VALID")
 TRANSPOSE_PADDING_STRINGS = ("SAME", "VALID")
@@ -96,6 +104,8 @@ def bsconv(
     dilation=1,
     input_dilation=1,
     preferred_element_type=None,
+    compute_dtype=None,
+    float32_dw: bool = False,
 ):
     """Block-sparse convolution: ``lax.conv_general_dilated(x, conv_to_dense(w, layout))``.
 
@@ -113,7 +123,12 @@ def bsconv(
       dilation: kernel (rhs) dilation, an int or ``n`` ints >= 1.
       input_dilation: input (lhs) dilation, an int or ``n`` ints >= 1; with any value
         > 1 the padding must be explicit pairs (as in ``lax.conv_general_dilated``).
-      preferred_element_type: output dtype; default the promoted dtype of x and w.
+      preferred_element_type: output dtype; default ``compute_dtype`` if given, else
+        the promoted dtype of x and w.
+      compute_dtype: the dtype both operands are cast to for the products (e.g.
+        bfloat16 with a float32 ``w``); default the promoted dtype of x and w.
+      float32_dw: keep the gradient with respect to a float32 ``w`` in float32, straight
+        from the float32 accumulator of its ``bsmm_updat`` (see :func:`~jax_blocksparse.bsmm`).
 
     Returns:
       [N, *out_spatial, K], with ``out_spatial`` that of ``lax.conv_general_dilated``
@@ -129,14 +144,15 @@ def bsconv(
     layout = check_layout(layout)
     x, w = jnp.asarray(_as_float_array(x, "x")), jnp.asarray(_as_float_array(w, "w"))
     g = _geometry("bsconv", x, w, layout, strides, padding, dilation, input_dilation, transpose=False)
-    out_dtype = _out_dtype(preferred_element_type, x.dtype, w.dtype)
+    prec = _precision("bsconv", x, w, preferred_element_type, compute_dtype, float32_dw)
     out_shape = (x.shape[0], *g.out_spatial, layout.shape[1])
     if _is_empty(out_shape) or _is_empty(x.shape[1:-1]):
-        return jnp.zeros(out_shape, out_dtype)
+        return jnp.zeros(out_shape, prec.out_dtype)
+    x = x.astype(prec.compute_dtype)
     if all(d == 1 for d in g.lhs_dilation) or any(s != 1 for s in g.strides):
-        return _conv_im2col(x, w, layout, g, out_dtype)
+        return _conv_im2col(x, w, layout, g, prec)
     # Input dilation with unit strides is a transposed convolution: skip the zeros.
-    return _conv_col2im(x, w, layout, g, out_dtype, transpose_kernel=False)
+    return _conv_col2im(x, w, layout, g, prec, transpose_kernel=False)
 
 
 def bsconv_transpose(
@@ -149,6 +165,8 @@ def bsconv_transpose(
     dilation=1,
     transpose_kernel: bool = False,
     preferred_element_type=None,
+    compute_dtype=None,
+    float32_dw: bool = False,
 ):
     """Block-sparse transposed (fractionally strided) convolution.
 
@@ -171,7 +189,7 @@ def bsconv_transpose(
       dilation: kernel dilation, an int or ``n`` ints >= 1.
       transpose_kernel: flip the kernel's spatial axes and swap its channel axes,
         as ``lax.conv_transpose`` (the gradient of ``bsconv`` with the same w).
-      preferred_element_type: output dtype; default the promoted dtype of x and w.
+      preferred_element_type, compute_dtype, float32_dw: as in :func:`bsconv`.
 
     Returns:
       [N, *out_spatial, Cy]; ``out_spatial[i] = (spatial[i] - 1) * strides[i] + 1
@@ -183,12 +201,13 @@ def bsconv_transpose(
         "bsconv_transpose", x, w, layout, strides, padding, dilation, 1, transpose=True,
         transpose_kernel=transpose_kernel,
     )
-    out_dtype = _out_dtype(preferred_element_type, x.dtype, w.dtype)
+    prec = _precision("bsconv_transpose", x, w, preferred_element_type, compute_dtype, float32_dw)
     k_out = layout.shape[0] if transpose_kernel else layout.shape[1]
     out_shape = (x.shape[0], *g.out_spatial, k_out)
     if _is_empty(out_shape) or _is_empty(x.shape[1:-1]):
-        return jnp.zeros(out_shape, out_dtype)
-    return _conv_col2im(x, w, layout, g, out_dtype, transpose_kernel=bool(transpose_kernel))
+        return jnp.zeros(out_shape, prec.out_dtype)
+    x = x.astype(prec.compute_dtype)
+    return _conv_col2im(x, w, layout, g, prec, transpose_kernel=bool(transpose_kernel))
 
 
 def conv_to_dense(w, layout: Layout):
@@ -243,13 +262,14 @@ def bsconv_reference(
     dilation=1,
     input_dilation=1,
     preferred_element_type=None,
+    compute_dtype=None,
 ):
     """The definition of :func:`bsconv`: ``lax.conv_general_dilated`` on the dense kernel."""
     layout = check_layout(layout)
     x, w = jnp.asarray(_as_float_array(x, "x")), jnp.asarray(_as_float_array(w, "w"))
     g = _geometry("bsconv_reference", x, w, layout, strides, padding, dilation, input_dilation, transpose=False)
-    out_dtype = _out_dtype(preferred_element_type, x.dtype, w.dtype)
-    common = jnp.promote_types(x.dtype, w.dtype)
+    common = _compute_dtype(compute_dtype, x.dtype, w.dtype)
+    out_dtype = _out_dtype(preferred_element_type, common)
     y = lax.conv_general_dilated(
         x.astype(common),
         conv_to_dense(w, layout).astype(common),
@@ -274,6 +294,7 @@ def bsconv_transpose_reference(
     dilation=1,
     transpose_kernel: bool = False,
     preferred_element_type=None,
+    compute_dtype=None,
 ):
     """The definition of :func:`bsconv_transpose`: ``lax.conv_transpose`` on the dense kernel."""
     layout = check_layout(layout)
@@ -282,8 +303,8 @@ def bsconv_transpose_reference(
         "bsconv_transpose_reference", x, w, layout, strides, padding, dilation, 1, transpose=True,
         transpose_kernel=transpose_kernel,
     )
-    out_dtype = _out_dtype(preferred_element_type, x.dtype, w.dtype)
-    common = jnp.promote_types(x.dtype, w.dtype)
+    common = _compute_dtype(compute_dtype, x.dtype, w.dtype)
+    out_dtype = _out_dtype(preferred_element_type, common)
     y = lax.conv_transpose(
         x.astype(common),
         conv_to_dense(w, layout).astype(common),
@@ -312,6 +333,20 @@ class _Geometry(NamedTuple):
     lhs_dilation: tuple[int, ...]
     rhs_dilation: tuple[int, ...]
     out_spatial: tuple[int, ...]
+
+
+class _Precision(NamedTuple):
+    """The dtypes of one call: the products' inputs, the output, and float32_dw."""
+
+    compute_dtype: np.dtype
+    out_dtype: np.dtype
+    float32_dw: bool
+
+
+def _precision(op, x, w, preferred_element_type, compute_dtype, float32_dw) -> _Precision:
+    compute = _compute_dtype(compute_dtype, x.dtype, w.dtype)
+    out_dtype = _out_dtype(preferred_element_type, compute, name="preferred_element_type")
+    return _Precision(compute, out_dtype, _check_float32_dw(op, float32_dw, w, compute))
 
 
 def _dimension_numbers(ndim: int):
@@ -558,7 +593,12 @@ def _tap_offsets(kernel_size):
     return list(itertools.product(*(range(k) for k in kernel_size)))
 
 
-def _conv_im2col(x, w, layout: Layout, g: _Geometry, out_dtype):
+def _weight_for_products(w, prec: _Precision):
+    """w as the products take it: float32 (master) with float32_dw, else in the compute dtype."""
+    return w if prec.float32_dw else w.astype(prec.compute_dtype)
+
+
+def _conv_im2col(x, w, layout: Layout, g: _Geometry, prec: _Precision):
     """y = bsmm(x_col, W_rows): one fprop over the tap-stacked layout."""
     n, c = x.shape[0], x.shape[-1]
     bs, taps = layout.block_size, math.prod(g.kernel_size)
@@ -573,11 +613,14 @@ def _conv_im2col(x, w, layout: Layout, g: _Geometry, out_dtype):
     cols = jnp.stack(windows, axis=-2)  # [N, *out, T, C]
     cols = cols.reshape(*lead, taps, c // bs, bs).swapaxes(-3, -2).reshape(*lead, taps * c)  # [.., CB, T, bs]
     stacked, _ = stack_taps(layout, taps, axis=0)
-    w_rows = w.reshape(layout.capacity * taps, bs, bs)
-    return bsmm(cols, w_rows, stacked, preferred_element_type=out_dtype)
+    w_rows = _weight_for_products(w, prec).reshape(layout.capacity * taps, bs, bs)
+    return bsmm(
+        cols, w_rows, stacked, preferred_element_type=prec.out_dtype, compute_dtype=prec.compute_dtype,
+        float32_dw=prec.float32_dw,
+    )
 
 
-def _conv_col2im(x, w, layout: Layout, g: _Geometry, out_dtype, *, transpose_kernel: bool):
+def _conv_col2im(x, w, layout: Layout, g: _Geometry, prec: _Precision, *, transpose_kernel: bool):
     """y = sum over taps of (x @ W_tap) added at stride ``lhs_dilation``: col2im.
 
     Computes ``conv_general_dilated(x, W, 1, pads, lhs_dilation, rhs_dilation)``
@@ -586,17 +629,19 @@ def _conv_col2im(x, w, layout: Layout, g: _Geometry, out_dtype, *, transpose_ker
     """
     bs, taps = layout.block_size, math.prod(g.kernel_size)
     lead = x.shape[:-1]
+    w = _weight_for_products(w, prec)
+    dtypes = dict(preferred_element_type=jnp.float32, compute_dtype=prec.compute_dtype, float32_dw=prec.float32_dw)
     if transpose_kernel:
         # P[..., t, :] = x @ W_t.T: bprop over the row-stacked layout.
         stacked, _ = stack_taps(layout, taps, axis=0)
         w_rows = w.reshape(layout.capacity * taps, bs, bs)
-        prod = bsmm(x, w_rows, stacked, transpose=True, preferred_element_type=jnp.float32)
+        prod = bsmm(x, w_rows, stacked, transpose=True, **dtypes)
         k_out = layout.shape[0]
     else:
         # P[..., t, :] = x @ W_t: fprop over the column-stacked layout.
         stacked, source = stack_taps(layout, taps, axis=1)
         w_cols = w.reshape(layout.capacity * taps, bs, bs).at[source].get(unique_indices=True)
-        prod = bsmm(x, w_cols, stacked, preferred_element_type=jnp.float32)
+        prod = bsmm(x, w_cols, stacked, **dtypes)
         k_out = layout.shape[1]
     prod = prod.reshape(*lead, k_out // bs, taps, bs).swapaxes(-3, -2).reshape(*lead, taps, k_out)
     zero = jnp.zeros((), prod.dtype)
@@ -610,4 +655,4 @@ def _conv_col2im(x, w, layout: Layout, g: _Geometry, out_dtype, *, transpose_ker
         config.append((0, 0, 0))
         term = lax.pad(prod[..., index, :], zero, config)
         y = term if y is None else y + term
-    return y.astype(out_dtype)
+    return y.astype(prec.out_dtype)

@@ -16,6 +16,30 @@ and transpose rules close over this set: grad, jvp, jacfwd, hessian and
 linear_transpose need nothing else. Products accumulate in float32; the output
 dtype is the ``out_dtype`` parameter.
 
+Mixed precision and float32 weight gradients
+--------------------------------------------
+``bsmm(x, w, layout, compute_dtype=jnp.bfloat16)`` multiplies in bfloat16 (float32
+accumulation) whatever the dtypes of x and w. Autodiff of that cast-then-multiply
+rounds the weight gradient to bfloat16 (the transpose of fprop gives the cotangent of
+its bfloat16 weight operand) before the cast's transpose widens it back. With
+``float32_dw=True`` and a float32 ``w`` the gradient is instead the float32
+accumulator itself: ``bsmm_updat(x16, dy16, out_dtype=float32)``. How, with every
+primitive still bound with two operands of one dtype:
+
+* a ``jax.custom_jvp`` (:func:`_f32_dw_product`) keeps the primal product in 16 bits
+  and writes the tangent with respect to w as ``prim(x16 widened to f32, tw, lhs_dtype=
+  bf16)``: a float32 bind, so its transpose returns a float32 cotangent for w;
+* the primitives' ``lhs_dtype`` parameter records that their lhs holds widened 16-bit
+  values. When the output dtype is that same 16-bit dtype (so the incoming cotangent
+  is 16-bit too), the transpose for the weight narrows both operands back losslessly
+  and binds ``bsmm_updat`` with 16-bit operands and ``out_dtype=float32``: the native
+  kernels' own form. Only transpose rules read ``lhs_dtype``; the lowerings ignore it.
+
+Under ``jax.grad`` every bind is then 16-bit x 16-bit (fprop, bprop: 16-bit out;
+updat: float32 out). Under ``jax.jvp`` the weight tangent's product runs in float32.
+The same holds under ``vmap`` and ``jit`` (custom_jvp and the batching rule keep the
+parameter).
+
 Order of this module: public functions, shape rules, references, primitives and
 abstract eval, lowerings, batching, JVP, transpose, registration.
 """
@@ -29,6 +53,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
@@ -44,7 +69,16 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # ---------------------------------------------------------------------------------
 
 
-def bsmm(x, w, layout: Layout, *, transpose: bool = False, preferred_element_type=None):
+def bsmm(
+    x,
+    w,
+    layout: Layout,
+    *,
+    transpose: bool = False,
+    preferred_element_type=None,
+    compute_dtype=None,
+    float32_dw: bool = False,
+):
     """Block-sparse matmul: ``x @ to_dense(w, layout)`` (or ``@ ...T``), blocks only.
 
     Args:
@@ -52,7 +86,14 @@ def bsmm(x, w, layout: Layout, *, transpose: bool = False, preferred_element_typ
       w: [capacity, bs, bs], the stored blocks (``layout.w_shape``).
       layout: the :class:`Layout` of ``w``; W is [C, K] = ``layout.shape``.
       transpose: multiply by W.T instead of W.
-      preferred_element_type: output dtype; default the promoted dtype of x and w.
+      preferred_element_type: output dtype; default ``compute_dtype`` if given, else
+        the promoted dtype of x and w.
+      compute_dtype: the dtype both operands are cast to for the product (e.g.
+        bfloat16 with float32 ``w``); default the promoted dtype of x and w.
+      float32_dw: keep the gradient with respect to ``w`` in float32: computed from
+        the float32 accumulator of ``bsmm_updat(x, dy, out_dtype=float32)`` instead of
+        being rounded to ``compute_dtype`` and widened (see the module docstring).
+        Needs a float32 ``w``; no effect when ``compute_dtype`` is float32.
 
     Returns:
       [..., K] (or [..., C] with ``transpose=True``). Products are accumulated in
@@ -75,9 +116,13 @@ def bsmm(x, w, layout: Layout, *, transpose: bool = False, preferred_element_typ
             f"bsmm: x must have shape [..., {name}={expected}] for a layout of shape "
             f"{layout.shape}{' (transpose=True)' if transpose else ''}, got x {x.shape}"
         )
-    out_dtype = _out_dtype(preferred_element_type, x.dtype, w.dtype, name="preferred_element_type")
+    compute = _compute_dtype(compute_dtype, x.dtype, w.dtype)
+    out_dtype = _out_dtype(preferred_element_type, compute, name="preferred_element_type")
     prim = bsmm_bprop_p if transpose else bsmm_fprop_p
-    return _bind(prim, x, w, layout.tables, layout.block_size, out_dtype)
+    if _check_float32_dw("bsmm", float32_dw, w, compute):
+        static = (prim, layout.block_size, compute, out_dtype, config.get_implementation())
+        return _f32_dw_product(static, x, w, layout.tables)
+    return _bind(prim, x.astype(compute), w.astype(compute), layout.tables, layout.block_size, out_dtype)
 
 
 def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None):
@@ -145,13 +190,15 @@ def to_dense(w, layout: Layout):
     return blocks.transpose(0, 2, 1, 3).reshape(cb * bs, kb * bs)
 
 
-def bsmm_reference(x, w, layout: Layout, *, transpose: bool = False, preferred_element_type=None):
+def bsmm_reference(x, w, layout: Layout, *, transpose: bool = False, preferred_element_type=None, compute_dtype=None):
     """The definition of :func:`bsmm` as a dense product (for tests and debugging)."""
+    x = jnp.asarray(x)
     W = to_dense(w, layout)
-    out_dtype = _out_dtype(preferred_element_type, jnp.asarray(x).dtype, W.dtype, name="preferred_element_type")
+    compute = _compute_dtype(compute_dtype, x.dtype, W.dtype)
+    out_dtype = _out_dtype(preferred_element_type, compute, name="preferred_element_type")
     if transpose:
         W = W.T
-    return jnp.matmul(x, W, preferred_element_type=jnp.float32).astype(out_dtype)
+    return jnp.matmul(x.astype(compute), W.astype(compute), preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 # ---------------------------------------------------------------------------------
@@ -179,11 +226,30 @@ def _check_w(w, layout: Layout):
 def _out_dtype(requested, *input_dtypes, name="out_dtype"):
     """The requested output dtype (``name`` is the argument, for the error), else the promoted one."""
     if requested is None:
-        return np.dtype(jnp.promote_types(*input_dtypes))
+        return np.dtype(functools.reduce(jnp.promote_types, input_dtypes))
     dtype = np.dtype(requested)
     if not any(dtype == np.dtype(d) for d in SUPPORTED_DTYPES):
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype}")
     return dtype
+
+
+def _compute_dtype(requested, *input_dtypes):
+    """``compute_dtype`` checked (a supported float dtype), else the promoted input dtype."""
+    return _out_dtype(requested, *input_dtypes, name="compute_dtype")
+
+
+def _check_float32_dw(op: str, float32_dw, w, compute) -> bool:
+    """Validates ``float32_dw``; True when the float32-dW product is needed."""
+    if not isinstance(float32_dw, (bool, np.bool_)):
+        raise TypeError(f"{op}: float32_dw must be a bool, got {float32_dw!r}")
+    if not float32_dw:
+        return False
+    if np.dtype(w.dtype) != np.dtype(np.float32):
+        raise ValueError(
+            f"{op}: float32_dw=True needs a float32 w (its gradient has w's dtype), got w "
+            f"{np.dtype(w.dtype)} with shape {tuple(w.shape)}"
+        )
+    return np.dtype(compute) != np.dtype(np.float32)
 
 
 def _grid_of(tables: LayoutTables):
@@ -238,7 +304,7 @@ def _fprop_like(lhs, w, gather_idx, scatter_idx, num_in, num_out, block_size, ou
     return out.transpose(1, 0, 2).reshape(*lead, num_out * block_size).astype(out_dtype)
 
 
-def bsmm_fprop_reference(x, w, *tables, block_size, out_dtype, impl="auto", parts=1):
+def bsmm_fprop_reference(x, w, *tables, block_size, out_dtype, impl="auto", lhs_dtype=None, parts=1):
     """y[..., k] = sum over slots s in column k of x[..., rows[s]] @ w[s]."""
     t = LayoutTables(*tables)
     cb, kb = _grid_of(t)
@@ -246,7 +312,7 @@ def bsmm_fprop_reference(x, w, *tables, block_size, out_dtype, impl="auto", part
     return _fprop_like(x, w, t.block_rows, cols, cb, kb, block_size, out_dtype, False, parts)
 
 
-def bsmm_bprop_reference(g, w, *tables, block_size, out_dtype, impl="auto", parts=1):
+def bsmm_bprop_reference(g, w, *tables, block_size, out_dtype, impl="auto", lhs_dtype=None, parts=1):
     """dx[..., c] = sum over slots s in row c of g[..., cols[s]] @ w[s].T."""
     t = LayoutTables(*tables)
     cb, kb = _grid_of(t)
@@ -254,7 +320,7 @@ def bsmm_bprop_reference(g, w, *tables, block_size, out_dtype, impl="auto", part
     return _fprop_like(g, w, t.block_cols, rows, kb, cb, block_size, out_dtype, True, parts)
 
 
-def bsmm_updat_reference(x, dy, *tables, block_size, out_dtype, impl="auto", parts=1):
+def bsmm_updat_reference(x, dy, *tables, block_size, out_dtype, impl="auto", lhs_dtype=None, parts=1):
     """dw[s] = x[..., rows[s]].T @ dy[..., cols[s]] over all leading dims; 0 at padding."""
     t = LayoutTables(*tables)
     cb, kb = _grid_of(t)
@@ -310,18 +376,25 @@ def _match_varying_axes(operands):
     ]
 
 
-def _bind(prim, a, b, tables, block_size, out_dtype, impl=None):
-    """Binds ``prim`` with both float operands cast to their common dtype."""
+def _bind(prim, a, b, tables, block_size, out_dtype, impl=None, lhs_dtype=None):
+    """Binds ``prim`` with both float operands cast to their common dtype.
+
+    Parameters of all three primitives: ``block_size``; ``out_dtype``; ``impl`` (see
+    :mod:`jax_blocksparse.config`); ``lhs_dtype``: None, or (fprop and bprop only) a
+    16-bit dtype whose values the float32 lhs holds exactly (see the module docstring;
+    read only by the transpose rule).
+    """
     common = jnp.promote_types(a.dtype, b.dtype)
     return prim.bind(
         *mark_partitioned(_match_varying_axes([a.astype(common), b.astype(common), *tables])),
         block_size=block_size,
         out_dtype=np.dtype(out_dtype),
         impl=config.get_implementation() if impl is None else impl,
+        lhs_dtype=None if lhs_dtype is None else np.dtype(lhs_dtype),
     )
 
 
-def _abstract_eval(prim_name, a, b, *tables, block_size, out_dtype, impl):
+def _abstract_eval(prim_name, a, b, *tables, block_size, out_dtype, impl, lhs_dtype):
     out_shape = _operand_shapes(prim_name, a, b, LayoutTables(*tables), block_size)
     return a.update(shape=out_shape, dtype=out_dtype, weak_type=False)
 
@@ -409,8 +482,8 @@ def _unfold_features(a, nb):
 
 
 def _batch_rule(prim):
-    def rule(args, dims, *, block_size, out_dtype, impl):
-        params = dict(block_size=block_size, out_dtype=out_dtype, impl=impl)
+    def rule(args, dims, *, block_size, out_dtype, impl, lhs_dtype):
+        params = dict(block_size=block_size, out_dtype=out_dtype, impl=impl, lhs_dtype=lhs_dtype)
         a, b, *tables = args
         a_dim, b_dim, *table_dims = dims
         others_batched = any(d is not None for d in [b_dim, *table_dims])
@@ -442,20 +515,57 @@ def _batch_rule(prim):
 
 
 def _jvp_rule(prim):
-    def rule(primals, tangents, *, block_size, out_dtype, impl):
+    def rule(primals, tangents, *, block_size, out_dtype, impl, lhs_dtype):
         a, b, *tables = primals
         ta, tb = tangents[:2]
-        out = prim.bind(a, b, *tables, block_size=block_size, out_dtype=out_dtype, impl=impl)
+        out = prim.bind(a, b, *tables, block_size=block_size, out_dtype=out_dtype, impl=impl, lhs_dtype=lhs_dtype)
         terms = []
+        # A tangent of a widened 16-bit lhs is widened 16-bit too: lhs_dtype carries over.
         if type(ta) is not ad.Zero:
-            terms.append(_bind(prim, ta, b, tables, block_size, out_dtype, impl))
+            terms.append(_bind(prim, ta, b, tables, block_size, out_dtype, impl, lhs_dtype))
         if type(tb) is not ad.Zero:
-            terms.append(_bind(prim, a, tb, tables, block_size, out_dtype, impl))
+            terms.append(_bind(prim, a, tb, tables, block_size, out_dtype, impl, lhs_dtype))
         if not terms:
             return out, ad.Zero.from_primal_value(out)
         return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
     return rule
+
+
+# float32 weight gradients of a 16-bit product (bsmm's float32_dw; module docstring).
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _f32_dw_product(static, x, w, tables):
+    """``prim(x, w)`` computed in 16 bits whose derivative in float32 ``w`` stays float32.
+
+    ``static = (prim, block_size, compute_dtype, out_dtype, impl)`` with prim fprop or
+    bprop and a 16-bit compute dtype; ``w`` is float32; ``tables`` the LayoutTables.
+    """
+    prim, block_size, compute, out_dtype, impl = static
+    return _bind(prim, x.astype(compute), w.astype(compute), tables, block_size, out_dtype, impl)
+
+
+def _f32_dw_product_jvp(static, primals, tangents):
+    prim, block_size, compute, out_dtype, impl = static
+    x, w, tables = primals
+    tx, tw, _ = tangents
+    xc, wc = x.astype(compute), w.astype(compute)
+    y = _bind(prim, xc, wc, tables, block_size, out_dtype, impl)
+    terms = []
+    if not isinstance(tx, SymbolicZero):
+        terms.append(_bind(prim, tx.astype(compute), wc, tables, block_size, out_dtype, impl))
+    if not isinstance(tw, SymbolicZero):
+        # A float32 bind (the widening of xc is exact), so the transpose for tw is
+        # float32; lhs_dtype lets it run as bsmm_updat(x16, dy16, out_dtype=float32).
+        lhs = xc.astype(tw.dtype)
+        terms.append(_bind(prim, lhs, tw, tables, block_size, out_dtype, impl, lhs_dtype=compute))
+    if not terms:
+        return y, jnp.zeros_like(y)
+    return y, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+
+_f32_dw_product.defjvp(_f32_dw_product_jvp, symbolic_zeros=True)
 
 
 # ---------------------------------------------------------------------------------
@@ -476,7 +586,7 @@ _TRANSPOSES = {
 def _transpose_rule(prim):
     ct_a_rule, ct_b_rule = _TRANSPOSES[prim.name]
 
-    def rule(ct, a, b, *tables, block_size, out_dtype, impl):
+    def rule(ct, a, b, *tables, block_size, out_dtype, impl, lhs_dtype):
         if any(ad.is_undefined_primal(t) for t in tables):
             raise ValueError(f"{prim.name}: the layout tables are not differentiable")
         none_for_tables = [None] * len(tables)
@@ -488,6 +598,10 @@ def _transpose_rule(prim):
             ct_a = _bind(p, lhs, rhs, tables, block_size, a.aval.dtype, impl)
         if ad.is_undefined_primal(b):
             p, lhs, rhs = ct_b_rule(ct, a, b)
+            if lhs_dtype is not None and np.dtype(ct.dtype) == lhs_dtype and not ad.is_undefined_primal(a):
+                # Both operands of the weight's updat (the lhs and ct) hold lhs_dtype values:
+                # narrow them losslessly and accumulate straight into b's float32.
+                lhs, rhs = lhs.astype(lhs_dtype), rhs.astype(lhs_dtype)
             ct_b = _bind(p, lhs, rhs, tables, block_size, b.aval.dtype, impl)
         return [ct_a, ct_b, *none_for_tables]
 

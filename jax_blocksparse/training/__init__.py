@@ -1,5 +1,7 @@
 """Dynamic sparse training: the layout is learned, every step stays block-sparse.
 
+(Also here: dynamic loss scaling for float16 training, :mod:`.loss_scale`.)
+
 Block-level versions of sparse momentum, RigL, SET, gradual magnitude pruning and
 a static-sparse baseline, with layer budgets (uniform, ERK). Layouts live beside
 the params (a linen "layout" variable collection, or any pytree of
@@ -52,6 +54,13 @@ from jax_blocksparse.training.budgets import (
     uniform_densities,
 )
 from jax_blocksparse.training.log import LayoutChangeLog, format_log, log_rows
+from jax_blocksparse.training.loss_scale import (
+    LossScaleState,
+    all_finite,
+    dynamic_loss_scaling,
+    loss_scale,
+    scale_loss,
+)
 from jax_blocksparse.training.methods import (
     METHODS,
     SET,
@@ -76,18 +85,21 @@ __all__ = [
     "DynamicSparsity",
     "LayerPlan",
     "LayoutChangeLog",
+    "LossScaleState",
     "MagnitudePruning",
     "ProbedLayout",
     "RigL",
     "SparseMomentum",
     "SparsityUpdate",
     "StaticSparse",
+    "all_finite",
     "allocate_blocks",
     "annealed_fraction",
     "block_magnitude",
     "cosine_decay",
     "cubic_density",
     "dense_grads",
+    "dynamic_loss_scaling",
     "erk_densities",
     "format_log",
     "get_method",
@@ -95,6 +107,7 @@ __all__ = [
     "grid_view",
     "is_layout",
     "log_rows",
+    "loss_scale",
     "named_layouts",
     "nnx_dense_grads",
     "nnx_update",
@@ -103,6 +116,7 @@ __all__ = [
     "redistribute",
     "remap_blocks",
     "remap_tree",
+    "scale_loss",
     "slot_map",
     "uniform_densities",
     "unwrap",

@@ -93,12 +93,15 @@ def _probe_bwd(grid, block_size, residuals, dy):
 probe_product.defvjp(_probe_fwd, _probe_bwd)
 
 
-def linear(inputs, kernel, layout_like, bias=None):
-    """``bsmm(inputs, kernel, layout) + bias``, plus the probe term for a ProbedLayout."""
+def linear(inputs, kernel, layout_like, bias=None, compute_dtype=None, float32_dw: bool = False):
+    """``bsmm(inputs, kernel, layout) + bias``, plus the probe term for a ProbedLayout.
+
+    ``compute_dtype`` and ``float32_dw`` are passed to :func:`~jax_blocksparse.bsmm`.
+    """
     from jax_blocksparse.ops.matmul import bsmm
 
     layout, probe = unwrap(layout_like)
-    y = bsmm(inputs, kernel, layout)
+    y = bsmm(inputs, kernel, layout, compute_dtype=compute_dtype, float32_dw=float32_dw)
     if probe is not None:
         y = y + probe_product(inputs, probe, layout.grid, layout.block_size).astype(y.dtype)
     if bias is not None:
