@@ -56,6 +56,39 @@ xla::ffi::Error CheckSdd(const char* op, const xla::ffi::AnyBuffer& x, const xla
                          const xla::ffi::AnyBuffer& row_slots, xla::ffi::AnyBuffer& dw,
                          KernelDtypes* dtypes, SddParams* p, std::string* shapes);
 
+// The operands of the targets, bound in the order documented above, after the
+// platform's context (CUDA: the stream; CPU: XLA's thread pool).
+template <typename Ctx>
+auto BindDsd() {  // fprop and bprop
+  using xla::ffi::AnyBuffer;
+  return xla::ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<AnyBuffer>()   // lhs: x [N..., C] (fprop) or g [N..., K] (bprop)
+      .template Arg<AnyBuffer>()   // w [cap, bs, bs]
+      .template Arg<AnyBuffer>()   // block_rows [cap]
+      .template Arg<AnyBuffer>()   // block_cols [cap]
+      .template Arg<AnyBuffer>()   // col_ptr [KB + 1]
+      .template Arg<AnyBuffer>()   // row_ptr [CB + 1]
+      .template Arg<AnyBuffer>()   // row_slots [cap]
+      .template Arg<AnyBuffer>()   // order [KB] (fprop) or [CB] (bprop), longest first
+      .template Ret<AnyBuffer>();  // y [N..., K] (fprop) or dx [N..., C] (bprop)
+}
+
+template <typename Ctx>
+auto BindSdd() {  // updat
+  using xla::ffi::AnyBuffer;
+  return xla::ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<AnyBuffer>()   // x [N..., C]
+      .template Arg<AnyBuffer>()   // dy [N..., K]
+      .template Arg<AnyBuffer>()   // block_rows [cap]
+      .template Arg<AnyBuffer>()   // block_cols [cap]
+      .template Arg<AnyBuffer>()   // col_ptr [KB + 1]
+      .template Arg<AnyBuffer>()   // row_ptr [CB + 1] (unused)
+      .template Arg<AnyBuffer>()   // row_slots [cap] (unused)
+      .template Ret<AnyBuffer>();  // dw [cap, bs, bs]
+}
+
 // Whether a checked problem has no output element (nothing to launch).
 inline bool IsEmpty(const DsdParams& p) { return p.n == 0 || p.nseg == 0; }
 inline bool IsEmpty(const SddParams& p) { return p.cap == 0; }

@@ -106,44 +106,10 @@ ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
 }  // namespace
 }  // namespace jbs
 
-// Bindings. Every argument is bound in operand order; comments name what it holds.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmFpropCuda, jbs::FpropImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()  // x [N..., C]
-                                  .Arg<ffi::AnyBuffer>()  // w [cap, bs, bs]
-                                  .Arg<ffi::AnyBuffer>()  // block_rows [cap]
-                                  .Arg<ffi::AnyBuffer>()  // block_cols [cap]
-                                  .Arg<ffi::AnyBuffer>()  // col_ptr [KB + 1]
-                                  .Arg<ffi::AnyBuffer>()  // row_ptr [CB + 1]
-                                  .Arg<ffi::AnyBuffer>()  // row_slots [cap]
-                                  .Arg<ffi::AnyBuffer>()  // order [KB]: columns longest first
-                                  .Ret<ffi::AnyBuffer>(),  // y [N..., K]
+// Bindings: the shared operand lists (bsmm_checks.h) after XLA's compute stream.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmFpropCuda, jbs::FpropImpl, jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>(),
                               {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmBpropCuda, jbs::BpropImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()  // g [N..., K]
-                                  .Arg<ffi::AnyBuffer>()  // w [cap, bs, bs]
-                                  .Arg<ffi::AnyBuffer>()  // block_rows [cap]
-                                  .Arg<ffi::AnyBuffer>()  // block_cols [cap]
-                                  .Arg<ffi::AnyBuffer>()  // col_ptr [KB + 1]
-                                  .Arg<ffi::AnyBuffer>()  // row_ptr [CB + 1]
-                                  .Arg<ffi::AnyBuffer>()  // row_slots [cap]
-                                  .Arg<ffi::AnyBuffer>()  // order [CB]: rows longest first
-                                  .Ret<ffi::AnyBuffer>(),  // dx [N..., C]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmBpropCuda, jbs::BpropImpl, jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>(),
                               {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmUpdatCuda, jbs::UpdatImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()  // x [N..., C]
-                                  .Arg<ffi::AnyBuffer>()  // dy [N..., K]
-                                  .Arg<ffi::AnyBuffer>()  // block_rows [cap]
-                                  .Arg<ffi::AnyBuffer>()  // block_cols [cap]
-                                  .Arg<ffi::AnyBuffer>()  // col_ptr [KB + 1]
-                                  .Arg<ffi::AnyBuffer>()  // row_ptr [CB + 1] (unused)
-                                  .Arg<ffi::AnyBuffer>()  // row_slots [cap] (unused)
-                                  .Ret<ffi::AnyBuffer>(),  // dw [cap, bs, bs]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmUpdatCuda, jbs::UpdatImpl, jbs::BindSdd<ffi::PlatformStream<cudaStream_t>>(),
                               {ffi::Traits::kCmdBufferCompatible});

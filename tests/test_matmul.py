@@ -35,9 +35,13 @@ import jax_blocksparse as jbs
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-@pytest.fixture(autouse=True, params=["kernels", "reference"])
+@pytest.fixture(autouse=True, scope="module", params=["kernels", "reference"])
 def implementation(request):
-    """Runs the test on the CPU kernels and on the reference lowering."""
+    """Runs the module on the CPU kernels and on the reference lowering.
+
+    Module scope: pytest runs every test of one implementation before switching, and
+    each switch clears JAX's caches (see jbs.config), so compiled functions stay cached
+    between the tests of one implementation."""
     if request.param == "kernels":
         require_kernels("cpu")
     with jbs.config.implementation(request.param):

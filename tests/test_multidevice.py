@@ -140,7 +140,7 @@ _opaque_p = Primitive("bsmm_fprop")
 _opaque_p.def_abstract_eval(lambda *args, **params: matmul.bsmm_fprop_p.abstract_eval(*args, **params)[0])
 
 
-def _opaque_rule(ctx, *operands, block_size, out_dtype, impl):
+def _opaque_rule(ctx, *operands, block_size, out_dtype, impl, lhs_dtype=None):
     (out,) = ctx.avals_out
 
     def host(x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots):  # numpy only
@@ -158,7 +158,7 @@ def _opaque_rule(ctx, *operands, block_size, out_dtype, impl):
 
 def _bind_opaque(x, w, layout):
     return _opaque_p.bind(*mark_partitioned([x, w, *layout.tables]), block_size=layout.block_size,
-                          out_dtype=np.dtype(F32), impl="reference")
+                          out_dtype=np.dtype(F32), impl="reference", lhs_dtype=None)
 
 
 @pytest.mark.parametrize("with_rule", [True, False])

@@ -68,7 +68,7 @@ cpu::Parallel OnPool(ffi::ThreadPool& pool) {
 }
 
 ffi::Error Unsupported(const char* op, const std::string& shapes) {
-  return ffi::Error::InvalidArgument(std::string(op) + ": no CPU kernel for " + shapes);
+  return ffi::Error::Internal(std::string(op) + ": no CPU kernel for this block size, or no memory for its scratch buffers; " + shapes);
 }
 
 ffi::Error DsdImpl(const char* op, bool transpose, ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer w,
@@ -122,42 +122,7 @@ ffi::Error UpdatImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy, 
 }  // namespace
 }  // namespace jbs
 
-// Bindings: the operands of the CUDA targets (bsmm_cuda_handlers.cc), with XLA's
-// intra-op thread pool in place of the stream.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmFpropCpu, jbs::FpropImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x [N..., C]
-                                  .Arg<ffi::AnyBuffer>()  // w [cap, bs, bs]
-                                  .Arg<ffi::AnyBuffer>()  // block_rows [cap]
-                                  .Arg<ffi::AnyBuffer>()  // block_cols [cap]
-                                  .Arg<ffi::AnyBuffer>()  // col_ptr [KB + 1]
-                                  .Arg<ffi::AnyBuffer>()  // row_ptr [CB + 1]
-                                  .Arg<ffi::AnyBuffer>()  // row_slots [cap]
-                                  .Arg<ffi::AnyBuffer>()  // order [KB]: columns longest first
-                                  .Ret<ffi::AnyBuffer>());  // y [N..., K]
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmBpropCpu, jbs::BpropImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // g [N..., K]
-                                  .Arg<ffi::AnyBuffer>()  // w [cap, bs, bs]
-                                  .Arg<ffi::AnyBuffer>()  // block_rows [cap]
-                                  .Arg<ffi::AnyBuffer>()  // block_cols [cap]
-                                  .Arg<ffi::AnyBuffer>()  // col_ptr [KB + 1]
-                                  .Arg<ffi::AnyBuffer>()  // row_ptr [CB + 1]
-                                  .Arg<ffi::AnyBuffer>()  // row_slots [cap]
-                                  .Arg<ffi::AnyBuffer>()  // order [CB]: rows longest first
-                                  .Ret<ffi::AnyBuffer>());  // dx [N..., C]
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmUpdatCpu, jbs::UpdatImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x [N..., C]
-                                  .Arg<ffi::AnyBuffer>()  // dy [N..., K]
-                                  .Arg<ffi::AnyBuffer>()  // block_rows [cap]
-                                  .Arg<ffi::AnyBuffer>()  // block_cols [cap]
-                                  .Arg<ffi::AnyBuffer>()  // col_ptr [KB + 1]
-                                  .Arg<ffi::AnyBuffer>()  // row_ptr [CB + 1] (unused)
-                                  .Arg<ffi::AnyBuffer>()  // row_slots [cap] (unused)
-                                  .Ret<ffi::AnyBuffer>());  // dw [cap, bs, bs]
+// Bindings: the shared operand lists (bsmm_checks.h) after XLA's intra-op thread pool.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmFpropCpu, jbs::FpropImpl, jbs::BindDsd<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmBpropCpu, jbs::BpropImpl, jbs::BindDsd<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmUpdatCpu, jbs::UpdatImpl, jbs::BindSdd<ffi::ThreadPool>());

@@ -266,9 +266,25 @@ struct Buffer {
   }
 };
 
+constexpr int kCallerBuffers = 3;
+// Larger buffers are freed at the end of each call, so that a thread keeps at most a
+// few tens of MiB between calls.
+constexpr int64_t kKeepFloats = int64_t{8} << 20;  // 32 MiB
+
 Buffer& CallerBuffer(int which) {
-  static thread_local Buffer buffers[3];
+  static thread_local Buffer buffers[kCallerBuffers];
   return buffers[which];
+}
+
+void ReleaseLargeBuffers() {
+  for (int i = 0; i < kCallerBuffers; ++i) {
+    Buffer& b = CallerBuffer(i);
+    if (b.floats > kKeepFloats) {
+      std::free(b.data);
+      b.data = nullptr;
+      b.floats = 0;
+    }
+  }
 }
 
 // Widens rows [row0, row0 + rows) of block `block` of src [n, blocks * BS] into
@@ -493,14 +509,17 @@ bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const 
   job.out = out_f32 ? DType::kF32 : in;
   job.transpose_w = transpose_w;
   job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
+  bool ok = false;
   switch (p.bs) {
-    case 8: return RunDsdBlock<8>(job, par);
-    case 16: return RunDsdBlock<16>(job, par);
-    case 32: return RunDsdBlock<32>(job, par);
-    case 64: return RunDsdBlock<64>(job, par);
-    case 128: return RunDsdBlock<128>(job, par);
-    default: return false;
+    case 8: ok = RunDsdBlock<8>(job, par); break;
+    case 16: ok = RunDsdBlock<16>(job, par); break;
+    case 32: ok = RunDsdBlock<32>(job, par); break;
+    case 64: ok = RunDsdBlock<64>(job, par); break;
+    case 128: ok = RunDsdBlock<128>(job, par); break;
+    default: break;
   }
+  ReleaseLargeBuffers();
+  return ok;
 }
 
 bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
@@ -509,14 +528,17 @@ bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
   job.in = in;
   job.out = out_f32 ? DType::kF32 : in;
   job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
+  bool ok = false;
   switch (p.bs) {
-    case 8: return RunSddBlock<8>(job, par);
-    case 16: return RunSddBlock<16>(job, par);
-    case 32: return RunSddBlock<32>(job, par);
-    case 64: return RunSddBlock<64>(job, par);
-    case 128: return RunSddBlock<128>(job, par);
-    default: return false;
+    case 8: ok = RunSddBlock<8>(job, par); break;
+    case 16: ok = RunSddBlock<16>(job, par); break;
+    case 32: ok = RunSddBlock<32>(job, par); break;
+    case 64: ok = RunSddBlock<64>(job, par); break;
+    case 128: ok = RunSddBlock<128>(job, par); break;
+    default: break;
   }
+  ReleaseLargeBuffers();
+  return ok;
 }
 
 }  // namespace JBS_CPU_ISA

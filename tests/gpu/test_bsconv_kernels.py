@@ -29,7 +29,7 @@ GEOMETRIES = [
 @pytest.fixture(scope="module", autouse=True)
 def _need_kernels():
     if not jbs.has_cuda_kernels():
-        pytest.fail(f"GPU present but the CUDA extension is not loaded: {jbs._native.load_error("cuda")}")
+        pytest.fail(f"GPU present but the CUDA extension is not loaded: {jbs._native.load_error('cuda')}")
 
 
 def _problem(bs, grid, spatial, kernel_size, dtype, kind="random", seed=0):

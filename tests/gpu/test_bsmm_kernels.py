@@ -34,7 +34,7 @@ ROWS = (1, 7, 129, 1000)
 @pytest.fixture(scope="module", autouse=True)
 def _need_kernels():
     if not jbs.has_cuda_kernels():
-        pytest.fail(f"GPU present but the CUDA extension is not loaded: {jbs._native.load_error("cuda")}")
+        pytest.fail(f"GPU present but the CUDA extension is not loaded: {jbs._native.load_error('cuda')}")
 
 
 # ---------------------------------------------------------------------------------
