@@ -373,13 +373,8 @@ void DsdItem(void* arg, int64_t item) {
 // Row tiles per output block: enough that the longest block splits over the workers
 // (load balance), few enough that each widened weight block serves many rows, and
 // each tile's accumulator stays in L1 (at most 4096 floats).
-int64_t DsdTiles(const DsdParams& p, int64_t rows, int bs, int workers) {
-  int64_t longest = 0, total = 0;
-  for (int j = 0; j < p.nseg; ++j) {
-    const int64_t len = p.seg_ptr[j + 1] - p.seg_ptr[j];
-    longest = Max(longest, len);
-    total += len;
-  }
+// `longest` and `total` are the largest and the summed segment lengths.
+int64_t DsdTiles(int64_t longest, int64_t total, int64_t rows, int bs, int workers) {
   const int64_t for_cache = CeilDiv(rows, Max(8, 4096 / bs));
   const int64_t for_balance = total > 0 ? CeilDiv(longest * 4 * workers, total) : 1;
   return Max(1, Min(CeilDiv(rows, 8), Max(for_cache, for_balance)));
@@ -399,12 +394,18 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
     job.blocks = CallerBuffer(1).Get(block_floats);
     if (job.blocks != nullptr) par.for_each(par.ctx, job.nnz, &DsdBlockItem<BS>, &job);
   }
+  int64_t longest = 0, total = 0;
+  for (int j = 0; j < p.nseg; ++j) {
+    const int64_t len = p.seg_ptr[j + 1] - p.seg_ptr[j];
+    longest = Max(longest, len);
+    total += len;
+  }
   for (int64_t row0 = 0; row0 < p.n; row0 += chunk) {
     job.row0 = row0;
     job.rows = Min(chunk, p.n - row0);
     job.packed = packed;
     par.for_each(par.ctx, p.nin, &DsdPackItem<BS>, &job);
-    job.tiles = DsdTiles(p, job.rows, BS, par.workers);
+    job.tiles = DsdTiles(longest, total, job.rows, BS, par.workers);
     job.tile_rows = CeilDiv(job.rows, job.tiles);
     par.for_each(par.ctx, job.tiles * p.nseg, &DsdItem<BS>, &job);
   }
@@ -424,10 +425,10 @@ struct SddJob {
   DType in;
   DType out;
   int64_t nnz;
-  int64_t rows;        // rows of the current chunk
-  bool first, last;    // the current chunk is the first / last one
-  const float* px;     // [cb][rows][bs]
-  const float* pdy;    // [kb][rows][bs]
+  int64_t row0, rows;  // the chunk of rows
+  bool first, last;     // the current chunk is the first / last one
+  float* px;            // [cb][rows][bs]
+  float* pdy;           // [kb][rows][bs]
   float* accumulators; // [cap, bs, bs] float32 (dw itself, or scratch), or nullptr
 };
 
@@ -435,12 +436,11 @@ template <int BS>
 void SddPackItem(void* arg, int64_t item) {
   const SddJob& job = *static_cast<const SddJob*>(arg);
   const SddParams& p = *job.p;
-  const int64_t row0 = 0;  // the chunk's rows start at the operand pointers (see RunSddBlock)
   if (item < p.cb) {
-    PackBlock<BS>(job.in, p.x, int64_t{p.cb} * BS, item, row0, job.rows, const_cast<float*>(job.px) + item * job.rows * BS);
+    PackBlock<BS>(job.in, p.x, int64_t{p.cb} * BS, item, job.row0, job.rows, job.px + item * job.rows * BS);
   } else {
     const int64_t block = item - p.cb;
-    PackBlock<BS>(job.in, p.dy, int64_t{p.kb} * BS, block, row0, job.rows, const_cast<float*>(job.pdy) + block * job.rows * BS);
+    PackBlock<BS>(job.in, p.dy, int64_t{p.kb} * BS, block, job.row0, job.rows, job.pdy + block * job.rows * BS);
   }
 }
 
@@ -470,9 +470,9 @@ bool RunSddBlock(SddJob& job, const Parallel& par) {
   const int64_t chunk = Max(1, kPackFloats / ((int64_t{p.cb} + p.kb) * BS + 1));
   const int64_t chunks = Max(1, CeilDiv(p.n, chunk));
   const int64_t rows_max = Min(chunk, Max(1, p.n));
-  float* px = CallerBuffer(0).Get(rows_max * Max(1, p.cb) * BS);
-  float* pdy = CallerBuffer(1).Get(rows_max * Max(1, p.kb) * BS);
-  if (px == nullptr || pdy == nullptr) return false;
+  job.px = CallerBuffer(0).Get(rows_max * Max(1, p.cb) * BS);
+  job.pdy = CallerBuffer(1).Get(rows_max * Max(1, p.kb) * BS);
+  if (job.px == nullptr || job.pdy == nullptr) return false;
   job.accumulators = nullptr;
   if (job.out == DType::kF32) {
     job.accumulators = static_cast<float*>(p.dw);
@@ -480,23 +480,16 @@ bool RunSddBlock(SddJob& job, const Parallel& par) {
     job.accumulators = CallerBuffer(2).Get(int64_t{p.cap} * BS * BS);
     if (job.accumulators == nullptr) return false;
   }
-  SddParams shifted = p;  // operand pointers moved to each chunk's first row
-  job.p = &shifted;
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t row0 = c * chunk;
-    job.rows = Max(0, Min(chunk, p.n - row0));
+    job.row0 = c * chunk;
+    job.rows = Max(0, Min(chunk, p.n - job.row0));
     job.first = c == 0;
     job.last = c == chunks - 1;
-    shifted.x = Offset(p.x, row0 * p.cb * BS, job.in);
-    shifted.dy = Offset(p.dy, row0 * p.kb * BS, job.in);
-    job.px = px;
-    job.pdy = pdy;
     if (job.rows > 0) par.for_each(par.ctx, int64_t{p.cb} + p.kb, &SddPackItem<BS>, &job);
     // One item per slot: every slot is the same work. Consecutive slots mostly share
     // an output block column (storage order), so neighbouring items reuse dy.
     par.for_each(par.ctx, p.cap, &SddItem<BS>, &job);
   }
-  job.p = &p;
   return true;
 }
 
