@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import jax_blocksparse as jbs
 from jax_blocksparse.nn import BlockSparseDense
+from jax_blocksparse.ops._lowering import describe_path, kernels_selected  # the one place that picks a path
 
 
 def header(title: str):
@@ -84,14 +85,15 @@ def median_ms(fn, *args, reps: int):
 def benchmark(seed: int):
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
-    kernels = on_gpu and jbs.has_cuda_kernels() and jbs.config.get_implementation() != "reference"
+    platform = "cuda" if on_gpu else device.platform
+    impl = jbs.config.get_implementation()
+    kernels = on_gpu and kernels_selected(platform, impl, "jbs_bsmm_fprop")
     # The reference path materialises one [n, bs] slice of x per block: keep it modest.
     size, n, reps = (8192, 4096, 20) if kernels else (4096, 2048, 10) if on_gpu else (2048, 256, 7)
     bs = 32
     header("2. bsmm vs dense x @ W")
-    path = "CUDA kernels" if kernels else "pure-JAX reference"
-    print(f"device: {device.device_kind} ({device.platform}); bsmm path: {path} "
-          f"(implementation={jbs.config.get_implementation()!r})")
+    print(f"device: {device.device_kind} ({device.platform}); bsmm path: {describe_path(platform, impl)} "
+          f"(implementation={impl!r})")
     print(f"x [{n}, {size}] @ W [{size}, {size}], float32, block {bs}, median of {reps} runs")
 
     x = jax.random.normal(jax.random.key(seed), (n, size), jnp.float32)
@@ -107,8 +109,6 @@ def benchmark(seed: int):
         w = jbs.from_dense(W, layout)
         sparse_ms = median_ms(sparse, x, w, layout, reps=reps)
         print(f"{density:>8.2f} {dense_ms:>10.2f} {sparse_ms:>10.2f} {dense_ms / sparse_ms:>7.2f}x")
-    if not on_gpu:
-        print("(on CPU bsmm runs the pure-JAX reference; it gains over dense only at low density)")
 
 
 # ---------------------------------------------------------------------------------
