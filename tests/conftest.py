@@ -5,6 +5,7 @@ Everything here is independent of the library's own index arithmetic: the oracle
 check the layout tables rather than reuse them.
 """
 
+import contextlib
 import os
 
 # Must run before jax is imported so that pmap / shard_map tests see 8 CPU devices.
@@ -130,3 +131,19 @@ def require_kernels(platform: str):
 def require_cuda_extension():
     """The CUDA kernels are built (see :func:`require_kernels`)."""
     require_kernels("cuda")
+
+
+@contextlib.contextmanager
+def xla_optimizations_off(off: bool = True):
+    """Skips most of XLA's optimisation passes inside (about 2x faster compiles), for
+    tests that check values, not speed. A jax without the option compiles as usual."""
+    try:
+        previous = jax.config.read("jax_disable_most_optimizations")
+    except (AttributeError, KeyError):
+        yield
+        return
+    jax.config.update("jax_disable_most_optimizations", off)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", previous)

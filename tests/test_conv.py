@@ -13,7 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, dense_of, make_mask, rand, require_cuda_extension, storage_order
+from conftest import (
+    assert_close,
+    dense_of,
+    make_mask,
+    rand,
+    require_cuda_extension,
+    storage_order,
+    xla_optimizations_off,
+)
 from jax import lax
 from jax.test_util import check_grads
 
@@ -31,14 +39,8 @@ def _quick_compiles():
 
     The optimised pipeline runs the same ops in tests/test_nn_conv.py and examples/resnet.py.
     """
-    try:
-        previous = jax.config.read("jax_disable_most_optimizations")
-    except (AttributeError, KeyError):  # a jax without the option: compile as usual
+    with xla_optimizations_off():
         yield
-        return
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
 
 # ---------------------------------------------------------------------------------
 # Problems: a layout kind, a geometry, a dtype

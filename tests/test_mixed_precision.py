@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_close, make_problem, rand
+from conftest import assert_close, make_problem, rand, xla_optimizations_off
 from flax import nnx
 
 import jax_blocksparse as jbs
@@ -35,14 +35,8 @@ def _rounded(a, dtype):
 @pytest.fixture(autouse=True, scope="module")
 def _quick_compiles():
     """These tests check values, not speed: skip XLA's optimisation passes (~2x faster compiles)."""
-    try:
-        previous = jax.config.read("jax_disable_most_optimizations")
-    except (AttributeError, KeyError):  # a jax without the option: compile as usual
+    with xla_optimizations_off():
         yield
-        return
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
 
 
 def _representable_fraction(a, dtype) -> float:

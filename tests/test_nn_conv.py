@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from conftest import xla_optimizations_off
 
 import jax_blocksparse as jbs
 from jax_blocksparse import nn as jnn
@@ -36,14 +37,8 @@ OPTIMIZED = {"test_grads_match_masked_dense_grads", "test_nnx_layer_under_nnx_ji
 @pytest.fixture(autouse=True)
 def _quick_compiles(request):
     """The other tests check values, not speed: skip XLA's optimisation passes (~2x faster compiles)."""
-    try:
-        previous = jax.config.read("jax_disable_most_optimizations")
-    except (AttributeError, KeyError):  # a jax without the option: compile as usual
+    with xla_optimizations_off(request.node.originalname not in OPTIMIZED):
         yield
-        return
-    jax.config.update("jax_disable_most_optimizations", request.node.originalname not in OPTIMIZED)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
 
 
 def _mask(grid=(3, 2), density=0.5, seed=0):
