@@ -3,7 +3,7 @@
 * jit with a batch-sharded NamedSharding: the sharding rule (ops/_partitioning.py)
   splits bsmm instead of gathering its input, under both partitioners, and also for a
   lowering XLA cannot see into (a host callback standing in for a custom call).
-* Every layer under pmap and shard_map, gradients averaged, equals one device.
+* Every layer under pmap and shard_map: tests/test_multidevice_layers.py.
 * 8-device training (examples/data_parallel.py) equals 1-device training.
 * Model parallel: jbs.sharding, weights split by output block columns.
 """
@@ -13,13 +13,11 @@ import pathlib
 import re
 import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import NUM_DEVICES, assert_close, make_mask, make_problem, rand
-from flax import nnx
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import Mesh, NamedSharding
@@ -179,81 +177,8 @@ def test_rule_partitions_an_opaque_lowering(problem, with_rule):
 
 
 # ---------------------------------------------------------------------------------
-# Layers: data parallel under pmap and shard_map equals one device
+# Training: 8 devices equal one (every layer alone: tests/test_multidevice_layers.py)
 # ---------------------------------------------------------------------------------
-
-BS = 8
-
-
-def _linen_case(kind):
-    mask = make_mask("random", (2, 3), seed=5)
-    if kind == "dense":
-        layer, x = jbs.nn.BlockSparseDense(3 * BS, mask, BS), rand((NUM_DEVICES * 2, 2 * BS), F32, 6)
-    elif kind == "conv":
-        layer, x = jbs.nn.BlockSparseConv(3 * BS, (3, 3), mask, BS), rand((NUM_DEVICES, 4, 4, 2 * BS), F32, 6)
-    else:
-        cell = jbs.nn.BlockSparseLSTMCell(3 * BS, make_mask("random", (3, 3), seed=5), BS, layer_norm=False)
-        layer, x = jbs.nn.BlockSparseLSTM(cell), rand((NUM_DEVICES, 2, 2 * BS), F32, 6)
-    params = jax.jit(layer.init)(jax.random.key(0), x[:1])["params"]
-
-    def loss(params, x):
-        return jnp.mean(jnp.sin(layer.apply({"params": params}, x)) ** 2)
-
-    return params, x, loss
-
-
-def _nnx_case():
-    model = jbs.nnx.BlockSparseLinear(2 * BS, 3 * BS, make_mask("random", (2, 3), seed=5), BS, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-
-    def loss(params, x):
-        return jnp.mean(jnp.sin(nnx.merge(graphdef, params)(x)) ** 2)
-
-    return params, rand((NUM_DEVICES * 2, 2 * BS), F32, 6), loss
-
-
-LAYERS = ["dense", "conv", "lstm", "nnx_linear"]
-
-
-@pytest.mark.parametrize("kind", LAYERS)
-def test_layers_data_parallel(kind):
-    params, x, loss = _nnx_case() if kind == "nnx_linear" else _linen_case(kind)
-    want_loss, want = jax.value_and_grad(loss)(params, x)
-    n = NUM_DEVICES
-
-    def averaged(params, x):  # per device: local loss and grads, then the mean over devices
-        value, grads = jax.value_and_grad(loss)(params, x)
-        return jax.lax.pmean((value, grads), "batch")
-
-    split = x.reshape((n, x.shape[0] // n) + x.shape[1:])
-    pmapped = jax.pmap(averaged, axis_name="batch", in_axes=(None, 0))(params, split)
-    pmapped = jax.tree.map(lambda a: a[0], pmapped)
-
-    results = [pmapped]
-    sm = _shard_map()
-    if kind == "dense":  # shard_map, pmap-style (no replication checking): grads pmean'd by hand
-        kwargs = {"check_vma": False} if hasattr(jax, "shard_map") else {"check_rep": False}
-        results.append(jax.jit(sm(averaged, mesh=_mesh(), in_specs=(P(), P("batch")), out_specs=P(), **kwargs))(params, x))
-
-    # shard_map with replication checking: pmean the loss; its transpose all-reduces grads.
-    def global_loss(params, x):
-        return jax.lax.pmean(loss(params, x), "batch")
-
-    checked = jax.jit(sm(jax.value_and_grad(global_loss), mesh=_mesh(), in_specs=(P(), P("batch")), out_specs=P()))
-    results.append(checked(params, x))
-    for got in results:
-        assert_close(got[0], want_loss, F32, 64)
-        for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want)):
-            assert_close(g, w, F32, 64)
-
-
-def test_layer_under_jit_with_sharded_batch():
-    params, x, loss = _linen_case("dense")
-    xs = jax.device_put(x, NamedSharding(_mesh(), P("batch")))
-    f = jax.jit(jax.value_and_grad(loss))
-    assert _collectives(f.lower(params, xs).compile().as_text())["all-gather"] == []
-    for g, w in zip(jax.tree.leaves(f(params, xs)), jax.tree.leaves(jax.value_and_grad(loss)(params, x))):
-        assert_close(g, w, F32, 64)
 
 
 def test_eight_device_training_equals_one_device():
@@ -278,6 +203,9 @@ def test_eight_device_training_equals_one_device():
 # ---------------------------------------------------------------------------------
 # Model parallel: output block columns split over devices
 # ---------------------------------------------------------------------------------
+
+
+BS = 8
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ Design choices:
   in a ``jax.custom_vjp`` whose forward saves each product's input ``r`` and output
   ``z`` per step, whose backward scan computes cotangents only for activations
   (``bsmm(dz, W, transpose=True)``), and which then calls ``bsmm_updat`` once per
-  recurrent weight on the stacked [T*B, in] inputs and [T*B, out] cotangents: a
+  recurrent weight on the stacked [T, B, in] inputs and [T, B, out] cotangents: a
   constant ``1 + internal_steps`` (+1 for mLSTM) calls however long the sequence.
   The input projection's weight gradient is also one call, by ordinary autodiff
   of the one projection over all timesteps.
@@ -523,7 +523,7 @@ def _recurrence(fns: _Fns):
     reverse scan that re-runs only the elementwise pieces (their VJPs) and one
     ``bsmm(dz, W, transpose=True)`` per stage, accumulating the small (vector)
     parameters' gradients in its carry; then one ``bsmm_updat`` per stage on the
-    stacked [T*B, in] and [T*B, out] arrays. No product is recomputed.
+    stacked [T, B, in] and [T, B, out] arrays (all T*B rows at once). No product is recomputed.
     """
     stages = fns.config.stages
     bs = fns.config.block_size
@@ -591,9 +591,7 @@ def _recurrence(fns: _Fns):
         # float32_dw.
         dw_dtype = _F32 if fns.float32_dw else fns.dtype
         dweights = tuple(
-            bsmm_updat(
-                r.reshape(-1, r.shape[-1]), dz.reshape(-1, dz.shape[-1]), stage.layout(bs), out_dtype=dw_dtype
-            ).astype(w.dtype)
+            bsmm_updat(r, dz, stage.layout(bs), out_dtype=dw_dtype).astype(w.dtype)
             for stage, w, r, dz in zip(stages, weights, rs, dzs)
         )
         daux_full = (daux[0], daux[1] if aux[1] is not None else None)
@@ -605,11 +603,13 @@ def _recurrence(fns: _Fns):
 
 def sequence(fns: _Fns, params, carry, xs):
     """The whole sequence: xs [T, *batch, D] (time-major) -> (final carry, hs [T, *batch, H])."""
-    t, d = xs.shape[0], xs.shape[-1]
+    t = xs.shape[0]
     batch = xs.shape[1:-1]
     n = math.prod(batch)
     h = fns.config.features
-    xg, xm = project_inputs(fns, params, xs.reshape(t * n, d))  # one product for all steps
+    # One product for all steps. Leading dims stay apart (no [T * n, D] reshape): with
+    # the batch split over devices, merging it under T would make XLA gather it.
+    xg, xm = project_inputs(fns, params, xs)
     aux = (xg.reshape(t, n, 4 * h), None if xm is None else xm.reshape(t, n, h))
     c0, h0 = carry
     c0 = jnp.broadcast_to(c0, batch + (h,)).reshape(n, h)
