@@ -294,3 +294,18 @@ def test_sharding_bad_input(wide):
         sharding.column_parallel_bsmm(rand((2, 24)), w_sh, layouts, None, "model")
     with pytest.raises(ValueError, match="no sharding rule for primitive 'bsconv'"):
         partitioned(Primitive("bsconv"), _opaque_rule)
+
+
+def test_shard_map_with_automatic_axes(problem):
+    """shard_map manual over one axis, the batch axis left to XLA: right results.
+
+    The sharding rule stands aside there (JAX passes custom_partitioning no mesh), so
+    an opaque kernel is run on operands gathered over the automatic axis (README).
+    """
+    mask, layout, w = problem
+    mesh = _mesh((2, 4), ("batch", "model"))
+    x = rand((8, 24), F32, 5)
+    xs = jax.device_put(x, NamedSharding(mesh, P("batch")))
+    f = jax.jit(_shard_map()(lambda x, w: jax.grad(lambda x: jnp.sum(jbs.bsmm(x, w, layout) ** 2))(x),
+                             mesh=mesh, in_specs=(P(), P()), out_specs=P(), axis_names={"model"}))
+    assert_close(f(xs, w), jax.grad(lambda x: jnp.sum(jbs.bsmm(x, w, layout) ** 2))(x), F32, 64)
