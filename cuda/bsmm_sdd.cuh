@@ -6,6 +6,12 @@
 // stores zeros; a CTA whose slots are all padding stores zeros and leaves at once.
 // Rows >= n are zero-filled in shared memory. Every dw element of a slot < cap is
 // stored exactly once.
+//
+// Tile reuse: slots are stored sorted by output block column, so the G slots of a CTA
+// mostly share their column and with it the dy tile of every stage. Each stage loads
+// the dy tile of a column once, into the place of the first of the CTA's slots with
+// that column (`y_src`); the other slots read it from there. x tiles differ per slot
+// (different block rows) and are loaded per slot.
 #ifndef JAX_BLOCKSPARSE_CUDA_BSMM_SDD_CUH_
 #define JAX_BLOCKSPARSE_CUDA_BSMM_SDD_CUH_
 
@@ -15,9 +21,11 @@ namespace jbs {
 namespace detail {
 
 // Per-slot source columns, computed once per CTA by threads < G into shared memory.
+// y_src[g]: the first g' <= g whose valid slot has the same dy column as slot g (g
+// itself when none, and for invalid slots), whose dy tile slot g reads.
 template <int BS, int G>
 __device__ __forceinline__ void LoadSlotInfo(const SddParams& p, int nnz, int64_t (&x_col)[G],
-                                             int64_t (&y_col)[G], int (&valid)[G]) {
+                                             int64_t (&y_col)[G], int (&valid)[G], int (&y_src)[G]) {
   const int g = threadIdx.x;
   if (g < G) {
     const int slot = blockIdx.x * G + g;
@@ -32,6 +40,19 @@ __device__ __forceinline__ void LoadSlotInfo(const SddParams& p, int nnz, int64_
     x_col[g] = static_cast<int64_t>(r) * BS;
     y_col[g] = static_cast<int64_t>(c) * BS;
     valid[g] = ok ? 1 : 0;
+  }
+  __syncthreads();
+  if (g < G) {
+    int src = g;
+    if (valid[g]) {
+      for (int h = 0; h < g; ++h) {
+        if (valid[h] && y_col[h] == y_col[g]) {
+          src = h;
+          break;
+        }
+      }
+    }
+    y_src[g] = src;
   }
 }
 
@@ -67,10 +88,10 @@ __global__ void __launch_bounds__(G* WPM* WPN * 32)
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* const smem = reinterpret_cast<T*>(smem_raw);
   __shared__ int64_t x_col[G], y_col[G];
-  __shared__ int valid[G];
+  __shared__ int valid[G], y_src[G];
 
   const int nnz = LoadNnz(p.nnz, p.cap);
-  LoadSlotInfo<BS, G>(p, nnz, x_col, y_col, valid);
+  LoadSlotInfo<BS, G>(p, nnz, x_col, y_col, valid, y_src);
   __syncthreads();
   const int tid = threadIdx.x;
   const int64_t slot0 = static_cast<int64_t>(blockIdx.x) * G;
@@ -105,6 +126,7 @@ __global__ void __launch_bounds__(G* WPM* WPN * 32)
       const int r = cc / (BS / 8);
       const int col = (cc - r * (BS / 8)) * 8;
       const int64_t row = t * TK + r;
+      if (which == 1 && y_src[g] != g) continue;  // this dy tile is loaded for slot y_src[g]
       T* dst = base + (which * G + g) * S::kTileElems + r * S::kStride + col;
       if (valid[g] && row < p.n) {
         const T* src = which == 0 ? x + row * ldx + x_col[g] + col : dy + row * ldy + y_col[g] + col;
@@ -142,8 +164,9 @@ __global__ void __launch_bounds__(G* WPM* WPN * 32)
       if (tn < nstages) load_stage(tn, static_cast<int>(tn % STAGES));
       CpAsyncCommit();
     }
-    const T* const Xs = smem + static_cast<int>(t % STAGES) * S::kStageElems + g * S::kTileElems;
-    const T* const Ys = Xs + G * S::kTileElems;
+    const T* const stage = smem + static_cast<int>(t % STAGES) * S::kStageElems;
+    const T* const Xs = stage + g * S::kTileElems;
+    const T* const Ys = stage + (G + y_src[g]) * S::kTileElems;
 #pragma unroll
     for (int ks = 0; ks < TK / 16; ++ks) {
       uint32_t af[S::kMt][4];
@@ -250,10 +273,10 @@ __global__ void __launch_bounds__(256) SddF32Kernel(const SddParams p) {
   __shared__ float Xs[G][TK][BS];
   __shared__ float Ys[G][TK][BS];
   __shared__ int64_t x_col[G], y_col[G];
-  __shared__ int valid[G];
+  __shared__ int valid[G], y_src[G];
 
   const int nnz = LoadNnz(p.nnz, p.cap);
-  LoadSlotInfo<BS, G>(p, nnz, x_col, y_col, valid);
+  LoadSlotInfo<BS, G>(p, nnz, x_col, y_col, valid, y_src);
   __syncthreads();
   const int tid = threadIdx.x;
   const int g = tid / TPS;
@@ -284,7 +307,7 @@ __global__ void __launch_bounds__(256) SddF32Kernel(const SddParams p) {
       const int64_t row = t * TK + r;
       const bool ok = valid[gg] && row < p.n;
       Xs[gg][r][col] = ok ? __ldg(x + row * ldx + x_col[gg] + col) : 0.f;
-      Ys[gg][r][col] = ok ? __ldg(dy + row * ldy + y_col[gg] + col) : 0.f;
+      if (y_src[gg] == gg) Ys[gg][r][col] = ok ? __ldg(dy + row * ldy + y_col[gg] + col) : 0.f;
     }
     __syncthreads();
 #pragma unroll 4
@@ -293,7 +316,7 @@ __global__ void __launch_bounds__(256) SddF32Kernel(const SddParams p) {
 #pragma unroll
       for (int i = 0; i < RM; ++i) av[i] = Xs[g][k][ty + i * TY];
 #pragma unroll
-      for (int j = 0; j < RN; ++j) bv[j] = Ys[g][k][tx + j * TX];
+      for (int j = 0; j < RN; ++j) bv[j] = Ys[y_src[g]][k][tx + j * TX];
 #pragma unroll
       for (int i = 0; i < RM; ++i)
 #pragma unroll
