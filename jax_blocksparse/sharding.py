@@ -105,12 +105,18 @@ def split_columns(layout: Layout, num_shards: int, *, capacity: int | None = Non
     capacity = _default_capacity(layout, num_shards, capacity, "split_columns")
     cb, kb = layout.grid
     per = kb // num_shards
-    # [CB, n, KB / n] -> [n, CB, KB / n]: shard i's columns.
-    masks = jnp.asarray(layout.mask).reshape(cb, num_shards, per).transpose(1, 0, 2)
     if all(not isinstance(t, jax.core.Tracer) for t in layout.tables):
-        shards = [Layout.from_mask(np.asarray(m), layout.block_size, capacity) for m in np.asarray(masks)]
+        # numpy throughout: layout.mask (jnp) would be staged, not computed, inside a trace.
+        t = layout.tables
+        nnz = int(np.asarray(t.col_ptr)[-1])
+        mask = np.zeros((cb, kb), bool)
+        mask[np.asarray(t.block_rows)[:nnz], np.asarray(t.block_cols)[:nnz]] = True
+        # [CB, n, KB / n] -> [n, CB, KB / n]: shard i's columns.
+        masks = mask.reshape(cb, num_shards, per).transpose(1, 0, 2)
+        shards = [Layout.from_mask(m, layout.block_size, capacity) for m in masks]
         tables = LayoutTables(*(np.stack(t) for t in zip(*(s.tables for s in shards))))
     else:
+        masks = layout.mask.reshape(cb, num_shards, per).transpose(1, 0, 2)
         stacked = jax.vmap(lambda m: Layout.from_mask(m, layout.block_size, capacity))(masks)
         tables = stacked.tables
     return Layout(layout.block_size, (cb, per), capacity, tables)
