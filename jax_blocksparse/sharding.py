@@ -86,6 +86,35 @@ def _default_capacity(layout: Layout, num_shards: int, capacity, fn: str) -> int
     return int(capacity)
 
 
+def _check_mesh(mesh, axis, batch_axis, fn: str) -> int:
+    """Validates a column-parallel mesh and its axes; returns the size of ``axis``.
+
+    ``mesh`` must be a :class:`jax.sharding.Mesh` with ``axis`` (and ``batch_axis``,
+    if not None, a different axis); both must be ``AxisType.Auto`` axes (the default
+    of ``Mesh(devices, names)``; ``jax.make_mesh`` makes Explicit ones unless given
+    ``axis_types``), since the product constrains shardings with
+    ``with_sharding_constraint``. Raises TypeError / ValueError naming ``fn``.
+    """
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    names = tuple(mesh.axis_names)
+    types = dict(zip(names, getattr(mesh, "axis_types", None) or ()))
+    for name, value in (("axis", axis), ("batch_axis", batch_axis)):
+        if value is None and name == "batch_axis":
+            continue
+        if value not in names:
+            raise ValueError(f"{fn}: {name}={value!r} is not an axis of the mesh {dict(mesh.shape)}")
+        kind = types.get(value)
+        if kind is not None and kind != jax.sharding.AxisType.Auto:
+            raise ValueError(
+                f"{fn}: mesh axis {name}={value!r} is {kind}; column parallelism needs Auto mesh axes "
+                f"(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * ndim)), got mesh {mesh}"
+            )
+    if batch_axis is not None and batch_axis == axis:
+        raise ValueError(f"{fn}: batch_axis must differ from axis, got both {axis!r}")
+    return int(mesh.shape[axis])
+
+
 def split_columns(layout: Layout, num_shards: int, *, capacity: int | None = None) -> Layout:
     """The layouts of ``num_shards`` groups of consecutive output block columns, stacked.
 
@@ -105,12 +134,18 @@ def split_columns(layout: Layout, num_shards: int, *, capacity: int | None = Non
     capacity = _default_capacity(layout, num_shards, capacity, "split_columns")
     cb, kb = layout.grid
     per = kb // num_shards
-    # [CB, n, KB / n] -> [n, CB, KB / n]: shard i's columns.
-    masks = jnp.asarray(layout.mask).reshape(cb, num_shards, per).transpose(1, 0, 2)
     if all(not isinstance(t, jax.core.Tracer) for t in layout.tables):
-        shards = [Layout.from_mask(np.asarray(m), layout.block_size, capacity) for m in np.asarray(masks)]
+        # numpy throughout: layout.mask (jnp) would be staged, not computed, inside a trace.
+        t = layout.tables
+        nnz = int(np.asarray(t.col_ptr)[-1])
+        mask = np.zeros((cb, kb), bool)
+        mask[np.asarray(t.block_rows)[:nnz], np.asarray(t.block_cols)[:nnz]] = True
+        # [CB, n, KB / n] -> [n, CB, KB / n]: shard i's columns.
+        masks = mask.reshape(cb, num_shards, per).transpose(1, 0, 2)
+        shards = [Layout.from_mask(m, layout.block_size, capacity) for m in masks]
         tables = LayoutTables(*(np.stack(t) for t in zip(*(s.tables for s in shards))))
     else:
+        masks = layout.mask.reshape(cb, num_shards, per).transpose(1, 0, 2)
         stacked = jax.vmap(lambda m: Layout.from_mask(m, layout.block_size, capacity))(masks)
         tables = stacked.tables
     return Layout(layout.block_size, (cb, per), capacity, tables)
@@ -180,6 +215,8 @@ def column_parallel_bsmm(
     batch_axis: str | None = None,
     gather_output: bool = True,
     preferred_element_type=None,
+    compute_dtype=None,
+    float32_dw: bool = False,
 ):
     """``x @ W`` with W's output block columns split over the mesh axis ``axis``.
 
@@ -199,7 +236,9 @@ def column_parallel_bsmm(
       gather_output: True: return [..., K] replicated over ``axis`` (an all-gather of
         the column blocks). False: return [..., K] whose last dim stays split over
         ``axis`` (no communication), e.g. to feed a row-parallel layer.
-      preferred_element_type: as in :func:`jax_blocksparse.bsmm`.
+      preferred_element_type, compute_dtype, float32_dw: as in
+        :func:`jax_blocksparse.bsmm`, applied on every device (``float32_dw`` needs
+        float32 ``w_shards``).
 
     Returns:
       [..., K] equal to ``bsmm(x, unshard_blocks(w_shards, full_layout), full_layout)``.
@@ -207,12 +246,7 @@ def column_parallel_bsmm(
     from jax_blocksparse.ops.matmul import bsmm
 
     layouts = check_layout(layouts, name="layouts")
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"column_parallel_bsmm: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    for name, value in (("axis", axis), ("batch_axis", batch_axis)):
-        if value is not None and value not in mesh.shape:
-            raise ValueError(f"column_parallel_bsmm: {name}={value!r} is not an axis of the mesh {dict(mesh.shape)}")
-    num_shards = mesh.shape[axis]
+    num_shards = _check_mesh(mesh, axis, batch_axis, "column_parallel_bsmm")
     w_shards = jnp.asarray(w_shards)
     expected = (num_shards,) + layouts.w_shape
     if w_shards.shape != expected or layouts.tables.col_ptr.shape != (num_shards, layouts.grid[1] + 1):
@@ -234,7 +268,8 @@ def column_parallel_bsmm(
 
     def body(x, w, tables):
         local = Layout(layouts.block_size, layouts.grid, layouts.capacity, LayoutTables(*(t[0] for t in tables)))
-        return bsmm(x, w[0], local, preferred_element_type=preferred_element_type)
+        return bsmm(x, w[0], local, preferred_element_type=preferred_element_type,
+                    compute_dtype=compute_dtype, float32_dw=float32_dw)
 
     table_specs = LayoutTables(*([P(axis)] * len(layouts.tables)))
     fn = _shard_map()(body, mesh=mesh, in_specs=(x_spec, P(axis), table_specs), out_specs=P(*lead, axis))

@@ -3,13 +3,16 @@
     import jax_blocksparse as jbs
     layer = jbs.nn.BlockSparseDense(features=256, mask=mask, block_size=32)
 
-The nnx counterpart is :class:`jax_blocksparse.nnx.BlockSparseLinear`.
+The nnx counterparts are :class:`jax_blocksparse.nnx.BlockSparseLinear` and
+:class:`jax_blocksparse.nnx.ColumnParallelLinear` (model parallel, like
+:class:`ColumnParallelDense`).
 """
 
 from jax_blocksparse.nn._common import StaticMask
 from jax_blocksparse.nn.conv import BlockSparseConv, BlockSparseConvTranspose
 from jax_blocksparse.nn.dense import BlockSparseDense
+from jax_blocksparse.nn.parallel import ColumnParallelDense
 from jax_blocksparse.nn.recurrent import BlockSparseLSTM, BlockSparseLSTMCell, BlockSparseMLSTMCell
 
 __all__ = ["BlockSparseConv", "BlockSparseConvTranspose", "BlockSparseDense", "StaticMask"]
-__all__ += ["BlockSparseLSTM", "BlockSparseLSTMCell", "BlockSparseMLSTMCell"]
+__all__ += ["BlockSparseLSTM", "BlockSparseLSTMCell", "BlockSparseMLSTMCell", "ColumnParallelDense"]

@@ -4,17 +4,21 @@ Both layers keep the block mask as a :class:`StaticMask` (hashable, compared by
 value, so the layer is a valid static argument and jit cache key), build their
 :class:`~jax_blocksparse.Layout` through the cached :func:`layout_for`, initialise
 the kernel with :func:`init_kernel` and check inputs with :func:`check_inputs`.
+The column-parallel layers share :func:`column_split` (mesh checks, split layouts,
+sharded init and the product).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.linen import dtypes as nn_dtypes
 
+from jax_blocksparse import sharding
 from jax_blocksparse.layout import Layout, check_block_size, check_mask
 from jax_blocksparse.ops.matmul import bsmm
 
@@ -202,3 +206,104 @@ def check_dynamic_layout(layout, expected: Layout, layer: str):
             f"{layer}: the current layout {layout} does not match the layer's grid {expected.grid}, "
             f"block_size {expected.block_size} and capacity {expected.capacity}"
         )
+
+
+# ---------------------------------------------------------------------------------
+# Column-parallel layers (jax_blocksparse.nn.ColumnParallelDense and
+# jax_blocksparse.nnx.ColumnParallelLinear): one validated split, shared by both.
+# ---------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def shard_layouts_for(mask: StaticMask, block_size: int, num_shards: int, shard_capacity: int) -> Layout:
+    """``split_columns(layout_for(mask, block_size, None), num_shards)``, built once (numpy tables)."""
+    return sharding.split_columns(layout_for(mask, block_size, None), num_shards, capacity=shard_capacity)
+
+
+class ColumnSplit(NamedTuple):
+    """A block mask's output block columns split over a mesh axis: layouts, init, product.
+
+    The kernel is stored as [num_shards, shard_capacity, bs, bs] (shard ``i`` on the
+    devices of ``mesh``'s ``axis`` index ``i``), :func:`jax_blocksparse.sharding.shard_blocks`
+    of the [nnz, bs, bs] kernel of the unsplit layer.
+    """
+
+    mask: StaticMask
+    block_size: int
+    mesh: Any
+    axis: Any
+    batch_axis: Any
+    gather_output: bool
+    num_shards: int
+    shard_capacity: int
+
+    @property
+    def layout(self) -> Layout:
+        """The full layout (grid [CB, KB], capacity nnz): the unsplit layer's."""
+        return layout_for(self.mask, self.block_size, None)
+
+    @property
+    def shard_layouts(self) -> Layout:
+        """The stacked layouts of the shards (tables with a leading [num_shards] axis)."""
+        return shard_layouts_for(self.mask, self.block_size, self.num_shards, self.shard_capacity)
+
+    @property
+    def kernel_spec(self) -> tuple:
+        """The kernel's partition: its leading (shard) axis over ``axis``."""
+        return (self.axis, None, None, None)
+
+    def shard(self, kernel):
+        """[nnz, bs, bs] (the unsplit layer's kernel) -> [num_shards, shard_capacity, bs, bs]."""
+        return sharding.shard_blocks(kernel, self.layout, self.num_shards, capacity=self.shard_capacity)
+
+    def unshard(self, kernel):
+        """[num_shards, shard_capacity, bs, bs] -> [nnz, bs, bs] (the unsplit layer's kernel)."""
+        return sharding.unshard_blocks(kernel, self.layout)
+
+    def init_kernel(self, kernel_init, key, param_dtype):
+        """The unsplit layer's :func:`init_kernel` (same key use, same values), sharded."""
+        return self.shard(init_kernel(kernel_init, key, self.layout, self.mask, param_dtype))
+
+    def apply(self, inputs, kernel, bias, dtype, float32_dw: bool):
+        """``inputs @ W + bias`` for inputs checked by :func:`check_inputs`: :func:`promote`,
+        then ``column_parallel_bsmm``."""
+        inputs, kernel, bias, compute = promote(inputs, kernel, bias, dtype, float32_dw)
+        y = sharding.column_parallel_bsmm(
+            inputs,
+            kernel,
+            self.shard_layouts,
+            self.mesh,
+            self.axis,
+            batch_axis=self.batch_axis,
+            gather_output=self.gather_output,
+            compute_dtype=compute,
+            float32_dw=float32_dw,
+        )
+        if bias is not None:
+            y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+        return y
+
+
+def column_split(mask: StaticMask, block_size: int, mesh, axis, batch_axis, gather_output, shard_capacity, layer: str):
+    """Validates a column-parallel layer's mesh configuration; returns a :class:`ColumnSplit`."""
+    num_shards = sharding._check_mesh(mesh, axis, batch_axis, layer)
+    if not isinstance(gather_output, (bool, np.bool_)):
+        raise TypeError(f"{layer}: gather_output must be a bool, got {gather_output!r}")
+    cb, kb = mask.shape
+    if kb % num_shards:
+        raise ValueError(
+            f"{layer}: the size {num_shards} of mesh axis {axis!r} must divide the number of output block "
+            f"columns KB={kb} (mask shape {mask.shape}, mesh {dict(mesh.shape)})"
+        )
+    # Blocks per shard: shard i holds the output block columns [i * KB / n, (i + 1) * KB / n).
+    fullest = int(mask.array.reshape(cb, num_shards, kb // num_shards).sum(axis=(0, 2)).max())
+    if shard_capacity is None:
+        shard_capacity = fullest
+    elif isinstance(shard_capacity, bool) or not isinstance(shard_capacity, (int, np.integer)):
+        raise TypeError(f"{layer}: shard_capacity must be an int or None, got {shard_capacity!r}")
+    elif shard_capacity < fullest:
+        raise ValueError(
+            f"{layer}: shard_capacity={shard_capacity} is smaller than the {fullest} blocks of the fullest "
+            f"of {num_shards} column shards of the mask {mask.shape}"
+        )
+    return ColumnSplit(mask, block_size, mesh, axis, batch_axis, bool(gather_output), num_shards, int(shard_capacity))
