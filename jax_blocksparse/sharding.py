@@ -86,14 +86,29 @@ def _default_capacity(layout: Layout, num_shards: int, capacity, fn: str) -> int
     return int(capacity)
 
 
+# Mesh axis types whose shardings column_parallel_bsmm can place (see _place).
+_PLACEABLE = (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit)
+
+
+def _place(value, mesh, spec):
+    """``value`` with the sharding ``spec`` on ``mesh``.
+
+    On Auto axes a constraint XLA honours; on Explicit axes the sharding is part of the
+    type and must be changed with ``reshard`` (shard_map checks its inputs' types).
+    """
+    sharding = NamedSharding(mesh, spec)
+    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return jax.sharding.reshard(value, sharding)
+    return jax.lax.with_sharding_constraint(value, sharding)
+
+
 def _check_mesh(mesh, axis, batch_axis, fn: str) -> int:
     """Validates a column-parallel mesh and its axes; returns the size of ``axis``.
 
     ``mesh`` must be a :class:`jax.sharding.Mesh` with ``axis`` (and ``batch_axis``,
     if not None, a different axis); both must be ``AxisType.Auto`` axes (the default
-    of ``Mesh(devices, names)``; ``jax.make_mesh`` makes Explicit ones unless given
-    ``axis_types``), since the product constrains shardings with
-    ``with_sharding_constraint``. Raises TypeError / ValueError naming ``fn``.
+    of ``Mesh(devices, names)``) or ``Explicit`` ones (``jax.make_mesh``'s default),
+    not Manual. Raises TypeError / ValueError naming ``fn``.
     """
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -105,10 +120,10 @@ def _check_mesh(mesh, axis, batch_axis, fn: str) -> int:
         if value not in names:
             raise ValueError(f"{fn}: {name}={value!r} is not an axis of the mesh {dict(mesh.shape)}")
         kind = types.get(value)
-        if kind is not None and kind != jax.sharding.AxisType.Auto:
+        if kind is not None and kind not in _PLACEABLE:
             raise ValueError(
-                f"{fn}: mesh axis {name}={value!r} is {kind}; column parallelism needs Auto mesh axes "
-                f"(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * ndim)), got mesh {mesh}"
+                f"{fn}: mesh axis {name}={value!r} is {kind}; column parallelism needs Auto or Explicit "
+                f"mesh axes, got mesh {mesh}"
             )
     if batch_axis is not None and batch_axis == axis:
         raise ValueError(f"{fn}: batch_axis must differ from axis, got both {axis!r}")
@@ -272,8 +287,12 @@ def column_parallel_bsmm(
                     compute_dtype=compute_dtype, float32_dw=float32_dw)
 
     table_specs = LayoutTables(*([P(axis)] * len(layouts.tables)))
-    fn = _shard_map()(body, mesh=mesh, in_specs=(x_spec, P(axis), table_specs), out_specs=P(*lead, axis))
-    y = fn(x, w_shards, layouts.tables)  # [..., K], the last dim split over `axis`
+    in_specs = (x_spec, P(axis), table_specs)
+    operands = (x, w_shards, layouts.tables)
+    operands = jax.tree.map(lambda v, spec: _place(v, mesh, spec), operands, in_specs,
+                            is_leaf=lambda v: isinstance(v, P))
+    fn = _shard_map()(body, mesh=mesh, in_specs=in_specs, out_specs=P(*lead, axis))
+    y = fn(*operands)  # [..., K], the last dim split over `axis`
     if gather_output:
-        y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(*lead, None)))
+        y = _place(y, mesh, P(*lead, None))
     return y

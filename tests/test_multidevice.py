@@ -309,3 +309,28 @@ def test_shard_map_with_automatic_axes(problem):
     f = jax.jit(_shard_map()(lambda x, w: jax.grad(lambda x: jnp.sum(jbs.bsmm(x, w, layout) ** 2))(x),
                              mesh=mesh, in_specs=(P(), P()), out_specs=P(), axis_names={"model"}))
     assert_close(f(xs, w), jax.grad(lambda x: jnp.sum(jbs.bsmm(x, w, layout) ** 2))(x), F32, 64)
+
+
+def test_explicit_mesh_axes(problem):
+    """On Explicit mesh axes (jax.make_mesh's default) shardings are types: the
+    primitives' abstract eval states the rule (rows kept, updat replicated)."""
+    mask, layout, w = problem
+    mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]).reshape(2, 4), ("batch", "model"),
+                axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    x = rand((NUM_DEVICES * 2, 24), F32, 6)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(jbs.bsmm(x, w, layout)))
+
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("batch")))
+        y = jax.jit(lambda x, w: jbs.bsmm(x, w, layout))(xs, w)
+        f = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        gx, gw = f(xs, w)
+        compiled = f.lower(xs, w).compile().as_text()
+    assert tuple(y.sharding.spec)[:1] == ("batch",) and tuple(gx.sharding.spec)[:1] == ("batch",)
+    assert all(s is None for s in gw.sharding.spec), gw.sharding
+    assert _collectives(compiled)["all-gather"] == [], _collectives(compiled)
+    assert_close(y, jbs.bsmm(x, w, layout), F32, 32)
+    for got, want in zip((gx, gw), jax.grad(loss, argnums=(0, 1))(x, w)):
+        assert_close(got, want, F32, 64)

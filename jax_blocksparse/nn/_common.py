@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.linen import dtypes as nn_dtypes
+from jax.sharding import PartitionSpec as P
 
 from jax_blocksparse import sharding
 from jax_blocksparse.layout import Layout, check_block_size, check_mask
@@ -261,8 +262,10 @@ class ColumnSplit(NamedTuple):
         return sharding.unshard_blocks(kernel, self.layout)
 
     def init_kernel(self, kernel_init, key, param_dtype):
-        """The unsplit layer's :func:`init_kernel` (same key use, same values), sharded."""
-        return self.shard(init_kernel(kernel_init, key, self.layout, self.mask, param_dtype))
+        """The unsplit layer's :func:`init_kernel` (same key use, same values), sharded
+        and placed: shard ``i`` on the devices of ``axis`` index ``i``."""
+        kernel = self.shard(init_kernel(kernel_init, key, self.layout, self.mask, param_dtype))
+        return sharding._place(kernel, self.mesh, P(*self.kernel_spec))
 
     def apply(self, inputs, kernel, bias, dtype, float32_dw: bool):
         """``inputs @ W + bias`` for inputs checked by :func:`check_inputs`: :func:`promote`,

@@ -72,8 +72,8 @@ class ColumnParallelDense(nn.Module):
       mask: the block mask, bool [C // block_size, K // block_size], static (numpy).
       block_size: the block edge, one of 8, 16, 32, 64, 128.
       mesh: a :class:`jax.sharding.Mesh` whose axes used here are ``AxisType.Auto``
-        (the default of ``Mesh(devices, names)``; give ``jax.make_mesh``
-        ``axis_types=(jax.sharding.AxisType.Auto,) * ndim``).
+        (the default of ``Mesh(devices, names)``) or ``Explicit`` (the default of
+        ``jax.make_mesh``; then call the layer under ``jax.set_mesh(mesh)``).
       axis: the mesh axis the output block columns are split over; its size must
         divide ``mask.shape[1]``.
       batch_axis: optional mesh axis (not ``axis``) that the first dim of the inputs

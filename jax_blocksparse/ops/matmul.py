@@ -56,6 +56,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
+from jax.sharding import PartitionSpec as P
 
 from jax_blocksparse import config
 from jax_blocksparse.layout import Layout, LayoutTables, check_layout
@@ -396,7 +397,23 @@ def _bind(prim, a, b, tables, block_size, out_dtype, impl=None, lhs_dtype=None):
 
 def _abstract_eval(prim_name, a, b, *tables, block_size, out_dtype, impl, lhs_dtype):
     out_shape = _operand_shapes(prim_name, a, b, LayoutTables(*tables), block_size)
-    return a.update(shape=out_shape, dtype=out_dtype, weak_type=False)
+    return a.update(shape=out_shape, dtype=out_dtype, weak_type=False, sharding=_out_sharding(prim_name, a, len(out_shape)))
+
+
+def _out_sharding(prim_name, a, ndim: int):
+    """The result's sharding type (it matters on meshes with Explicit axes).
+
+    fprop/bprop keep a's leading-dim sharding and replicate the feature dim; updat
+    contracts the leading dims, so its weight-shaped result is replicated. This is the
+    sharding rule of ops/_partitioning.py, stated for the type system.
+    """
+    sharding = a.sharding
+    spec = tuple(getattr(sharding, "spec", ()))
+    if prim_name == "bsmm_updat":
+        out = (None,) * ndim
+    else:
+        out = (spec + (None,) * ndim)[: ndim - 1] + (None,)
+    return sharding.update(spec=P(*out)) if hasattr(sharding, "update") and spec else sharding
 
 
 # ---------------------------------------------------------------------------------
