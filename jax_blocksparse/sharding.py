@@ -65,7 +65,9 @@ def _shard_bounds(layout: Layout, num_shards: int):
     return starts, ends - starts
 
 
-def _default_capacity(layout: Layout, num_shards: int, capacity, fn: str) -> int:
+def _default_capacity(layout: Layout, num_shards: int, capacity, fn: str, arg: str = "capacity") -> int:
+    """Slots per shard: ``capacity`` (the argument named ``arg`` of ``fn``) checked
+    against the fullest shard of ``layout``, or that shard's block count if None."""
     _, counts = _shard_bounds(layout, num_shards)
     concrete = not isinstance(counts, jax.core.Tracer)
     largest = int(np.max(np.asarray(counts))) if concrete and num_shards else 0
@@ -77,10 +79,10 @@ def _default_capacity(layout: Layout, num_shards: int, capacity, fn: str) -> int
             )
         return largest
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
-        raise TypeError(f"{fn}: capacity must be an int, got {type(capacity).__name__} {capacity!r}")
+        raise TypeError(f"{fn}: {arg} must be an int, got {type(capacity).__name__} {capacity!r}")
     if concrete and capacity < largest:
         raise ValueError(
-            f"{fn}: capacity={capacity} is smaller than the {largest} blocks of the fullest of "
+            f"{fn}: {arg}={capacity} is smaller than the {largest} blocks of the fullest of "
             f"{num_shards} column shards of {layout}"
         )
     return int(capacity)

@@ -7,6 +7,7 @@ check the layout tables rather than reuse them.
 
 import contextlib
 import os
+import re
 
 # Must run before jax is imported so that pmap / shard_map tests see 8 CPU devices.
 _FLAG = "--xla_force_host_platform_device_count"
@@ -114,6 +115,23 @@ def make_problem(kind="random", block_size=8, grid=None, dtype=jnp.float32, capa
     layout = jbs.Layout.from_mask(mask, block_size, capacity=capacity)
     W = rand(layout.shape, dtype, seed + 1)
     return mask, layout, jnp.asarray(np_blocks(W, mask, block_size, layout.capacity), dtype)
+
+
+def shard_map():
+    """``jax.shard_map`` (``jax.experimental.shard_map.shard_map`` on JAX < 0.7)."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map
+    from jax.experimental.shard_map import shard_map as experimental
+
+    return experimental
+
+
+def collectives(compiled_text: str) -> dict:
+    """Collective ops in compiled HLO text: {kind: [shape of each result]}."""
+    found = {}
+    for kind in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
+        found[kind] = re.findall(rf"= (\S+) {kind}(?:-start)?\(", compiled_text)
+    return found
 
 
 def require_kernels(platform: str):

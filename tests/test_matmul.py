@@ -25,6 +25,7 @@ from conftest import (
     np_dense,
     rand,
     require_kernels,
+    shard_map,
     storage_order,
 )
 from jax.sharding import PartitionSpec as P
@@ -392,14 +393,6 @@ def test_grad_through_vmap_over_layouts():
 # ---------------------------------------------------------------------------------
 
 
-def _shard_map():
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map
-    from jax.experimental.shard_map import shard_map
-
-    return shard_map
-
-
 def _mesh():
     # An explicit Mesh has Auto axes on every JAX version (make_mesh may default to Explicit).
     return jax.sharding.Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("batch",))
@@ -456,14 +449,14 @@ def test_shard_map(problem, op):
     else:
         specs, out = (P("batch"), P(), P()), P("batch")
         body = lambda a_, b_, l_: fn(a_, b_, l_)  # noqa: E731
-    sharded = jax.jit(_shard_map()(body, mesh=mesh, in_specs=specs, out_specs=out))
+    sharded = jax.jit(shard_map()(body, mesh=mesh, in_specs=specs, out_specs=out))
     assert_close(sharded(a, b, layout), fn(a, b, layout), F32, 32)
 
 
 def test_shard_map_grad():
     """Data-parallel step: grads outside and inside shard_map equal those on one device."""
     mask, layout, w = make_problem("empty_rows_cols", 8, grid=(3, 4), capacity=8)
-    mesh, shard_map = _mesh(), _shard_map()
+    mesh, smap = _mesh(), shard_map()
     x = rand((NUM_DEVICES * 2, 24), F32, 3)
 
     def loss(x, w, layout, fn=jbs.bsmm):
@@ -474,7 +467,7 @@ def test_shard_map_grad():
 
     want = jax.grad(loss, argnums=(0, 1))(x, w, layout)
     specs = (P("batch"), P(), P())
-    fwd = shard_map(lambda x_, w_, l_: jbs.bsmm(x_, w_, l_), mesh=mesh, in_specs=specs, out_specs=P("batch"))
+    fwd = smap(lambda x_, w_, l_: jbs.bsmm(x_, w_, l_), mesh=mesh, in_specs=specs, out_specs=P("batch"))
     outside = jax.jit(jax.grad(lambda x_, w_: jnp.sum(fwd(x_, w_, layout) ** 2), argnums=(0, 1)))(x, w)
     assert_close(outside[0], want[0], F32, 24)
     assert_close(outside[1], want[1], F32, 16)
@@ -483,7 +476,7 @@ def test_shard_map_grad():
     # with check_vma) is JAX's business; the library must match dense ops under it.
     def inside(fn):
         local = lambda x_, w_, l_: jax.grad(loss, argnums=(0, 1))(x_, w_, l_, fn)  # noqa: E731
-        return jax.jit(shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P("batch"), P())))(x, w, layout)
+        return jax.jit(smap(local, mesh=mesh, in_specs=specs, out_specs=(P("batch"), P())))(x, w, layout)
 
     got, oracle = inside(jbs.bsmm), inside(ref)
     assert_close(got[0], want[0], F32, 24)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import NUM_DEVICES, assert_close, make_mask, make_problem, rand
+from conftest import NUM_DEVICES, assert_close, collectives, make_mask, make_problem, rand, shard_map
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import Mesh, NamedSharding
@@ -32,21 +32,8 @@ F32 = jnp.float32
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _shard_map():
-    return jax.shard_map if hasattr(jax, "shard_map") else __import__(
-        "jax.experimental.shard_map", fromlist=["shard_map"]).shard_map
-
-
 def _mesh(shape=(NUM_DEVICES,), names=("batch",)):
     return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
-
-
-def _collectives(compiled_text: str) -> dict:
-    """Collective ops in compiled HLO text: {kind: [shape of each result]}."""
-    found = {}
-    for kind in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
-        found[kind] = re.findall(rf"= (\S+) {kind}(?:-start)?\(", compiled_text)
-    return found
 
 
 # ---------------------------------------------------------------------------------
@@ -103,7 +90,7 @@ def _check_jit_batch_sharded(problem, op):
     for f, want in ((lambda a, b: fn(a, b, layout), fn(a, b, layout)), (jax.grad(loss, (0, 1)), jax.grad(loss, (0, 1))(a, b))):
         lowered = jax.jit(f).lower(a_s, b_s)
         assert "CustomSPMDPartitioning" in lowered.as_text()  # the rule is in the program
-        found = _collectives(lowered.compile().as_text())
+        found = collectives(lowered.compile().as_text())
         assert found["all-gather"] == [] and found["all-to-all"] == [], found
         # Only weight-shaped sums cross devices (updat's result, grads of w), never rows.
         assert all(s.startswith(f"f32[{layout.capacity},") for s in found["all-reduce"]), found
@@ -121,7 +108,7 @@ def test_jit_two_dim_mesh_and_vmap(problem):
     x = rand((4, 8, 24), F32, 3)
     xs = jax.device_put(x, NamedSharding(mesh, P("data", "seq")))
     f = jax.jit(jax.grad(lambda x, w: jnp.sum(jbs.bsmm(x, w, layout) ** 2), argnums=(0, 1)))
-    found = _collectives(f.lower(xs, w).compile().as_text())
+    found = collectives(f.lower(xs, w).compile().as_text())
     assert found["all-gather"] == [], found
     for g, want in zip(f(xs, w), jax.grad(lambda x, w: jnp.sum(jbs.bsmm(x, w, layout) ** 2), argnums=(0, 1))(x, w)):
         assert_close(g, want, F32, 64)
@@ -167,7 +154,7 @@ def test_rule_partitions_an_opaque_lowering(problem, with_rule):
     xs = jax.device_put(x, NamedSharding(_mesh(), P("batch")))
     f = jax.jit(lambda x: _bind_opaque(x, w, layout))
     hlo = f.lower(xs).compile().as_text()
-    assert (_collectives(hlo)["all-gather"] == []) == with_rule, _collectives(hlo)
+    assert (collectives(hlo)["all-gather"] == []) == with_rule, collectives(hlo)
     # The callback's result: the local rows [2, 32] with the rule, all rows without.
     calls = [line for line in hlo.splitlines() if "custom-call(" in line]
     rows = {int(r) for line in calls for r in re.findall(r"f32\[(\d+),32\]", line)}
@@ -255,7 +242,7 @@ def test_column_parallel_equals_one_device(wide, gather_output):
     assert_close(y, jbs.bsmm(x, w, layout), F32, 32)
     assert y.sharding.spec[-1] == (None if gather_output else "model") or len(y.sharding.spec) < 2
     if gather_output:  # no activation crosses devices but the column blocks of y
-        found = _collectives(jax.jit(mp).lower(x, w_sh).compile().as_text())
+        found = collectives(jax.jit(mp).lower(x, w_sh).compile().as_text())
         assert all(s.startswith("f32[3,") or s.startswith("f32[6,") for s in found["all-gather"]), found
 
     def loss_mp(x, w_sh):
@@ -306,7 +293,7 @@ def test_shard_map_with_automatic_axes(problem):
     mesh = _mesh((2, 4), ("batch", "model"))
     x = rand((8, 24), F32, 5)
     xs = jax.device_put(x, NamedSharding(mesh, P("batch")))
-    f = jax.jit(_shard_map()(lambda x, w: jax.grad(lambda x: jnp.sum(jbs.bsmm(x, w, layout) ** 2))(x),
+    f = jax.jit(shard_map()(lambda x, w: jax.grad(lambda x: jnp.sum(jbs.bsmm(x, w, layout) ** 2))(x),
                              mesh=mesh, in_specs=(P(), P()), out_specs=P(), axis_names={"model"}))
     assert_close(f(xs, w), jax.grad(lambda x: jnp.sum(jbs.bsmm(x, w, layout) ** 2))(x), F32, 64)
 
@@ -330,7 +317,7 @@ def test_explicit_mesh_axes(problem):
         compiled = f.lower(xs, w).compile().as_text()
     assert tuple(y.sharding.spec)[:1] == ("batch",) and tuple(gx.sharding.spec)[:1] == ("batch",)
     assert all(s is None for s in gw.sharding.spec), gw.sharding
-    assert _collectives(compiled)["all-gather"] == [], _collectives(compiled)
+    assert collectives(compiled)["all-gather"] == [], collectives(compiled)
     assert_close(y, jbs.bsmm(x, w, layout), F32, 32)
     for got, want in zip((gx, gw), jax.grad(loss, argnums=(0, 1))(x, w)):
         assert_close(got, want, F32, 64)

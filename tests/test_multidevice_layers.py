@@ -10,14 +10,13 @@ A new layer joins ``CASES``; ``test_every_layer_has_a_case`` fails until it does
 """
 
 import inspect
-import re
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import NUM_DEVICES, assert_close, make_mask, rand
+from conftest import NUM_DEVICES, assert_close, collectives, make_mask, rand, shard_map
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -30,17 +29,8 @@ BS = 8
 MODEL_PARALLEL = {"ColumnParallelDense", "ColumnParallelLinear"}
 
 
-def _shard_map():
-    return jax.shard_map if hasattr(jax, "shard_map") else __import__(
-        "jax.experimental.shard_map", fromlist=["shard_map"]).shard_map
-
-
 def _mesh():
     return Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("batch",))
-
-
-def _all_gathers(compiled_text: str) -> list:
-    return re.findall(r"= (\S+) all-gather(?:-start)?\(", compiled_text)
 
 
 # ---------------------------------------------------------------------------------
@@ -130,18 +120,18 @@ def test_layer_data_parallel(name):
         # the step's output does, which replication checking rejects (flax's own LSTMCell
         # too): map pmap-style, unchecked, and pmean the grads by hand.
         kwargs = {"check_vma": False} if hasattr(jax, "shard_map") else {"check_rep": False}
-        mapped = jax.jit(_shard_map()(averaged, mesh=mesh, in_specs=in_specs, out_specs=P(), **kwargs))
+        mapped = jax.jit(shard_map()(averaged, mesh=mesh, in_specs=in_specs, out_specs=P(), **kwargs))
     else:
         # With replication checking: pmean the loss; its transpose all-reduces grads.
         def global_loss(params, x):
             return jax.lax.pmean(loss(params, x), "batch")
 
-        mapped = jax.jit(_shard_map()(jax.value_and_grad(global_loss), mesh=mesh, in_specs=in_specs, out_specs=P()))
+        mapped = jax.jit(shard_map()(jax.value_and_grad(global_loss), mesh=mesh, in_specs=in_specs, out_specs=P()))
     # jit of a batch-sharded input: XLA partitions the program, bsmm by its sharding rule.
     xs = jax.device_put(x, NamedSharding(mesh, P("batch")))
     sharded = jax.jit(jax.value_and_grad(loss))
     for mode, fn, arg in (("shard_map", mapped, x), ("jit", sharded, xs)):
-        assert _all_gathers(fn.lower(params, arg).compile().as_text()) == [], mode
+        assert collectives(fn.lower(params, arg).compile().as_text())["all-gather"] == [], mode
         results[mode] = fn(params, arg)
 
     for mode, (got_loss, got) in results.items():

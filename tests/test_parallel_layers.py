@@ -11,14 +11,13 @@ with the same (unsharded) weights.
 """
 
 import contextlib
-import re
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import NUM_DEVICES, assert_close, make_mask, rand, xla_optimizations_off
+from conftest import NUM_DEVICES, assert_close, collectives, make_mask, rand, xla_optimizations_off
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -210,16 +209,12 @@ def test_nnx_init_partitioning_and_placement(mask):
         np.testing.assert_array_equal(t, w)
 
 
-def _collectives(hlo: str, kind: str) -> list:
-    return re.findall(rf"= (\S+) {kind}(?:-start)?\(", hlo)
-
-
 @pytest.mark.usefixtures("quick_compiles")
 @pytest.mark.parametrize("kind, gather_output", [("linen", False), ("nnx", False), ("linen", True)])
 def test_only_gather_output_gathers(mask, kind, gather_output):
     par_fn, par_params, *_ = _pair(kind, mask, _mesh("2x4"), batch_axis="batch", gather_output=gather_output)
     hlo = jax.jit(par_fn).lower(par_params, rand((4, C), F32, 16)).compile().as_text()
-    gathers = _collectives(hlo, "all-gather")
+    gathers = collectives(hlo)["all-gather"]
     assert (gathers == []) != gather_output, gathers  # True: exactly the output's column blocks
     assert all(g.startswith(f"f32[2,{K}]") for g in gathers), gathers
 

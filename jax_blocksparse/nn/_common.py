@@ -292,21 +292,12 @@ def column_split(mask: StaticMask, block_size: int, mesh, axis, batch_axis, gath
     num_shards = sharding._check_mesh(mesh, axis, batch_axis, layer)
     if not isinstance(gather_output, (bool, np.bool_)):
         raise TypeError(f"{layer}: gather_output must be a bool, got {gather_output!r}")
-    cb, kb = mask.shape
+    kb = mask.shape[1]
     if kb % num_shards:
         raise ValueError(
             f"{layer}: the size {num_shards} of mesh axis {axis!r} must divide the number of output block "
             f"columns KB={kb} (mask shape {mask.shape}, mesh {dict(mesh.shape)})"
         )
-    # Blocks per shard: shard i holds the output block columns [i * KB / n, (i + 1) * KB / n).
-    fullest = int(mask.array.reshape(cb, num_shards, kb // num_shards).sum(axis=(0, 2)).max())
-    if shard_capacity is None:
-        shard_capacity = fullest
-    elif isinstance(shard_capacity, bool) or not isinstance(shard_capacity, (int, np.integer)):
-        raise TypeError(f"{layer}: shard_capacity must be an int or None, got {shard_capacity!r}")
-    elif shard_capacity < fullest:
-        raise ValueError(
-            f"{layer}: shard_capacity={shard_capacity} is smaller than the {fullest} blocks of the fullest "
-            f"of {num_shards} column shards of the mask {mask.shape}"
-        )
-    return ColumnSplit(mask, block_size, mesh, axis, batch_axis, bool(gather_output), num_shards, int(shard_capacity))
+    layout = layout_for(mask, block_size, None)
+    shard_capacity = sharding._default_capacity(layout, num_shards, shard_capacity, layer, arg="shard_capacity")
+    return ColumnSplit(mask, block_size, mesh, axis, batch_axis, bool(gather_output), num_shards, shard_capacity)

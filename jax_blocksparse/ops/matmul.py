@@ -397,7 +397,8 @@ def _bind(prim, a, b, tables, block_size, out_dtype, impl=None, lhs_dtype=None):
 
 def _abstract_eval(prim_name, a, b, *tables, block_size, out_dtype, impl, lhs_dtype):
     out_shape = _operand_shapes(prim_name, a, b, LayoutTables(*tables), block_size)
-    return a.update(shape=out_shape, dtype=out_dtype, weak_type=False, sharding=_out_sharding(prim_name, a, len(out_shape)))
+    sharding = _out_sharding(prim_name, a, len(out_shape))
+    return a.update(shape=out_shape, dtype=out_dtype, weak_type=False, sharding=sharding)
 
 
 def _out_sharding(prim_name, a, ndim: int):
