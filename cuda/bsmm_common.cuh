@@ -107,12 +107,19 @@ __device__ __forceinline__ int Clamp(int v, int lo, int hi) { return v < lo ? lo
 // Number of padding-free slots, read once per CTA from the device scalar.
 __device__ __forceinline__ int LoadNnz(const int32_t* nnz, int cap) { return Clamp(__ldg(nnz), 0, cap); }
 
-// Sets the dynamic shared memory limit of `kernel` on the current device (needed above
-// 48 KiB; set always, so static + dynamic never hit the default limit). Host side, graph
-// capture safe; the handler has made the stream's device current.
+// Prepares `kernel` on the current device: loads its module (CUDA loads modules lazily,
+// at a kernel's first use) and sets its dynamic shared memory limit (needed above
+// 48 KiB; set always, so static + dynamic never hit the default limit). Per-device
+// setup that must not run while a stream is being captured into a CUDA graph: only
+// PrepareKernels() reaches it, from the handlers' initialize stage (bsmm_kernels.h).
 template <typename Kernel>
-inline cudaError_t AllowSmem(Kernel kernel, int bytes) {
+inline cudaError_t PrepareKernel(Kernel kernel, int bytes) {
+  // capture-unsafe: begin
+  cudaFuncAttributes attributes;
+  cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);  // loads the module
+  if (err != cudaSuccess) return err;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  // capture-unsafe: end
 }
 
 }  // namespace detail

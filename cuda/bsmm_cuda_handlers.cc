@@ -1,8 +1,21 @@
-// XLA FFI handlers of the bsmm custom calls on CUDA: checks, stream device, launches.
+// XLA FFI handlers of the bsmm custom calls on CUDA: checks, kernel preparation, launches.
 //
-// The operands and their checks are shared with the CPU handlers (bsmm_checks.h). The
-// handlers never allocate, synchronise or read device memory on the host, so they are
-// CUDA-graph (command buffer) compatible.
+// The operands and their checks are shared with the CPU handlers (bsmm_checks.h).
+//
+// CUDA graphs (XLA's command buffers): XLA records larger programs by stream capture,
+// and calls the execute stage of a command-buffer-compatible handler while capturing.
+// During capture, per-device setup (module loading, cudaFuncSetAttribute, cudaSetDevice)
+// is illegal. So each target has two stages:
+//   initialize  (never captured; XLA runs it before executing or recording the program)
+//               prepares every kernel on the stream's device, once per device;
+//   execute     checks the operands, then makes only capture-safe calls: cudaGetDevice,
+//               cudaStreamIsCapturing (when the device is not prepared yet), the kernel
+//               launch and cudaGetLastError. It never allocates, synchronises or reads
+//               device memory on the host.
+// tests/test_cuda_graph_safety.py checks that the capture-unsafe calls stay inside the
+// regions marked "capture-unsafe" below and in bsmm_common.cuh.
+#include <mutex>
+#include <set>
 #include <string>
 
 #include <cuda_runtime_api.h>
@@ -25,22 +38,67 @@ int CudaRuntimeVersionLinked() {
 
 namespace {
 
-// Makes the stream's device current, so that per-device calls (cudaFuncSetAttribute)
-// and launches address the device XLA runs this op on.
-ffi::Error UseStreamDevice(const char* op, cudaStream_t stream) {
+// Devices whose kernels PrepareKernels() has prepared.
+std::mutex prepared_mutex;
+std::set<int> prepared_devices;
+
+bool IsPrepared(int device) {
+  std::lock_guard<std::mutex> lock(prepared_mutex);
+  return prepared_devices.count(device) > 0;
+}
+
+std::string CudaErrorText(const char* op, const std::string& what, cudaError_t err) {
+  return std::string(op) + ": " + what + " (" + cudaGetErrorString(err) + ")";
+}
+
+// Prepares the kernels on the device of `stream`, once per device. Never call it while
+// a stream is capturing: the initialize stage, or execute outside capture, only.
+ffi::Error PrepareStreamDevice(const char* op, cudaStream_t stream) {
+  // capture-unsafe: begin
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot read the current device", err));
+  int device = current;
 #if CUDART_VERSION >= 12080
-  int device = -1;
-  cudaError_t err = cudaStreamGetDevice(stream, &device);
-  if (err == cudaSuccess) err = cudaSetDevice(device);
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(op) + ": cannot select the stream's device: " +
-                                cudaGetErrorString(err));
-  }
+  err = cudaStreamGetDevice(stream, &device);
+  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot read the stream's device", err));
 #else
-  (void)op;
-  (void)stream;  // XLA has made the device current on this thread
+  (void)stream;  // XLA has made the stream's device current on this thread
 #endif
+  std::lock_guard<std::mutex> lock(prepared_mutex);
+  if (prepared_devices.count(device) > 0) return ffi::Error::Success();
+  if (device != current && (err = cudaSetDevice(device)) != cudaSuccess) {
+    return ffi::Error::Internal(CudaErrorText(op, "cannot select device " + std::to_string(device), err));
+  }
+  err = PrepareKernels();
+  if (device != current) {
+    cudaError_t restore = cudaSetDevice(current);
+    if (err == cudaSuccess) err = restore;
+  }
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(
+        CudaErrorText(op, "cannot prepare the kernels on device " + std::to_string(device), err));
+  }
+  prepared_devices.insert(device);
   return ffi::Error::Success();
+  // capture-unsafe: end
+}
+
+// Execute stage: the kernels must be prepared on the current device (XLA makes the
+// stream's device current). Normally the initialize stage did it; if it did not, this
+// prepares them now where that is legal (no capture), else returns an error.
+ffi::Error RequirePrepared(const char* op, cudaStream_t stream) {
+  int device = -1;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot read the current device", err));
+  if (IsPrepared(device)) return ffi::Error::Success();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  err = cudaStreamIsCapturing(stream, &capture);
+  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot query stream capture", err));
+  if (capture == cudaStreamCaptureStatusNone) return PrepareStreamDevice(op, stream);
+  return ffi::Error::Internal(std::string(op) + ": the kernels are not prepared on device " + std::to_string(device) +
+                              " and the stream is being captured into a CUDA graph, where preparing them is "
+                              "illegal (XLA did not run this target's initialize stage first)");
 }
 
 ffi::Error LaunchError(const char* op, cudaError_t err, const std::string& shapes) {
@@ -62,8 +120,8 @@ ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::Any
     return e;
   }
   if (IsEmpty(p)) return ffi::Error::Success();
-  if (ffi::Error e = UseStreamDevice(op, stream); e.failure()) return e;
-  cudaError_t err = LaunchDsd(dt.in, dt.out_f32, transpose, p, stream);
+  if (ffi::Error e = RequirePrepared(op, stream); e.failure()) return e;
+  cudaError_t err = LaunchDsd(dt.in, dt.out_f32, transpose, p, Launch{stream});
   if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess) return LaunchError(op, err, shapes);
   return ffi::Error::Success();
@@ -96,17 +154,23 @@ ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
     return e;
   }
   if (IsEmpty(p)) return ffi::Error::Success();
-  if (ffi::Error e = UseStreamDevice(op, stream); e.failure()) return e;
-  cudaError_t err = LaunchSdd(dt.in, dt.out_f32, p, stream);
+  if (ffi::Error e = RequirePrepared(op, stream); e.failure()) return e;
+  cudaError_t err = LaunchSdd(dt.in, dt.out_f32, p, Launch{stream});
   if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess) return LaunchError(op, err, shapes);
   return ffi::Error::Success();
 }
 
+// Initialize stage of every target (the same for all three).
+ffi::Error InitializeImpl(cudaStream_t stream) { return PrepareStreamDevice("jbs_bsmm (initialize)", stream); }
+
 }  // namespace
 }  // namespace jbs
 
-// Bindings: the shared operand lists (bsmm_checks.h) after XLA's compute stream.
+// Bindings. Initialize: the stream only (it reads no operand). Execute: the shared
+// operand lists (bsmm_checks.h) after XLA's compute stream.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmInitializeCuda, jbs::InitializeImpl,
+                              ffi::Ffi::BindInitialize().Ctx<ffi::PlatformStream<cudaStream_t>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmFpropCuda, jbs::FpropImpl, jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>(),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmBpropCuda, jbs::BpropImpl, jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>(),

@@ -259,28 +259,27 @@ __global__ void __launch_bounds__(WM* WN * 32)
 
 template <typename T, typename OutT, int BS, int TN, int WM, int WN, int KC, int STAGES,
           bool TRANS_W>
-cudaError_t LaunchDsdTc(const DsdParams& p, cudaStream_t stream) {
+cudaError_t LaunchDsdTc(const DsdParams& p, const Launch& launch) {
   using S = DsdTcShape<BS, TN, WM, WN, KC, STAGES, TRANS_W>;
+  auto kernel = DsdTcKernel<T, OutT, BS, TN, WM, WN, KC, STAGES, TRANS_W>;
+  if (launch.prepare_only) return PrepareKernel(kernel, S::kSmemBytes);
   const int64_t ntiles = (p.n + TN - 1) / TN;
   const int64_t grid = ntiles * p.nseg;
   if (grid == 0) return cudaSuccess;
   if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  auto kernel = DsdTcKernel<T, OutT, BS, TN, WM, WN, KC, STAGES, TRANS_W>;
-  cudaError_t err = AllowSmem(kernel, S::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(grid), S::kThreads, S::kSmemBytes, stream>>>(p);
+  kernel<<<static_cast<unsigned>(grid), S::kThreads, S::kSmemBytes, launch.stream>>>(p);
   return cudaGetLastError();
 }
 
 // Block-size table of the tensor-core DSD kernel (TN rows per CTA, warp grid, k per stage).
 template <typename T, typename OutT, bool TRANS_W>
-cudaError_t DispatchDsdTc(const DsdParams& p, cudaStream_t stream) {
+cudaError_t DispatchDsdTc(const DsdParams& p, const Launch& launch) {
   switch (p.bs) {
-    case 8: return LaunchDsdTc<T, OutT, 8, 128, 4, 1, 32, 3, TRANS_W>(p, stream);
-    case 16: return LaunchDsdTc<T, OutT, 16, 128, 4, 1, 32, 3, TRANS_W>(p, stream);
-    case 32: return LaunchDsdTc<T, OutT, 32, 128, 4, 1, 32, 3, TRANS_W>(p, stream);
-    case 64: return LaunchDsdTc<T, OutT, 64, 128, 4, 2, 32, 3, TRANS_W>(p, stream);
-    case 128: return LaunchDsdTc<T, OutT, 128, 128, 2, 4, 32, 3, TRANS_W>(p, stream);
+    case 8: return LaunchDsdTc<T, OutT, 8, 128, 4, 1, 32, 3, TRANS_W>(p, launch);
+    case 16: return LaunchDsdTc<T, OutT, 16, 128, 4, 1, 32, 3, TRANS_W>(p, launch);
+    case 32: return LaunchDsdTc<T, OutT, 32, 128, 4, 1, 32, 3, TRANS_W>(p, launch);
+    case 64: return LaunchDsdTc<T, OutT, 64, 128, 4, 2, 32, 3, TRANS_W>(p, launch);
+    case 128: return LaunchDsdTc<T, OutT, 128, 128, 2, 4, 32, 3, TRANS_W>(p, launch);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -371,23 +370,25 @@ __global__ void __launch_bounds__(TX* TY)
 }
 
 template <int BS, int TN, int TX, int TY, int KC, bool TRANS_W>
-cudaError_t LaunchDsdF32Tile(const DsdParams& p, cudaStream_t stream) {
+cudaError_t LaunchDsdF32Tile(const DsdParams& p, const Launch& launch) {
+  auto kernel = DsdF32Kernel<BS, TN, TX, TY, KC, TRANS_W>;
+  if (launch.prepare_only) return PrepareKernel(kernel, 0);
   const int64_t ntiles = (p.n + TN - 1) / TN;
   const int64_t grid = ntiles * p.nseg;
   if (grid == 0) return cudaSuccess;
   if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  DsdF32Kernel<BS, TN, TX, TY, KC, TRANS_W><<<static_cast<unsigned>(grid), TX * TY, 0, stream>>>(p);
+  kernel<<<static_cast<unsigned>(grid), TX * TY, 0, launch.stream>>>(p);
   return cudaGetLastError();
 }
 
 template <bool TRANS_W>
-cudaError_t DispatchDsdF32(const DsdParams& p, cudaStream_t stream) {
+cudaError_t DispatchDsdF32(const DsdParams& p, const Launch& launch) {
   switch (p.bs) {
-    case 8: return LaunchDsdF32Tile<8, 128, 8, 32, 16, TRANS_W>(p, stream);
-    case 16: return LaunchDsdF32Tile<16, 64, 16, 16, 16, TRANS_W>(p, stream);
-    case 32: return LaunchDsdF32Tile<32, 64, 16, 16, 16, TRANS_W>(p, stream);
-    case 64: return LaunchDsdF32Tile<64, 64, 16, 16, 16, TRANS_W>(p, stream);
-    case 128: return LaunchDsdF32Tile<128, 64, 16, 16, 16, TRANS_W>(p, stream);
+    case 8: return LaunchDsdF32Tile<8, 128, 8, 32, 16, TRANS_W>(p, launch);
+    case 16: return LaunchDsdF32Tile<16, 64, 16, 16, 16, TRANS_W>(p, launch);
+    case 32: return LaunchDsdF32Tile<32, 64, 16, 16, 16, TRANS_W>(p, launch);
+    case 64: return LaunchDsdF32Tile<64, 64, 16, 16, 16, TRANS_W>(p, launch);
+    case 128: return LaunchDsdF32Tile<128, 64, 16, 16, 16, TRANS_W>(p, launch);
     default: return cudaErrorInvalidValue;
   }
 }

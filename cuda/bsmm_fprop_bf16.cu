@@ -4,14 +4,14 @@
 
 namespace jbs {
 
-cudaError_t LaunchDsdBF16(bool out_f32, bool transpose_w, const DsdParams& p, cudaStream_t stream) {
+cudaError_t LaunchDsdBF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch) {
   using T = __nv_bfloat16;
   if (out_f32) {
-    return transpose_w ? detail::DispatchDsdTc<T, float, true>(p, stream)
-                       : detail::DispatchDsdTc<T, float, false>(p, stream);
+    return transpose_w ? detail::DispatchDsdTc<T, float, true>(p, launch)
+                       : detail::DispatchDsdTc<T, float, false>(p, launch);
   }
-  return transpose_w ? detail::DispatchDsdTc<T, T, true>(p, stream)
-                     : detail::DispatchDsdTc<T, T, false>(p, stream);
+  return transpose_w ? detail::DispatchDsdTc<T, T, true>(p, launch)
+                     : detail::DispatchDsdTc<T, T, false>(p, launch);
 }
 
 }  // namespace jbs

@@ -238,26 +238,25 @@ __global__ void __launch_bounds__(G* WPM* WPN * 32)
 }
 
 template <typename T, typename OutT, int BS, int G, int WPM, int WPN, int TK, int STAGES>
-cudaError_t LaunchSddTc(const SddParams& p, cudaStream_t stream) {
+cudaError_t LaunchSddTc(const SddParams& p, const Launch& launch) {
   using S = SddTcShape<BS, G, WPM, WPN, TK, STAGES>;
+  auto kernel = SddTcKernel<T, OutT, BS, G, WPM, WPN, TK, STAGES>;
+  if (launch.prepare_only) return PrepareKernel(kernel, S::kSmemBytes);
   const int64_t grid = (static_cast<int64_t>(p.cap) + G - 1) / G;
   if (grid == 0) return cudaSuccess;
-  auto kernel = SddTcKernel<T, OutT, BS, G, WPM, WPN, TK, STAGES>;
-  cudaError_t err = AllowSmem(kernel, S::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(grid), S::kThreads, S::kSmemBytes, stream>>>(p);
+  kernel<<<static_cast<unsigned>(grid), S::kThreads, S::kSmemBytes, launch.stream>>>(p);
   return cudaGetLastError();
 }
 
 // Block-size table of the tensor-core SDD kernel (slots per CTA, warps per slot, rows per stage).
 template <typename T, typename OutT>
-cudaError_t DispatchSddTc(const SddParams& p, cudaStream_t stream) {
+cudaError_t DispatchSddTc(const SddParams& p, const Launch& launch) {
   switch (p.bs) {
-    case 8: return LaunchSddTc<T, OutT, 8, 8, 1, 1, 32, 3>(p, stream);
-    case 16: return LaunchSddTc<T, OutT, 16, 4, 1, 1, 32, 3>(p, stream);
-    case 32: return LaunchSddTc<T, OutT, 32, 4, 1, 1, 32, 3>(p, stream);
-    case 64: return LaunchSddTc<T, OutT, 64, 1, 2, 2, 32, 3>(p, stream);
-    case 128: return LaunchSddTc<T, OutT, 128, 1, 2, 4, 32, 3>(p, stream);
+    case 8: return LaunchSddTc<T, OutT, 8, 8, 1, 1, 32, 3>(p, launch);
+    case 16: return LaunchSddTc<T, OutT, 16, 4, 1, 1, 32, 3>(p, launch);
+    case 32: return LaunchSddTc<T, OutT, 32, 4, 1, 1, 32, 3>(p, launch);
+    case 64: return LaunchSddTc<T, OutT, 64, 1, 2, 2, 32, 3>(p, launch);
+    case 128: return LaunchSddTc<T, OutT, 128, 1, 2, 4, 32, 3>(p, launch);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -336,11 +335,13 @@ __global__ void __launch_bounds__(256) SddF32Kernel(const SddParams p) {
 }
 
 template <int BS, int RM, int RN>
-cudaError_t LaunchSddF32Tile(const SddParams& p, cudaStream_t stream) {
+cudaError_t LaunchSddF32Tile(const SddParams& p, const Launch& launch) {
   constexpr int G = 256 / ((BS / RN) * (BS / RM));
+  auto kernel = SddF32Kernel<BS, RM, RN, 16>;
+  if (launch.prepare_only) return PrepareKernel(kernel, 0);
   const int64_t grid = (static_cast<int64_t>(p.cap) + G - 1) / G;
   if (grid == 0) return cudaSuccess;
-  SddF32Kernel<BS, RM, RN, 16><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p);
+  kernel<<<static_cast<unsigned>(grid), 256, 0, launch.stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -4,9 +4,9 @@
 
 namespace jbs {
 
-cudaError_t LaunchSddF16(bool out_f32, const SddParams& p, cudaStream_t stream) {
+cudaError_t LaunchSddF16(bool out_f32, const SddParams& p, const Launch& launch) {
   using T = __half;
-  return out_f32 ? detail::DispatchSddTc<T, float>(p, stream) : detail::DispatchSddTc<T, T>(p, stream);
+  return out_f32 ? detail::DispatchSddTc<T, float>(p, launch) : detail::DispatchSddTc<T, T>(p, launch);
 }
 
 }  // namespace jbs

@@ -23,6 +23,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmUpdatCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmFpropCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmBpropCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmUpdatCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmInitializeCuda);
 #endif
 
 // build.py writes build/jbs_build_info.h with JBS_CUDA_ARCHS ("sm_80,sm_90a,...").
@@ -69,14 +70,22 @@ PYBIND11_MODULE(_jbs_kernels, m) {
     py::dict by_platform;
     by_platform["cpu"] = cpu;
 #ifdef JBS_WITH_CUDA
+    // Two stages each (bsmm_cuda_handlers.cc): "initialize" prepares the kernels outside
+    // any CUDA-graph capture, "execute" launches them.
+    auto stages = [](py::capsule execute) {
+      py::dict d;
+      d["initialize"] = Capsule(JbsBsmmInitializeCuda);
+      d["execute"] = execute;
+      return d;
+    };
     py::dict cuda;
-    cuda["jbs_bsmm_fprop"] = Capsule(JbsBsmmFpropCuda);
-    cuda["jbs_bsmm_bprop"] = Capsule(JbsBsmmBpropCuda);
-    cuda["jbs_bsmm_updat"] = Capsule(JbsBsmmUpdatCuda);
+    cuda["jbs_bsmm_fprop"] = stages(Capsule(JbsBsmmFpropCuda));
+    cuda["jbs_bsmm_bprop"] = stages(Capsule(JbsBsmmBpropCuda));
+    cuda["jbs_bsmm_updat"] = stages(Capsule(JbsBsmmUpdatCuda));
     by_platform["CUDA"] = cuda;
 #endif
     return by_platform;
-  }, "platform ('cpu', 'CUDA') -> {FFI target name -> handler capsule (api_version 1)}.");
+  }, "platform ('cpu', 'CUDA') -> {FFI target name -> handler capsule, or {stage -> capsule}} (api_version 1).");
   m.def("build_info", []() {
     py::dict d;
     d["cpu_isa"] = py::str(jbs::cpu::KernelIsa());
