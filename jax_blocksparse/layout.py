@@ -24,7 +24,19 @@ col_ptr    [KB + 1]    slots of column ``k`` are ``col_ptr[k]:col_ptr[k + 1]``;
 row_ptr    [CB + 1]    entries of block row ``c`` in ``row_slots`` are
                        ``row_ptr[c]:row_ptr[c + 1]``
 row_slots  [capacity]  slot indices in row-major order of the mask (0 for padding)
+col_order  [KB]        the block columns, longest first (stable): the order in
+                       which the fprop kernels visit their output columns
+row_order  [CB]        the block rows, longest first (stable): bprop's order
 ========== =========== ========================================================
+
+The two orders are the kernels' work plan. They are part of the layout, built once
+with it (on the host for a concrete mask), so that no call sorts anything.
+
+Where the tables live: a layout built from a concrete mask keeps numpy tables, so
+that wherever it is closed over they are compile-time constants, and a layout built
+(and cached) during any trace never captures a tracer. As a pytree it flattens into
+device arrays, made once per layout and kept: ``jax.jit(f)(x, w, layout)`` then
+copies nothing from the host after the first call.
 """
 
 from __future__ import annotations
@@ -46,6 +58,24 @@ class LayoutTables(NamedTuple):
     col_ptr: jax.Array
     row_ptr: jax.Array
     row_slots: jax.Array
+    col_order: jax.Array
+    row_order: jax.Array
+
+    @classmethod
+    def with_orders(cls, block_rows, block_cols, col_ptr, row_ptr, row_slots) -> "LayoutTables":
+        """The tables with both orders derived from the pointers (numpy in, numpy out).
+
+        numpy pointers give numpy orders (built on the host); jax ones, jnp orders.
+        """
+        return cls(block_rows, block_cols, col_ptr, row_ptr, row_slots, longest_first(col_ptr), longest_first(row_ptr))
+
+
+def longest_first(ptr):
+    """int32 [S]: the segments of ``ptr`` ([S + 1]) ordered by length, longest first (stable)."""
+    if isinstance(ptr, np.ndarray):
+        return np.argsort(-np.diff(ptr), kind="stable").astype(np.int32)
+    ptr = jnp.asarray(ptr)
+    return jnp.argsort(ptr[:-1] - ptr[1:], stable=True).astype(jnp.int32)
 
 
 def check_block_size(block_size, *, name: str = "block_size") -> int:
@@ -94,7 +124,7 @@ def _tables_numpy(mask: np.ndarray, capacity: int) -> LayoutTables:
     def padded(a):
         return np.concatenate([a, np.zeros(pad, a.dtype)]).astype(np.int32)
 
-    return LayoutTables(
+    return LayoutTables.with_orders(
         block_rows=padded(c_idx),
         block_cols=padded(k_idx),
         col_ptr=np.concatenate([[0], np.cumsum(mask.sum(axis=0))]).astype(np.int32),
@@ -127,7 +157,7 @@ def _tables_traced(mask: jax.Array, capacity: int) -> LayoutTables:
     row_slots = jnp.where(valid, slot_of.reshape(-1)[flat_rm], 0)
 
     zero = jnp.zeros((1,), jnp.int32)
-    return LayoutTables(
+    return LayoutTables.with_orders(
         block_rows=block_rows.astype(jnp.int32),
         block_cols=block_cols.astype(jnp.int32),
         col_ptr=jnp.concatenate([zero, jnp.cumsum(mask.sum(axis=0, dtype=jnp.int32))]),
@@ -152,13 +182,14 @@ class Layout:
         w = jnp.zeros(layout.w_shape)                        # [16, 32, 32]
     """
 
-    __slots__ = ("block_size", "grid", "capacity", "tables")
+    __slots__ = ("block_size", "grid", "capacity", "tables", "_device_tables")
 
     def __init__(self, block_size: int, grid: tuple[int, int], capacity: int, tables: LayoutTables):
         self.block_size = block_size
         self.grid = grid
         self.capacity = capacity
         self.tables = tables
+        self._device_tables = None  # made on the first flatten of host tables
 
     # -- construction -------------------------------------------------------------
 
@@ -214,7 +245,21 @@ class Layout:
     # -- pytree -------------------------------------------------------------------
 
     def tree_flatten(self):
-        return tuple(self.tables), (self.block_size, self.grid, self.capacity)
+        return tuple(self._leaves()), (self.block_size, self.grid, self.capacity)
+
+    def _leaves(self) -> LayoutTables:
+        """The tables as pytree leaves: host (numpy) tables become device arrays, once.
+
+        Made under ``ensure_compile_time_eval``, so even a flatten inside a trace gives
+        concrete arrays (never a tracer) that later calls reuse. They are uncommitted:
+        a jitted function running elsewhere moves them like any default-device array.
+        """
+        if self._device_tables is None:
+            if not all(isinstance(t, np.ndarray) for t in self.tables):
+                return self.tables
+            with jax.ensure_compile_time_eval():
+                self._device_tables = LayoutTables(*(jnp.asarray(t) for t in self.tables))
+        return self._device_tables
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):

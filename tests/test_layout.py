@@ -8,7 +8,12 @@ from conftest import GRIDS, MASK_KINDS, make_mask, np_blocks, rand, storage_orde
 
 import jax_blocksparse as jbs
 
-TABLE_NAMES = ("block_rows", "block_cols", "col_ptr", "row_ptr", "row_slots")
+TABLE_NAMES = ("block_rows", "block_cols", "col_ptr", "row_ptr", "row_slots", "col_order", "row_order")
+
+
+def longest_first_oracle(counts):
+    """Indices sorted by count, longest first, ties by index (a plain Python sort)."""
+    return sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))
 
 
 def expected_tables(mask, capacity):
@@ -28,6 +33,8 @@ def expected_tables(mask, capacity):
         col_ptr=np.concatenate([[0], np.cumsum(mask.sum(0))]),
         row_ptr=np.concatenate([[0], np.cumsum(mask.sum(1))]),
         row_slots=padded(row_major),
+        col_order=np.asarray(longest_first_oracle(mask.sum(0)), np.int64),
+        row_order=np.asarray(longest_first_oracle(mask.sum(1)), np.int64),
     ), nnz
 
 
@@ -172,7 +179,7 @@ def test_pytree_leaves_and_treedef():
     mask = make_mask("random", (3, 4))
     layout = jbs.Layout.from_mask(mask, 32, capacity=9)
     leaves, treedef = jax.tree_util.tree_flatten(layout)
-    assert len(leaves) == 5 and all(leaf.dtype == jnp.int32 for leaf in leaves)
+    assert len(leaves) == len(TABLE_NAMES) and all(leaf.dtype == jnp.int32 for leaf in leaves)
     rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
     assert (rebuilt.block_size, rebuilt.grid, rebuilt.capacity) == (32, (3, 4), 9)
     assert_tables_equal(layout, rebuilt)
@@ -212,6 +219,43 @@ def test_new_mask_same_capacity_does_not_recompile():
         assert jitted._cache_size() == 1
     jitted(x, jnp.zeros((capacity + 1, bs, bs)), jbs.Layout.from_mask(np.eye(*grid, dtype=bool), bs, capacity=11))
     assert len(traces) == 2  # a new capacity is a new static structure
+
+
+def test_concrete_layout_flattens_to_device_arrays_once():
+    """Host tables for constants; device leaves made once, so a jit argument costs no copy."""
+    layout = jbs.Layout.from_mask(make_mask("random", (4, 5), seed=3), 16)
+    assert all(isinstance(t, np.ndarray) for t in layout.tables)
+    leaves = jax.tree_util.tree_leaves(layout)
+    assert all(isinstance(leaf, jax.Array) for leaf in leaves)
+    again = jax.tree_util.tree_leaves(layout)
+    assert all(a is b for a, b in zip(leaves, again))  # the same buffers, not new copies
+    for leaf, table in zip(leaves, layout.tables):
+        np.testing.assert_array_equal(np.asarray(leaf), table)
+
+
+def test_first_flatten_inside_a_trace_captures_no_tracer():
+    layout = jbs.Layout.from_mask(make_mask("single", (3, 3), seed=2), 8)
+
+    @jax.jit
+    def f(x):
+        leaves = jax.tree_util.tree_leaves(layout)  # first flatten: inside this trace
+        assert not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+        return x + leaves[2][-1]
+
+    assert int(f(jnp.int32(1))) == 2
+    assert not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(layout))
+
+
+def test_layout_as_jit_argument_reuses_its_device_tables():
+    """Calls after the first hand the same device buffers to jit: nothing is copied."""
+    layout = jbs.Layout.from_mask(make_mask("random", (4, 4), seed=5), 8)
+    w = rand(layout.w_shape, seed=1)
+    x = rand((3, 32), seed=2)
+    f = jax.jit(jbs.bsmm)
+    first = f(x, w, layout)
+    with jax.transfer_guard("disallow"):  # x and w are device arrays already
+        second = f(x, w, layout)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
 
 
 @pytest.mark.parametrize("kind", ["random", "empty"])

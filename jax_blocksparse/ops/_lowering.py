@@ -14,15 +14,17 @@ the same target names for both platforms (``_native.py``):
   is worse than none.
 
 The kernel lowering is itself ``mlir.lower_fun`` of a small jnp function
-(:func:`_kernel_call`): it computes the extra int32 operands a target wants (see
-:data:`_EXTRA_OPERANDS`) on the device, calls ``jax.ffi.ffi_call`` and casts the result
-to the requested dtype. The layout stays data: no host reads, no recompiles when it
-changes.
+(:func:`_kernel_call`): it picks the operands a target takes (see
+:data:`_KERNEL_OPERANDS`), calls ``jax.ffi.ffi_call`` and casts the result to the
+requested dtype. The layout stays data: no host reads, no recompiles when it changes,
+and no device work besides the product (the work plan, ``col_order``/``row_order``,
+is part of the layout's tables).
 
 Operands of the bsmm targets (documented with the shared checks in cuda/bsmm_checks.h):
 ``a, b, block_rows, block_cols, col_ptr, row_ptr, row_slots`` and, for fprop and bprop
-only, ``order``: the output block columns (fprop) or block rows (bprop) sorted by their
-number of blocks, longest first, so that the longest outputs start first (load balance).
+only, ``order``: the layout's ``col_order`` (fprop) or ``row_order`` (bprop), the
+output block columns or rows sorted by their number of blocks, longest first, so that
+the longest outputs start first (load balance).
 The handlers write the input dtype or float32; any other requested dtype is produced by
 casting a float32 result.
 """
@@ -33,11 +35,11 @@ import functools
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
 from jax_blocksparse import _native
+from jax_blocksparse.layout import LayoutTables
 from jax_blocksparse.ops._partitioning import partitioned
 
 KERNEL_PLATFORMS = ("cpu", "cuda")
@@ -85,24 +87,13 @@ def kernels_selected(platform: str, impl: str, target: str | None = None) -> boo
 # ---------------------------------------------------------------------------------
 
 
-def _longest_first(ptr):
-    """int32 permutation of the segments of ``ptr`` ([S + 1]), longest first (stable)."""
-    lengths = ptr[1:] - ptr[:-1]
-    return jnp.argsort(-lengths, stable=True).astype(jnp.int32)
-
-
-def _bsmm_order_by_cols(a, b, block_rows, block_cols, col_ptr, row_ptr, row_slots):
-    return (_longest_first(col_ptr),)
-
-
-def _bsmm_order_by_rows(a, b, block_rows, block_cols, col_ptr, row_ptr, row_slots):
-    return (_longest_first(row_ptr),)
-
-
-# target -> function of the operands returning the extra operands appended to them.
-_EXTRA_OPERANDS: dict[str, Callable] = {
-    "jbs_bsmm_fprop": _bsmm_order_by_cols,
-    "jbs_bsmm_bprop": _bsmm_order_by_rows,
+# target -> the operands it takes: the two float operands, the five index tables and,
+# for fprop and bprop, the layout's order of the outputs it writes (longest first).
+# The primitives carry all seven tables (jax_blocksparse/layout.py).
+_KERNEL_OPERANDS: dict[str, Callable] = {
+    "jbs_bsmm_fprop": lambda a, b, t: (a, b, *t[:5], t.col_order),
+    "jbs_bsmm_bprop": lambda a, b, t: (a, b, *t[:5], t.row_order),
+    "jbs_bsmm_updat": lambda a, b, t: (a, b, *t[:5]),
 }
 
 # Output dtypes a handler can write besides the input dtype.
@@ -110,13 +101,13 @@ _KERNEL_OUT_DTYPES = (np.dtype(np.float32),)
 
 
 def _kernel_call(target: str, out_shape, out_dtype, *operands):
-    """jnp function: extra operands, the FFI custom call, the cast to ``out_dtype``."""
+    """jnp function: the FFI custom call on the target's operands, the cast to ``out_dtype``."""
     out_dtype = np.dtype(out_dtype)
     in_dtype = np.dtype(operands[0].dtype)
     kernel_dtype = out_dtype if out_dtype in (in_dtype, *_KERNEL_OUT_DTYPES) else np.dtype(np.float32)
-    extra = _EXTRA_OPERANDS.get(target, lambda *_: ())(*operands)
+    a, b, *tables = operands
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(tuple(out_shape), kernel_dtype))
-    return call(*operands, *extra).astype(out_dtype)
+    return call(*_KERNEL_OPERANDS[target](a, b, LayoutTables(*tables))).astype(out_dtype)
 
 
 def _kernel_rule(target: str):

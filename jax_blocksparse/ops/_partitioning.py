@@ -48,9 +48,11 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_blocksparse.layout import LayoutTables
+
 # Primitives whose leading dims are contracted (the result is weight-shaped).
 _CONTRACTING = frozenset({"bsmm_updat"})
-_NUM_TABLES = 5
+_NUM_TABLES = len(LayoutTables._fields)
 
 
 # ---------------------------------------------------------------------------------
@@ -214,7 +216,7 @@ def partitioned(primitive, rule: Callable) -> Callable:
 
     Args:
       primitive: ``bsmm_fprop``, ``bsmm_bprop`` or ``bsmm_updat`` (by name): operands
-        ``a, b, block_rows, block_cols, col_ptr, row_ptr, row_slots``.
+        ``a, b`` and the layout's tables (:class:`~jax_blocksparse.layout.LayoutTables`).
       rule: a lowering rule ``(ctx, *operands, **params) -> results``: the reference,
         the CPU or the CUDA kernel lowering.
 

@@ -82,6 +82,7 @@ from jax_blocksparse.ops.matmul import (
     _compute_dtype,
     _out_dtype,
     bsmm,
+    canonical_precision,
     from_dense,
     to_dense,
 )
@@ -106,6 +107,7 @@ def bsconv(
     preferred_element_type=None,
     compute_dtype=None,
     float32_dw: bool = False,
+    precision=None,
 ):
     """Block-sparse convolution: ``lax.conv_general_dilated(x, conv_to_dense(w, layout))``.
 
@@ -129,6 +131,9 @@ def bsconv(
         bfloat16 with a float32 ``w``); default the promoted dtype of x and w.
       float32_dw: keep the gradient with respect to a float32 ``w`` in float32, straight
         from the float32 accumulator of its ``bsmm_updat`` (see :func:`~jax_blocksparse.bsmm`).
+      precision: as in :func:`jax.lax.conv_general_dilated` and
+        :func:`~jax_blocksparse.bsmm`: None (read from :func:`jax.default_matmul_precision`),
+        a :class:`jax.lax.Precision` or its name, or a pair.
 
     Returns:
       [N, *out_spatial, K], with ``out_spatial`` that of ``lax.conv_general_dilated``
@@ -144,7 +149,7 @@ def bsconv(
     layout = check_layout(layout)
     x, w = jnp.asarray(_as_float_array(x, "x")), jnp.asarray(_as_float_array(w, "w"))
     g = _geometry("bsconv", x, w, layout, strides, padding, dilation, input_dilation, transpose=False)
-    prec = _precision("bsconv", x, w, preferred_element_type, compute_dtype, float32_dw)
+    prec = _precision("bsconv", x, w, preferred_element_type, compute_dtype, float32_dw, precision)
     out_shape = (x.shape[0], *g.out_spatial, layout.shape[1])
     if _is_empty(out_shape) or _is_empty(x.shape[1:-1]):
         return jnp.zeros(out_shape, prec.out_dtype)
@@ -167,6 +172,7 @@ def bsconv_transpose(
     preferred_element_type=None,
     compute_dtype=None,
     float32_dw: bool = False,
+    precision=None,
 ):
     """Block-sparse transposed (fractionally strided) convolution.
 
@@ -189,7 +195,7 @@ def bsconv_transpose(
       dilation: kernel dilation, an int or ``n`` ints >= 1.
       transpose_kernel: flip the kernel's spatial axes and swap its channel axes,
         as ``lax.conv_transpose`` (the gradient of ``bsconv`` with the same w).
-      preferred_element_type, compute_dtype, float32_dw: as in :func:`bsconv`.
+      preferred_element_type, compute_dtype, float32_dw, precision: as in :func:`bsconv`.
 
     Returns:
       [N, *out_spatial, Cy]; ``out_spatial[i] = (spatial[i] - 1) * strides[i] + 1
@@ -201,7 +207,7 @@ def bsconv_transpose(
         "bsconv_transpose", x, w, layout, strides, padding, dilation, 1, transpose=True,
         transpose_kernel=transpose_kernel,
     )
-    prec = _precision("bsconv_transpose", x, w, preferred_element_type, compute_dtype, float32_dw)
+    prec = _precision("bsconv_transpose", x, w, preferred_element_type, compute_dtype, float32_dw, precision)
     k_out = layout.shape[0] if transpose_kernel else layout.shape[1]
     out_shape = (x.shape[0], *g.out_spatial, k_out)
     if _is_empty(out_shape) or _is_empty(x.shape[1:-1]):
@@ -336,17 +342,30 @@ class _Geometry(NamedTuple):
 
 
 class _Precision(NamedTuple):
-    """The dtypes of one call: the products' inputs, the output, and float32_dw."""
+    """The numerics of one call: the products' input and output dtypes, float32_dw, and
+    the matmul precision (``lax.Precision`` or None, resolved at trace time)."""
 
     compute_dtype: np.dtype
     out_dtype: np.dtype
     float32_dw: bool
+    precision: object
+
+    def bsmm_args(self, out_dtype=None) -> dict:
+        """The keyword arguments of the bsmm calls that compute this call's products."""
+        return dict(
+            preferred_element_type=self.out_dtype if out_dtype is None else out_dtype,
+            compute_dtype=self.compute_dtype,
+            float32_dw=self.float32_dw,
+            precision=self.precision,
+        )
 
 
-def _precision(op, x, w, preferred_element_type, compute_dtype, float32_dw) -> _Precision:
+def _precision(op, x, w, preferred_element_type, compute_dtype, float32_dw, precision) -> _Precision:
     compute = _compute_dtype(compute_dtype, x.dtype, w.dtype)
     out_dtype = _out_dtype(preferred_element_type, compute, name="preferred_element_type")
-    return _Precision(compute, out_dtype, _check_float32_dw(op, float32_dw, w, compute))
+    return _Precision(
+        compute, out_dtype, _check_float32_dw(op, float32_dw, w, compute), canonical_precision(precision)
+    )
 
 
 def _dimension_numbers(ndim: int):
@@ -517,7 +536,7 @@ def _stacked_tables_rows(t: LayoutTables, taps: int, capacity: int, xp) -> Layou
     c, tap = r // taps, r % taps
     src = xp.clip(t.row_ptr[c] + i - row_ptr[r], 0, max(capacity - 1, 0))
     row_slots = xp.where(i < taps * nnz, t.row_slots[src] * taps + tap, 0)
-    return LayoutTables(*(a.astype(np.int32) for a in (block_rows, block_cols, col_ptr, row_ptr, row_slots)))
+    return LayoutTables.with_orders(*(a.astype(np.int32) for a in (block_rows, block_cols, col_ptr, row_ptr, row_slots)))
 
 
 def _stacked_tables_cols(t: LayoutTables, taps: int, capacity: int, xp):
@@ -547,12 +566,8 @@ def _stacked_tables_cols(t: LayoutTables, taps: int, capacity: int, xp):
     ks = t.block_cols[s]
     stacked = taps * t.col_ptr[ks][:, None] + j * count[ks][:, None] + (s - t.col_ptr[ks])[:, None]
     row_slots = xp.where((xp.arange(capacity) < nnz)[:, None], stacked, 0).reshape(-1)
-    tables = LayoutTables(*(a.astype(np.int32) for a in (block_rows, block_cols, col_ptr, row_ptr, row_slots)))
+    tables = LayoutTables.with_orders(*(a.astype(np.int32) for a in (block_rows, block_cols, col_ptr, row_ptr, row_slots)))
     return tables, source.astype(np.int32)
-
-
-def _as_tables(tables, concrete: bool) -> LayoutTables:
-    return LayoutTables(*(jnp.asarray(a) for a in tables)) if concrete else tables
 
 
 def stack_taps(layout: Layout, taps: int, axis: int):
@@ -581,7 +596,8 @@ def stack_taps(layout: Layout, taps: int, axis: int):
         grid = (cb, kb * taps)
     else:
         raise ValueError(f"stack_taps: axis must be 0 or 1, got {axis}")
-    return Layout(layout.block_size, grid, cap * taps, _as_tables(tables, concrete)), source
+    # Concrete tables stay numpy, like Layout.from_mask's: constants in the program.
+    return Layout(layout.block_size, grid, cap * taps, tables), source
 
 
 # ---------------------------------------------------------------------------------
@@ -614,10 +630,7 @@ def _conv_im2col(x, w, layout: Layout, g: _Geometry, prec: _Precision):
     cols = cols.reshape(*lead, taps, c // bs, bs).swapaxes(-3, -2).reshape(*lead, taps * c)  # [.., CB, T, bs]
     stacked, _ = stack_taps(layout, taps, axis=0)
     w_rows = _weight_for_products(w, prec).reshape(layout.capacity * taps, bs, bs)
-    return bsmm(
-        cols, w_rows, stacked, preferred_element_type=prec.out_dtype, compute_dtype=prec.compute_dtype,
-        float32_dw=prec.float32_dw,
-    )
+    return bsmm(cols, w_rows, stacked, **prec.bsmm_args())
 
 
 def _conv_col2im(x, w, layout: Layout, g: _Geometry, prec: _Precision, *, transpose_kernel: bool):
@@ -630,7 +643,7 @@ def _conv_col2im(x, w, layout: Layout, g: _Geometry, prec: _Precision, *, transp
     bs, taps = layout.block_size, math.prod(g.kernel_size)
     lead = x.shape[:-1]
     w = _weight_for_products(w, prec)
-    dtypes = dict(preferred_element_type=jnp.float32, compute_dtype=prec.compute_dtype, float32_dw=prec.float32_dw)
+    dtypes = prec.bsmm_args(out_dtype=jnp.float32)
     if transpose_kernel:
         # P[..., t, :] = x @ W_t.T: bprop over the row-stacked layout.
         stacked, _ = stack_taps(layout, taps, axis=0)

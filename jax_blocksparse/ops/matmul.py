@@ -53,6 +53,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
@@ -79,6 +80,7 @@ def bsmm(
     preferred_element_type=None,
     compute_dtype=None,
     float32_dw: bool = False,
+    precision=None,
 ):
     """Block-sparse matmul: ``x @ to_dense(w, layout)`` (or ``@ ...T``), blocks only.
 
@@ -95,6 +97,12 @@ def bsmm(
         the float32 accumulator of ``bsmm_updat(x, dy, out_dtype=float32)`` instead of
         being rounded to ``compute_dtype`` and widened (see the module docstring).
         Needs a float32 ``w``; no effect when ``compute_dtype`` is float32.
+      precision: as in :func:`jax.lax.dot_general`: None, a
+        :class:`jax.lax.Precision` (or its name), or a pair of them (the higher one
+        applies). None reads :func:`jax.default_matmul_precision`, as ``jnp.dot``
+        does. It matters for float32 products on GPU only: at ``DEFAULT`` they may
+        run on TF32 tensor cores, as ``jnp.dot`` does; ``HIGHEST`` is exact float32
+        (see the module docstring). The gradient's products keep it.
 
     Returns:
       [..., K] (or [..., C] with ``transpose=True``). Products are accumulated in
@@ -120,13 +128,13 @@ def bsmm(
     compute = _compute_dtype(compute_dtype, x.dtype, w.dtype)
     out_dtype = _out_dtype(preferred_element_type, compute, name="preferred_element_type")
     prim = bsmm_bprop_p if transpose else bsmm_fprop_p
+    params = _params(layout, out_dtype, precision)
     if _check_float32_dw("bsmm", float32_dw, w, compute):
-        static = (prim, layout.block_size, compute, out_dtype, config.get_implementation())
-        return _f32_dw_product(static, x, w, layout.tables)
-    return _bind(prim, x.astype(compute), w.astype(compute), layout.tables, layout.block_size, out_dtype)
+        return _f32_dw_product((prim, compute, tuple(sorted(params.items()))), x, w, layout.tables)
+    return _bind(prim, x.astype(compute), w.astype(compute), layout.tables, **params)
 
 
-def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None):
+def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None, precision=None):
     """The weight gradient of bsmm at the layout's blocks only (SDDMM).
 
     ``bsmm_updat(x, dy, layout) == from_dense(x.T @ dy, layout)`` with all leading
@@ -137,6 +145,7 @@ def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None):
       layout: the :class:`Layout`.
       out_dtype: dtype of the result (e.g. float32 from bfloat16 inputs); default
         the promoted dtype of x and dy.
+      precision: as in :func:`bsmm` (and :func:`jax.lax.dot_general`).
 
     Returns:
       [capacity, bs, bs]; padding slots are zero.
@@ -151,7 +160,7 @@ def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None):
             f"for a layout of shape {layout.shape}, got x {x.shape} and dy {dy.shape}"
         )
     out_dtype = _out_dtype(out_dtype, x.dtype, dy.dtype, name="out_dtype")
-    return _bind(bsmm_updat_p, x, dy, layout.tables, layout.block_size, out_dtype)
+    return _bind(bsmm_updat_p, x, dy, layout.tables, **_params(layout, out_dtype, precision))
 
 
 def from_dense(W, layout: Layout):
@@ -191,7 +200,9 @@ def to_dense(w, layout: Layout):
     return blocks.transpose(0, 2, 1, 3).reshape(cb * bs, kb * bs)
 
 
-def bsmm_reference(x, w, layout: Layout, *, transpose: bool = False, preferred_element_type=None, compute_dtype=None):
+def bsmm_reference(
+    x, w, layout: Layout, *, transpose: bool = False, preferred_element_type=None, compute_dtype=None, precision=None
+):
     """The definition of :func:`bsmm` as a dense product (for tests and debugging)."""
     x = jnp.asarray(x)
     W = to_dense(w, layout)
@@ -199,7 +210,10 @@ def bsmm_reference(x, w, layout: Layout, *, transpose: bool = False, preferred_e
     out_dtype = _out_dtype(preferred_element_type, compute, name="preferred_element_type")
     if transpose:
         W = W.T
-    return jnp.matmul(x.astype(compute), W.astype(compute), preferred_element_type=jnp.float32).astype(out_dtype)
+    product = jnp.matmul(
+        x.astype(compute), W.astype(compute), precision=canonical_precision(precision), preferred_element_type=jnp.float32
+    )
+    return product.astype(out_dtype)
 
 
 # ---------------------------------------------------------------------------------
@@ -253,6 +267,49 @@ def _check_float32_dw(op: str, float32_dw, w, compute) -> bool:
     return np.dtype(compute) != np.dtype(np.float32)
 
 
+def canonical_precision(precision, *, name: str = "precision"):
+    """``precision`` as :func:`jax.lax.dot_general` takes it, resolved to one value.
+
+    Returns a :class:`jax.lax.Precision`, or None for XLA's default. None reads
+    :func:`jax.default_matmul_precision` now (at trace time, as ``dot_general``
+    does), so a primitive records the precision it was traced with. A pair (lhs,
+    rhs) resolves to the higher of the two: a product is only as exact as its less
+    exact operand allows, and XLA runs it at the higher request.
+    """
+    if precision is None:
+        default = jax.config.jax_default_matmul_precision
+        try:
+            return None if default is None else lax.Precision(default)
+        except ValueError:  # an algorithm name (e.g. "F32_F32_F32"): XLA's default here
+            return None
+    if isinstance(precision, (tuple, list)):
+        if len(precision) != 2:
+            raise ValueError(f"{name} must be one value or a (lhs, rhs) pair, got {precision!r}")
+        pair = [canonical_precision(p, name=name) or lax.Precision.DEFAULT for p in precision]
+        return max(pair, key=lambda p: p.value)
+    if isinstance(precision, lax.Precision):
+        return precision
+    if isinstance(precision, str):
+        try:
+            return lax.Precision(precision)
+        except ValueError:
+            pass
+    raise TypeError(
+        f"{name} must be None, a jax.lax.Precision, one of its names ('default', 'high', 'highest', "
+        f"'bfloat16', 'tensorfloat32', 'float32') or a pair of them, got {precision!r}"
+    )
+
+
+def _params(layout: Layout, out_dtype, precision) -> dict:
+    """The parameters a public function binds its primitive with."""
+    return dict(
+        block_size=layout.block_size,
+        out_dtype=np.dtype(out_dtype),
+        impl=config.get_implementation(),
+        precision=canonical_precision(precision),
+    )
+
+
 def _grid_of(tables: LayoutTables):
     return (tables.row_ptr.shape[-1] - 1, tables.col_ptr.shape[-1] - 1)
 
@@ -292,7 +349,7 @@ def _valid(tables: LayoutTables):
     return jnp.arange(tables.block_rows.shape[0]) < tables.col_ptr[-1]
 
 
-def _fprop_like(lhs, w, gather_idx, scatter_idx, num_in, num_out, block_size, out_dtype, transpose_w, parts):
+def _fprop_like(lhs, w, gather_idx, scatter_idx, num_in, num_out, block_size, out_dtype, transpose_w, parts, precision):
     """sum over slots s: lhs[:, gather_idx[s]] @ w[s] (or w[s].T) into block scatter_idx[s]."""
     lead = lhs.shape[:-1]
     n = math.prod(lead)
@@ -300,28 +357,30 @@ def _fprop_like(lhs, w, gather_idx, scatter_idx, num_in, num_out, block_size, ou
     spec = "snb,skb->snk" if transpose_w else "snb,sbk->snk"
     out = jnp.zeros((num_out, n, block_size), jnp.float32)
     for lo, hi in _chunks(w.shape[0], parts):
-        prod = jnp.einsum(spec, lhs_blocks[gather_idx[lo:hi]], w[lo:hi], preferred_element_type=jnp.float32)
+        prod = jnp.einsum(
+            spec, lhs_blocks[gather_idx[lo:hi]], w[lo:hi], precision=precision, preferred_element_type=jnp.float32
+        )
         out = out + jax.ops.segment_sum(prod, scatter_idx[lo:hi], num_segments=num_out)
     return out.transpose(1, 0, 2).reshape(*lead, num_out * block_size).astype(out_dtype)
 
 
-def bsmm_fprop_reference(x, w, *tables, block_size, out_dtype, impl="auto", lhs_dtype=None, parts=1):
+def bsmm_fprop_reference(x, w, *tables, block_size, out_dtype, impl="auto", lhs_dtype=None, precision=None, parts=1):
     """y[..., k] = sum over slots s in column k of x[..., rows[s]] @ w[s]."""
     t = LayoutTables(*tables)
     cb, kb = _grid_of(t)
     cols = jnp.where(_valid(t), t.block_cols, kb)  # padding -> dropped by segment_sum
-    return _fprop_like(x, w, t.block_rows, cols, cb, kb, block_size, out_dtype, False, parts)
+    return _fprop_like(x, w, t.block_rows, cols, cb, kb, block_size, out_dtype, False, parts, precision)
 
 
-def bsmm_bprop_reference(g, w, *tables, block_size, out_dtype, impl="auto", lhs_dtype=None, parts=1):
+def bsmm_bprop_reference(g, w, *tables, block_size, out_dtype, impl="auto", lhs_dtype=None, precision=None, parts=1):
     """dx[..., c] = sum over slots s in row c of g[..., cols[s]] @ w[s].T."""
     t = LayoutTables(*tables)
     cb, kb = _grid_of(t)
     rows = jnp.where(_valid(t), t.block_rows, cb)
-    return _fprop_like(g, w, t.block_cols, rows, kb, cb, block_size, out_dtype, True, parts)
+    return _fprop_like(g, w, t.block_cols, rows, kb, cb, block_size, out_dtype, True, parts, precision)
 
 
-def bsmm_updat_reference(x, dy, *tables, block_size, out_dtype, impl="auto", lhs_dtype=None, parts=1):
+def bsmm_updat_reference(x, dy, *tables, block_size, out_dtype, impl="auto", lhs_dtype=None, precision=None, parts=1):
     """dw[s] = x[..., rows[s]].T @ dy[..., cols[s]] over all leading dims; 0 at padding."""
     t = LayoutTables(*tables)
     cb, kb = _grid_of(t)
@@ -333,6 +392,7 @@ def bsmm_updat_reference(x, dy, *tables, block_size, out_dtype, impl="auto", lhs
             "snb,snk->sbk",
             x_blocks[t.block_rows[lo:hi]],
             dy_blocks[t.block_cols[lo:hi]],
+            precision=precision,
             preferred_element_type=jnp.float32,
         )
         for lo, hi in _chunks(t.block_rows.shape[0], parts)
@@ -377,25 +437,27 @@ def _match_varying_axes(operands):
     ]
 
 
-def _bind(prim, a, b, tables, block_size, out_dtype, impl=None, lhs_dtype=None):
+def _bind(prim, a, b, tables, *, block_size, out_dtype, impl, precision, lhs_dtype=None):
     """Binds ``prim`` with both float operands cast to their common dtype.
 
     Parameters of all three primitives: ``block_size``; ``out_dtype``; ``impl`` (see
-    :mod:`jax_blocksparse.config`); ``lhs_dtype``: None, or (fprop and bprop only) a
-    16-bit dtype whose values the float32 lhs holds exactly (see the module docstring;
-    read only by the transpose rule).
+    :mod:`jax_blocksparse.config`); ``precision`` (:func:`canonical_precision`);
+    ``lhs_dtype``: None, or (fprop and bprop only) a 16-bit dtype whose values the
+    float32 lhs holds exactly (see the module docstring; read only by the transpose
+    rule). Rules that bind a partner primitive pass their own parameters on.
     """
     common = jnp.promote_types(a.dtype, b.dtype)
     return prim.bind(
         *mark_partitioned(_match_varying_axes([a.astype(common), b.astype(common), *tables])),
         block_size=block_size,
         out_dtype=np.dtype(out_dtype),
-        impl=config.get_implementation() if impl is None else impl,
+        impl=impl,
+        precision=precision,
         lhs_dtype=None if lhs_dtype is None else np.dtype(lhs_dtype),
     )
 
 
-def _abstract_eval(prim_name, a, b, *tables, block_size, out_dtype, impl, lhs_dtype):
+def _abstract_eval(prim_name, a, b, *tables, block_size, out_dtype, **_):
     out_shape = _operand_shapes(prim_name, a, b, LayoutTables(*tables), block_size)
     sharding = _out_sharding(prim_name, a, len(out_shape))
     return a.update(shape=out_shape, dtype=out_dtype, weak_type=False, sharding=sharding)
@@ -479,7 +541,7 @@ def _stack_tables(tables: LayoutTables):
         return jnp.concatenate([starts, total[None]]).astype(jnp.int32)
 
     row_slots = jnp.take_along_axis(pos, tables.row_slots, axis=1)
-    stacked = LayoutTables(
+    stacked = LayoutTables.with_orders(
         block_rows=scatter(jnp.where(valid, tables.block_rows + b_index * cb, 0)),
         block_cols=scatter(jnp.where(valid, tables.block_cols + b_index * kb, 0)),
         col_ptr=ptrs(tables.col_ptr, kb),
@@ -500,8 +562,7 @@ def _unfold_features(a, nb):
 
 
 def _batch_rule(prim):
-    def rule(args, dims, *, block_size, out_dtype, impl, lhs_dtype):
-        params = dict(block_size=block_size, out_dtype=out_dtype, impl=impl, lhs_dtype=lhs_dtype)
+    def rule(args, dims, **params):
         a, b, *tables = args
         a_dim, b_dim, *table_dims = dims
         others_batched = any(d is not None for d in [b_dim, *table_dims])
@@ -533,16 +594,16 @@ def _batch_rule(prim):
 
 
 def _jvp_rule(prim):
-    def rule(primals, tangents, *, block_size, out_dtype, impl, lhs_dtype):
+    def rule(primals, tangents, **params):
         a, b, *tables = primals
         ta, tb = tangents[:2]
-        out = prim.bind(a, b, *tables, block_size=block_size, out_dtype=out_dtype, impl=impl, lhs_dtype=lhs_dtype)
+        out = prim.bind(a, b, *tables, **params)
         terms = []
         # A tangent of a widened 16-bit lhs is widened 16-bit too: lhs_dtype carries over.
         if type(ta) is not ad.Zero:
-            terms.append(_bind(prim, ta, b, tables, block_size, out_dtype, impl, lhs_dtype))
+            terms.append(_bind(prim, ta, b, tables, **params))
         if type(tb) is not ad.Zero:
-            terms.append(_bind(prim, a, tb, tables, block_size, out_dtype, impl, lhs_dtype))
+            terms.append(_bind(prim, a, tb, tables, **params))
         if not terms:
             return out, ad.Zero.from_primal_value(out)
         return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
@@ -557,27 +618,29 @@ def _jvp_rule(prim):
 def _f32_dw_product(static, x, w, tables):
     """``prim(x, w)`` computed in 16 bits whose derivative in float32 ``w`` stays float32.
 
-    ``static = (prim, block_size, compute_dtype, out_dtype, impl)`` with prim fprop or
-    bprop and a 16-bit compute dtype; ``w`` is float32; ``tables`` the LayoutTables.
+    ``static = (prim, compute_dtype, params)`` with prim fprop or bprop, a 16-bit
+    compute dtype and the primitive's parameters as sorted items (hashable); ``w`` is
+    float32; ``tables`` the LayoutTables.
     """
-    prim, block_size, compute, out_dtype, impl = static
-    return _bind(prim, x.astype(compute), w.astype(compute), tables, block_size, out_dtype, impl)
+    prim, compute, params = static
+    return _bind(prim, x.astype(compute), w.astype(compute), tables, **dict(params))
 
 
 def _f32_dw_product_jvp(static, primals, tangents):
-    prim, block_size, compute, out_dtype, impl = static
+    prim, compute, params = static
+    params = dict(params)
     x, w, tables = primals
     tx, tw, _ = tangents
     xc, wc = x.astype(compute), w.astype(compute)
-    y = _bind(prim, xc, wc, tables, block_size, out_dtype, impl)
+    y = _bind(prim, xc, wc, tables, **params)
     terms = []
     if not isinstance(tx, SymbolicZero):
-        terms.append(_bind(prim, tx.astype(compute), wc, tables, block_size, out_dtype, impl))
+        terms.append(_bind(prim, tx.astype(compute), wc, tables, **params))
     if not isinstance(tw, SymbolicZero):
         # A float32 bind (the widening of xc is exact), so the transpose for tw is
         # float32; lhs_dtype lets it run as bsmm_updat(x16, dy16, out_dtype=float32).
         lhs = xc.astype(tw.dtype)
-        terms.append(_bind(prim, lhs, tw, tables, block_size, out_dtype, impl, lhs_dtype=compute))
+        terms.append(_bind(prim, lhs, tw, tables, **params, lhs_dtype=compute))
     if not terms:
         return y, jnp.zeros_like(y)
     return y, terms[0] if len(terms) == 1 else terms[0] + terms[1]
@@ -604,7 +667,7 @@ _TRANSPOSES = {
 def _transpose_rule(prim):
     ct_a_rule, ct_b_rule = _TRANSPOSES[prim.name]
 
-    def rule(ct, a, b, *tables, block_size, out_dtype, impl, lhs_dtype):
+    def rule(ct, a, b, *tables, lhs_dtype, **params):
         if any(ad.is_undefined_primal(t) for t in tables):
             raise ValueError(f"{prim.name}: the layout tables are not differentiable")
         none_for_tables = [None] * len(tables)
@@ -613,14 +676,14 @@ def _transpose_rule(prim):
         ct_a = ct_b = None
         if ad.is_undefined_primal(a):
             p, lhs, rhs = ct_a_rule(ct, a, b)
-            ct_a = _bind(p, lhs, rhs, tables, block_size, a.aval.dtype, impl)
+            ct_a = _bind(p, lhs, rhs, tables, **dict(params, out_dtype=a.aval.dtype))
         if ad.is_undefined_primal(b):
             p, lhs, rhs = ct_b_rule(ct, a, b)
             if lhs_dtype is not None and np.dtype(ct.dtype) == lhs_dtype and not ad.is_undefined_primal(a):
                 # Both operands of the weight's updat (the lhs and ct) hold lhs_dtype values:
                 # narrow them losslessly and accumulate straight into b's float32.
                 lhs, rhs = lhs.astype(lhs_dtype), rhs.astype(lhs_dtype)
-            ct_b = _bind(p, lhs, rhs, tables, block_size, b.aval.dtype, impl)
+            ct_b = _bind(p, lhs, rhs, tables, **dict(params, out_dtype=b.aval.dtype))
         return [ct_a, ct_b, *none_for_tables]
 
     return rule

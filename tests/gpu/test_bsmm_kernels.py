@@ -67,6 +67,8 @@ def _layout(kind, bs, seed=0):
         col_ptr=t.col_ptr,
         row_ptr=t.row_ptr,
         row_slots=garbage(t.row_slots, cap),
+        col_order=t.col_order,
+        row_order=t.row_order,
     )
     return mask, Layout(bs, grid, cap, tables)
 
