@@ -11,6 +11,7 @@ a missing extension is a failure.
 
 from __future__ import annotations
 
+import re
 
 import jax
 import jax.numpy as jnp
@@ -157,3 +158,31 @@ def test_extension_info():
     info = _native.extension_info()
     assert info["cuda"] and info["cuda_version"] and info["archs"], info
     assert set(info["targets"]) == set(TARGETS)
+
+
+@pytest.mark.parametrize("as_argument", [False, True], ids=["closed_over", "argument"])
+@pytest.mark.parametrize("op", ["fprop", "bprop", "updat"])
+def test_no_device_work_besides_the_product(op, as_argument):
+    """The work plan comes with the layout: the kernel call is the program's only op.
+
+    A layout closed over or passed as an argument adds nothing (no sort of the column
+    lengths, no arithmetic on the tables) on 'cuda', and on 'cpu' after XLA's passes.
+    """
+    layout = _layout()
+    x, dy = jnp.ones((N, C)), jnp.ones((N, K))
+    w = jnp.ones(layout.w_shape)
+    fun = {
+        "fprop": lambda x, w, dy, lay: jbs.bsmm(x, w, lay),
+        "bprop": lambda x, w, dy, lay: jbs.bsmm(dy, w, lay, transpose=True),
+        "updat": lambda x, w, dy, lay: jbs.bsmm_updat(x, dy, lay),
+    }[op]
+    args = (x, w, dy, layout) if as_argument else (x, w, dy)
+    call = fun if as_argument else (lambda x, w, dy: fun(x, w, dy, layout))
+    text = _lower(call, *args, impl="kernels")
+    ops = set(re.findall(r"= (?:stablehlo|mhlo|chlo)\.([a-z_]+)", text))
+    assert ops <= {"custom_call", "constant"}, ops
+    with jbs.config.implementation("kernels"):
+        compiled = jax.jit(call).lower(*args).compile().as_text()
+    entry = compiled[compiled.index("ENTRY"):]
+    hlo_ops = set(re.findall(r"= \S+ ([a-z-]+)\(", entry))
+    assert hlo_ops <= {"parameter", "constant", "custom-call"}, hlo_ops

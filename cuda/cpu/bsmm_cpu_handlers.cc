@@ -63,8 +63,26 @@ void ForEachOnPool(void* ctx, int64_t count, void (*body)(void*, int64_t), void*
   work->all_done.wait(lock, [&] { return work->done.load() == count; });
 }
 
-cpu::Parallel OnPool(ffi::ThreadPool& pool) {
+void ForEachHere(void*, int64_t count, void (*body)(void*, int64_t), void* arg) {
+  for (int64_t i = 0; i < count; ++i) body(arg, i);
+}
+
+// Below this many multiply-adds a call runs on the calling thread alone: handing items
+// to pool workers and waiting for them costs several microseconds per parallel step,
+// more than such a call computes (bench/dispatch.py measures the host time of a call).
+constexpr int64_t kSerialMacs = int64_t{1} << 20;
+
+// The pool, or the calling thread alone for a call of `macs` multiply-adds.
+cpu::Parallel Workers(ffi::ThreadPool& pool, int64_t macs) {
+  if (macs < kSerialMacs) return cpu::Parallel{nullptr, 1, &ForEachHere};
   return cpu::Parallel{&pool, static_cast<int>(std::max<int64_t>(1, pool.num_threads())), &ForEachOnPool};
+}
+
+// Multiply-adds of a checked problem: rows x blocks present x bs^2 (the tables are in
+// host memory on CPU, so the block count can be read here).
+int64_t Macs(int64_t rows, const int32_t* nnz, int cap, int bs) {
+  const int64_t blocks = std::min<int64_t>(std::max<int32_t>(*nnz, 0), cap);
+  return rows * blocks * bs * bs;
 }
 
 ffi::Error Unsupported(const char* op, const std::string& shapes) {
@@ -84,7 +102,9 @@ ffi::Error DsdImpl(const char* op, bool transpose, ffi::ThreadPool pool, ffi::An
     return e;
   }
   if (IsEmpty(p)) return ffi::Error::Success();
-  if (!cpu::RunDsd(dt.in, dt.out_f32, transpose, p, OnPool(pool))) return Unsupported(op, shapes);
+  if (!cpu::RunDsd(dt.in, dt.out_f32, transpose, p, Workers(pool, Macs(p.n, p.nnz, p.cap, p.bs)))) {
+    return Unsupported(op, shapes);
+  }
   return ffi::Error::Success();
 }
 
@@ -115,7 +135,9 @@ ffi::Error UpdatImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy, 
     return e;
   }
   if (IsEmpty(p)) return ffi::Error::Success();
-  if (!cpu::RunSdd(dt.in, dt.out_f32, p, OnPool(pool))) return Unsupported(op, shapes);
+  if (!cpu::RunSdd(dt.in, dt.out_f32, p, Workers(pool, Macs(p.n, p.nnz, p.cap, p.bs)))) {
+    return Unsupported(op, shapes);
+  }
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,22 @@
+"""bench/dispatch.py runs and reports what README's dispatch table is made of (no timing asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "dispatch.py"
+
+
+def test_dispatch_bench_writes_its_json(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_dispatch", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "dispatch.json"
+    module.main(["--calls", "3", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert {"device", "commit", "date", "jax", "rows"} <= set(result)
+    assert [r["op"] for r in result["rows"]] == ["fprop", "bprop", "updat"]
+    for row in result["rows"]:
+        assert row["ratio_argument"] > 0 and row["ratio_closed_over"] > 0
