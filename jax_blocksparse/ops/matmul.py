@@ -40,6 +40,16 @@ updat: float32 out). Under ``jax.jvp`` the weight tangent's product runs in floa
 The same holds under ``vmap`` and ``jit`` (custom_jvp and the batching rule keep the
 parameter).
 
+Precision
+---------
+``precision=`` means what it means for :func:`jax.lax.dot_general`. It is resolved when
+the op is traced (None reads :func:`jax.default_matmul_precision`) and kept as the
+primitives' ``precision`` parameter, which the JVP, transpose and batching rules pass
+on, so a gradient's products run at the forward's precision. The reference lowering
+gives it to XLA's dot: on GPU, float32 at DEFAULT may use TF32 tensor cores, as
+``jnp.dot`` does, and HIGHEST is exact float32. The native kernels compute float32
+exactly at every precision (DEFAULT allows TF32; it does not require it).
+
 Order of this module: public functions, shape rules, references, primitives and
 abstract eval, lowerings, batching, JVP, transpose, registration.
 """
@@ -102,7 +112,7 @@ def bsmm(
         applies). None reads :func:`jax.default_matmul_precision`, as ``jnp.dot``
         does. It matters for float32 products on GPU only: at ``DEFAULT`` they may
         run on TF32 tensor cores, as ``jnp.dot`` does; ``HIGHEST`` is exact float32
-        (see the module docstring). The gradient's products keep it.
+        (see "Precision" in the module docstring). The gradient's products keep it.
 
     Returns:
       [..., K] (or [..., C] with ``transpose=True``). Products are accumulated in
