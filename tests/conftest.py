@@ -3,11 +3,26 @@
 Everything here is independent of the library's own index arithmetic: the oracles
 (``np_blocks``, ``dense_of``) rebuild storage order from the mask alone, so they
 check the layout tables rather than reuse them.
+
+The suite runs on any default backend (CPU or GPU); what it needs from the platform
+it states here:
+
+* multi-device tests take their devices from the CPU backend (:func:`cpu_devices`,
+  :func:`cpu_mesh`, the :func:`cpu_default_device` fixture): XLA is asked for 8 host
+  devices below, while a GPU machine's default backend may have one device;
+* every matmul runs at ``jax.default_matmul_precision("highest")``
+  (:func:`exact_float32_matmuls`): the float32 comparisons mean exact float32, which
+  is not the GPU default (TF32);
+* 16-bit roundings that XLA may skip as "excess precision" on GPU are checked where
+  it keeps them (:func:`keeps_16bit_roundings`, :func:`rerun_keeping_16bit_roundings`).
 """
 
 import contextlib
 import os
+import pathlib
 import re
+import subprocess
+import sys
 
 # Must run before jax is imported so that pmap / shard_map tests see 8 CPU devices.
 _FLAG = "--xla_force_host_platform_device_count"
@@ -18,6 +33,7 @@ import jax  # noqa: E402,F401  (after XLA_FLAGS, on purpose)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
 import jax_blocksparse as jbs  # noqa: E402
 
@@ -165,3 +181,120 @@ def xla_optimizations_off(off: bool = True):
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", previous)
+
+
+# ---------------------------------------------------------------------------------
+# Devices: the multi-device tests run on the CPU backend's 8 host devices
+# ---------------------------------------------------------------------------------
+
+
+def cpu_devices(n: int) -> list:
+    """The first ``n`` CPU devices, whatever the default backend is.
+
+    The XLA_FLAGS above give the CPU backend 8 devices; on a GPU machine the default
+    backend (``jax.devices()``) is the GPU, often with one device, so multi-device
+    tests name the CPU backend. Skips the calling test when it has fewer than ``n``.
+    """
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        pytest.skip(
+            f"needs {n} CPU devices, the CPU backend has {len(devices)}: XLA_FLAGS must hold "
+            f"{_FLAG}={NUM_DEVICES} before jax is imported (got XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})"
+        )
+    return devices[:n]
+
+
+def cpu_mesh(shape, axis_names, **kwargs) -> Mesh:
+    """A ``jax.sharding.Mesh`` of ``shape`` over the first CPU devices (see :func:`cpu_devices`).
+
+    ``kwargs`` go to ``Mesh`` (e.g. ``axis_types``). An explicit Mesh has Auto axes on
+    every JAX version unless told otherwise (``jax.make_mesh`` may default to Explicit).
+    """
+    shape = tuple(shape)
+    return Mesh(np.array(cpu_devices(int(np.prod(shape)))).reshape(shape), tuple(axis_names), **kwargs)
+
+
+@pytest.fixture
+def cpu_default_device():
+    """Makes the first CPU device JAX's default device inside the test.
+
+    For the multi-device tests: arrays they create and single-device results they
+    compare against (one-device oracles, uncommitted inputs) live on the CPU backend,
+    next to the CPU devices their meshes and pmaps use, not on a GPU.
+    """
+    with jax.default_device(cpu_devices(1)[0]):
+        yield
+
+
+# ---------------------------------------------------------------------------------
+# Precision: exact float32 matmuls, 16-bit roundings where XLA keeps them
+# ---------------------------------------------------------------------------------
+
+# The matmul precision the suite's float32 comparisons mean (see exact_float32_matmuls).
+MATMUL_PRECISION = "highest"
+_GPU_TESTS = pathlib.Path(__file__).resolve().parent / "gpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def exact_float32_matmuls(request):
+    """Every test module here runs under ``jax.default_matmul_precision("highest")``.
+
+    The tests compare float32 results with float32 oracles (``jnp.dot``/``einsum``,
+    the reference lowering, ``check_grads``' numerical derivatives) at float32
+    tolerances, so the precision they mean is exact float32. JAX's default is
+    platform dependent: exact on CPU, TF32 (a 10-bit mantissa) on GPU. This pins it
+    for the oracles and for the library's own products alike (a product traced with
+    no explicit precision reads this default), on every platform.
+
+    Module scope, so that module-scoped fixtures computing oracles run under it too.
+    tests/gpu states its own precision where it means one and is left as it is.
+    """
+    if _GPU_TESTS in request.path.resolve().parents:
+        yield
+        return
+    with jax.default_matmul_precision(MATMUL_PRECISION):
+        yield
+
+
+# XLA flag that makes every backend keep each rounding to a narrower float type.
+KEEP_ROUNDINGS_FLAG = "--xla_allow_excess_precision=false"
+_CHILD_ENV = "JBS_TESTS_KEEP_ROUNDINGS_CHILD"
+
+
+def keeps_16bit_roundings() -> bool:
+    """Whether XLA on the default backend keeps a float32 -> 16-bit -> float32 round trip.
+
+    With ``--xla_allow_excess_precision`` (XLA's default: true) a backend may drop
+    such a round trip as excess precision and go on in float32: XLA:GPU does (its
+    simplify-fp-conversions pass), XLA:CPU does not. A library result that is an XLA
+    cast to 16 bits widened back to float32 (see README, "Mixed precision") is then
+    not rounded. Probed with one tiny jit under the caller's configuration, not
+    guessed from the platform name.
+    """
+    x = np.float32(1 + 2**-12)  # neither a bfloat16 nor a float16 value
+    round_trips = jax.jit(lambda v: [v.astype(t).astype(jnp.float32) for t in (jnp.bfloat16, jnp.float16)])(x)
+    return all(float(r) != float(x) for r in round_trips)
+
+
+def rerun_keeping_16bit_roundings(request, timeout: float = 600):
+    """Runs the calling test again in a child pytest whose XLA keeps every 16-bit rounding.
+
+    For tests whose 16-bit rounding assertions hold only where XLA keeps the roundings
+    (:func:`keeps_16bit_roundings`): they run those assertions in this process when it
+    does, and call this when it does not. XLA_FLAGS is read once, when the backend
+    starts, so the child gets ``XLA_FLAGS += --xla_allow_excess_precision=false``.
+    Fails unless the child ran the test and it passed.
+    """
+    if os.environ.get(_CHILD_ENV):
+        pytest.fail(f"XLA drops 16-bit roundings even with XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {KEEP_ROUNDINGS_FLAG}".strip()
+    env[_CHILD_ENV] = "1"
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the GPU is shared with this process
+    for name in [n for n in env if n == "PYTEST_ADDOPTS" or n.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_"))]:
+        del env[name]  # a plain pytest run of one test (no -n, not an xdist worker)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid]
+    child = subprocess.run(command, cwd=request.config.rootpath, env=env, capture_output=True, text=True,
+                           timeout=timeout)
+    output = f"{' '.join(command)}\n{child.stdout[-6000:]}\n{child.stderr[-3000:]}"
+    assert child.returncode == 0 and re.search(r"\b1 passed\b", child.stdout), output

@@ -4,6 +4,9 @@ tests/test_matmul.py runs every bsmm case on these kernels and on the reference.
 the default CPU lowering is the custom call, the handlers reject malformed calls with
 an error (never a crash), long inputs processed in several chunks of rows, empty
 problems, and determinism across runs (each output element is summed by one worker).
+
+Everything runs on the CPU backend, whatever the default backend is: lowered for the
+"cpu" platform, run with the CPU as the default device.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, make_problem, rand, require_kernels
+from conftest import assert_close, cpu_devices, make_problem, rand, require_kernels
 
 import jax_blocksparse as jbs
 from jax_blocksparse.ops import _lowering
@@ -21,8 +24,11 @@ TARGETS = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
 
 
 @pytest.fixture(autouse=True)
-def _need_cpu_kernels():
+def _on_the_cpu_kernels():
+    """The CPU kernels are built, and the test runs on the CPU (also where a GPU is the default)."""
     require_kernels("cpu")
+    with jax.default_device(cpu_devices(1)[0]):
+        yield
 
 
 def _ops(layout):
@@ -38,12 +44,12 @@ def test_auto_lowers_to_the_cpu_kernels():
     x = rand((5, layout.shape[0]), jnp.float32, 1)
     grad = jax.grad(lambda x, w: jnp.sum(jbs.bsmm(x, w, layout) ** 2), argnums=(0, 1))
     with jbs.config.implementation("auto"):
-        text = jax.jit(grad).trace(x, w).lower().as_text()
+        text = jax.jit(grad).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
     for target in TARGETS:
         assert f"@{target}(" in text, target
     assert "native CPU kernels" in _lowering.describe_path("cpu", "auto")
     with jbs.config.implementation("reference"):
-        assert "custom_call" not in jax.jit(grad).trace(x, w).lower().as_text()
+        assert "custom_call" not in jax.jit(grad).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
 
 
 def _call(target, out_shape, out_dtype, *operands):
@@ -51,7 +57,9 @@ def _call(target, out_shape, out_dtype, *operands):
 
 
 def _tables(layout):
-    return [jnp.asarray(t) for t in layout.tables]
+    """The five index tables every target takes (the orders are passed on their own)."""
+    t = layout.tables
+    return [jnp.asarray(a) for a in (t.block_rows, t.block_cols, t.col_ptr, t.row_ptr, t.row_slots)]
 
 
 @pytest.mark.parametrize(

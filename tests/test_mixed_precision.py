@@ -6,6 +6,12 @@
 * ``training.dynamic_loss_scaling``: skips non-finite steps, grows after N finite steps,
   shrinks on overflow, inside jit.
 * Training a small block-sparse model in bfloat16 and float16 tracks float32 training.
+
+"Rounded to 16 bits" is checked where XLA keeps such roundings: XLA:GPU with its
+default ``--xla_allow_excess_precision`` may skip a float32 -> 16-bit -> float32 round
+trip (README, "Mixed precision"). There the rounding assertions run again in a child
+process with ``--xla_allow_excess_precision=false`` (conftest's
+``rerun_keeping_16bit_roundings``); this process checks what holds either way.
 """
 
 from __future__ import annotations
@@ -16,7 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_close, make_problem, rand, xla_optimizations_off
+from conftest import (
+    assert_close,
+    keeps_16bit_roundings,
+    make_problem,
+    rand,
+    rerun_keeping_16bit_roundings,
+    xla_optimizations_off,
+)
 from flax import nnx
 
 import jax_blocksparse as jbs
@@ -61,7 +74,7 @@ def _bsmm_case(half, transpose, seed=0):
 
 @pytest.mark.parametrize("transpose", [False, True], ids=["fprop", "bprop"])
 @pytest.mark.parametrize("half", sorted(HALF))
-def test_bsmm_float32_dw_is_the_float32_accumulator(half, transpose):
+def test_bsmm_float32_dw_is_the_float32_accumulator(request, half, transpose):
     dtype = HALF[half]
     layout, x, w, g = _bsmm_case(dtype, transpose)
 
@@ -77,8 +90,12 @@ def test_bsmm_float32_dw_is_the_float32_accumulator(half, transpose):
     want = jbs.bsmm_updat(*pair, layout, out_dtype=jnp.float32)  # 16-bit operands, float32 out
     assert dw32.dtype == dw16.dtype == F32
     np.testing.assert_array_equal(dw32, want)
-    np.testing.assert_array_equal(dw16, _rounded(want, dtype))  # the default: rounded, then widened
     assert _representable_fraction(dw32, dtype) < 0.5
+    if keeps_16bit_roundings():
+        np.testing.assert_array_equal(dw16, _rounded(want, dtype))  # the default: rounded, then widened
+    else:  # the rounding may be an XLA cast, skipped here (module docstring)
+        assert_close(dw16, want, dtype)
+        rerun_keeping_16bit_roundings(request)
 
     # Under grad, the weight gradient is one updat bound with 16-bit operands and a
     # float32 output: the native kernels' form (no lowering change needed).
@@ -119,7 +136,7 @@ def test_bsmm_float32_dw_under_vmap_jvp_and_x_grad():
         np.testing.assert_array_equal(dxs[i], dxi)
 
 
-def test_bsconv_float32_dw():
+def test_bsconv_float32_dw(request):
     dtype = HALF["f16"]
     _, layout, _ = make_problem("random", 16, (2, 3), seed=3)
     w = rand((layout.capacity, 3, 3, 16, 16), jnp.float32, 4) * 0.1
@@ -143,8 +160,11 @@ def test_bsconv_float32_dw():
         assert dw32.dtype == dw16.dtype == F32
         assert_close(dw32, want, F32)
         assert_close(dw16, want, dtype)
-        assert _representable_fraction(dw16, dtype) == 1.0
         assert _representable_fraction(dw32, dtype) < 0.5
+        if keeps_16bit_roundings():
+            assert _representable_fraction(dw16, dtype) == 1.0
+    if not keeps_16bit_roundings():  # the rounding may be an XLA cast, skipped here (module docstring)
+        rerun_keeping_16bit_roundings(request)
 
 
 # ---------------------------------------------------------------------------------
@@ -219,7 +239,7 @@ def _kernels(grads):
 
 
 @pytest.mark.parametrize("name,framework,half", CASES)
-def test_layer_dtypes_and_float32_dw(name, framework, half):
+def test_layer_dtypes_and_float32_dw(request, name, framework, half):
     dtype = HALF[half]
     results = {}
     for float32_dw in (False, True):
@@ -232,13 +252,19 @@ def test_layer_dtypes_and_float32_dw(name, framework, half):
         grads = jax.jit(jax.grad(lambda p: jnp.sum(apply(p, x).astype(jnp.float32) * g)))(params)
         assert all(leaf.dtype == F32 for leaf in jax.tree.leaves(grads))
         results[float32_dw] = _kernels(grads)
+    rounded = keeps_16bit_roundings()
     for path, dw16 in results[False].items():
         dw32 = results[True][path]
         # Default: each kernel gradient was rounded to 16 bits (then widened); with
         # float32_dw it is not (a float32 accumulator), and the two agree to 16-bit precision.
-        assert _representable_fraction(dw16, dtype) == 1.0, path
+        if rounded:
+            assert _representable_fraction(dw16, dtype) == 1.0, path
         assert _representable_fraction(dw32, dtype) < 0.5, path
         assert_close(dw16, dw32, dtype, length=64)
+    if not rounded:
+        # XLA here may skip a rounding that is an XLA cast widened straight back (e.g. the
+        # LSTM input kernel's: its product has a float32 output): module docstring.
+        rerun_keeping_16bit_roundings(request)
 
 
 @pytest.mark.parametrize("name", ["dense", "conv", "conv_transpose"])
@@ -254,8 +280,15 @@ def test_linear_layer_float32_dw_equals_float32_oracle(name):
     assert_close(got, want, F32)
 
 
-def test_fused_lstm_and_rnn_cell_agree_on_float32_dw():
-    """Both accumulate every step's dW in float32 (one updat over T*B rows vs per step)."""
+def test_fused_lstm_and_rnn_cell_agree_on_float32_dw(request):
+    """Both accumulate every step's dW in float32 (one updat over T*B rows vs per step).
+
+    To float32 precision where XLA keeps the 16-bit roundings of the forward pass
+    (the gate inputs are rounded to bfloat16, then widened): the two programs round
+    the same values. Where XLA may skip such roundings in one program and not in the
+    other (GPU, default flags), they agree to bfloat16 precision; the float32
+    comparison then runs in a child process that keeps them (module docstring).
+    """
     dtype = HALF["bf16"]
     grads = []
     for fused in (True, False):
@@ -263,9 +296,12 @@ def test_fused_lstm_and_rnn_cell_agree_on_float32_dw():
         g = rand(jax.eval_shape(apply, params, x).shape, jnp.float32, 9)
         grads.append(jax.jit(jax.grad(lambda p: jnp.sum(apply(p, x) * g)))(params))
     assert all(leaf.dtype == F32 for leaf in jax.tree.leaves(grads))
+    rounded = keeps_16bit_roundings()
     for (path, a), b in zip(_kernels(grads[0]).items(), _kernels(grads[1]).values()):
         assert _representable_fraction(a, dtype) < 0.5, path
-        assert_close(a, b, F32, length=64 * 64), path
+        assert_close(a, b, F32 if rounded else dtype, length=64 * 64), path
+    if not rounded:
+        rerun_keeping_16bit_roundings(request)
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx"])

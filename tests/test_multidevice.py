@@ -1,5 +1,8 @@
 """Multiple devices (8 simulated CPU devices, see conftest): data and model parallelism.
 
+Every test runs on the CPU backend (meshes of conftest's ``cpu_devices``, CPU as the
+default device), whatever the default backend is.
+
 * jit with a batch-sharded NamedSharding: the sharding rule (ops/_partitioning.py)
   splits bsmm instead of gathering its input, under both partitioners, and also for a
   lowering XLA cannot see into (a host callback standing in for a custom call).
@@ -17,10 +20,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import NUM_DEVICES, assert_close, collectives, make_mask, make_problem, rand, shard_map
+from conftest import (
+    NUM_DEVICES,
+    assert_close,
+    collectives,
+    cpu_devices,
+    cpu_mesh,
+    make_mask,
+    make_problem,
+    rand,
+    shard_map,
+)
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_blocksparse as jbs
@@ -30,10 +43,11 @@ from jax_blocksparse.ops._partitioning import mark_partitioned, partitioned
 
 F32 = jnp.float32
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
 
 def _mesh(shape=(NUM_DEVICES,), names=("batch",)):
-    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
+    return cpu_mesh(shape, names)
 
 
 # ---------------------------------------------------------------------------------
@@ -128,7 +142,7 @@ _opaque_p.def_abstract_eval(lambda *args, **params: matmul.bsmm_fprop_p.abstract
 def _opaque_rule(ctx, *operands, block_size, out_dtype, impl, lhs_dtype=None):
     (out,) = ctx.avals_out
 
-    def host(x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots):  # numpy only
+    def host(x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, *orders):  # numpy only; orders unused
         cb, kb = len(row_ptr) - 1, len(col_ptr) - 1
         W = np.zeros((cb, block_size, kb, block_size), np.float32)
         for s in range(int(col_ptr[-1])):
@@ -168,7 +182,12 @@ def test_rule_partitions_an_opaque_lowering(problem, with_rule):
 # ---------------------------------------------------------------------------------
 
 
-def test_eight_device_training_equals_one_device():
+def test_eight_device_training_equals_one_device(monkeypatch):
+    # The example trains on the default backend's local devices (jax.local_devices()):
+    # here those are the CPU backend's 8, also on a machine whose default is a GPU.
+    cpus = cpu_devices(NUM_DEVICES)
+    monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: list(cpus))
+    monkeypatch.setattr(jax, "local_device_count", lambda *args, **kwargs: len(cpus))
     spec = importlib.util.spec_from_file_location("data_parallel", ROOT / "examples" / "data_parallel.py")
     example = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = example  # flax dataclasses look their module up
@@ -302,8 +321,7 @@ def test_explicit_mesh_axes(problem):
     """On Explicit mesh axes (jax.make_mesh's default) shardings are types: the
     primitives' abstract eval states the rule (rows kept, updat replicated)."""
     mask, layout, w = problem
-    mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]).reshape(2, 4), ("batch", "model"),
-                axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    mesh = cpu_mesh((2, 4), ("batch", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     x = rand((NUM_DEVICES * 2, 24), F32, 6)
 
     def loss(x, w):

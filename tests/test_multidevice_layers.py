@@ -1,5 +1,8 @@
 """Every Flax layer (linen and NNX) data parallel on 8 simulated CPU devices.
 
+(The CPU backend's, see conftest, whatever the default backend is; CPU is the default
+device inside every test.)
+
 For each layer: loss and gradients with the batch split over devices, under
 ``jax.pmap`` (grads ``pmean``'d), ``jax.shard_map`` (loss ``pmean``'d, its transpose
 all-reduces the grads) and ``jit`` of a batch-sharded ``NamedSharding`` input, equal
@@ -14,11 +17,10 @@ import inspect
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from conftest import NUM_DEVICES, assert_close, collectives, make_mask, rand, shard_map
+from conftest import NUM_DEVICES, assert_close, collectives, cpu_devices, cpu_mesh, make_mask, rand, shard_map
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_blocksparse as jbs
@@ -27,10 +29,11 @@ F32 = jnp.float32
 BS = 8
 # Model-parallel layers split weights, not the batch: tests/test_parallel_layers.py.
 MODEL_PARALLEL = {"ColumnParallelDense", "ColumnParallelLinear"}
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
 
 def _mesh():
-    return Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("batch",))
+    return cpu_mesh((NUM_DEVICES,), ("batch",))
 
 
 # ---------------------------------------------------------------------------------
@@ -111,7 +114,7 @@ def test_layer_data_parallel(name):
         return jax.lax.pmean(jax.value_and_grad(loss)(params, x), "batch")
 
     split = x.reshape((n, x.shape[0] // n) + x.shape[1:])
-    pmapped = jax.pmap(averaged, axis_name="batch", in_axes=(None, 0))(params, split)
+    pmapped = jax.pmap(averaged, axis_name="batch", in_axes=(None, 0), devices=cpu_devices(n))(params, split)
     results = {"pmap": jax.tree.map(lambda a: a[0], pmapped)}
 
     in_specs = (P(), P("batch"))

@@ -8,6 +8,9 @@ with the same (unsharded) weights.
   jit with the params' shardings puts shard i on the devices of model index i;
 * gather_output=False compiles to no all-gather;
 * errors for bad configurations.
+
+Meshes are built from the CPU backend's devices and CPU is the default device inside
+every test, whatever the default backend is.
 """
 
 import contextlib
@@ -17,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import NUM_DEVICES, assert_close, collectives, make_mask, rand, xla_optimizations_off
+from conftest import assert_close, collectives, cpu_mesh, make_mask, rand, xla_optimizations_off
 from flax import nnx
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_blocksparse as jbs
@@ -32,14 +34,14 @@ C, K = GRID[0] * BS, GRID[1] * BS
 # "explicit": jax.make_mesh's default axis type, where shardings are part of the types.
 MESHES = {"2x4": ((2, 4), ("batch", "model")), "8": ((8,), ("model",)), "2x4 explicit": ((2, 4), ("batch", "model"))}
 LAYERS = ["linen", "nnx"]
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
 
 def _mesh(name):
     shape, names = MESHES[name]
-    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
     if name.endswith("explicit"):
-        return Mesh(devices, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(names))
-    return Mesh(devices, names)
+        return cpu_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(names))
+    return cpu_mesh(shape, names)
 
 
 def _in_mesh(mesh):

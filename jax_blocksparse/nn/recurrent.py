@@ -61,7 +61,10 @@ with ``dtype=jnp.bfloat16`` the products run in bfloat16 (float32 accumulation) 
 the cell state and all elementwise math stay in float32. The kernel gradients are
 then rounded to bfloat16 (as autodiff of a bfloat16 product gives them) unless
 ``float32_dw=True``: then every kernel gradient (block-sparse and the dense input
-kernel) is the float32 accumulator of its weight-gradient product.
+kernel) is the float32 accumulator of its weight-gradient product. On a GPU, XLA's
+default ``--xla_allow_excess_precision`` may skip a rounding to 16 bits that is widened
+straight back (the input kernel's gradient, whose product has a float32 output; the
+gate inputs): README, "Mixed precision".
 """
 
 from __future__ import annotations
@@ -697,7 +700,10 @@ class BlockSparseLSTMCell(nn.RNNCellBase):
       float32_dw: keep every kernel gradient in float32 when ``dtype`` is 16-bit,
         straight from the float32 accumulator of its weight-gradient product (see
         :func:`jax_blocksparse.bsmm`); also in :class:`BlockSparseLSTM`. Needs
-        ``param_dtype`` float32. Default False.
+        ``param_dtype`` float32. Default False: each kernel gradient is rounded to
+        ``dtype``, then widened; on a GPU with XLA's default flags the input kernel's
+        rounding (an XLA cast widened straight back) may be skipped, see README,
+        "Mixed precision" (``XLA_FLAGS=--xla_allow_excess_precision=false`` keeps it).
     """
 
     multiplicative: ClassVar[bool] = False

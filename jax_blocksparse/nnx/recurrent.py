@@ -70,7 +70,10 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
       carry_init: default initializer of the carry (zeros).
       epsilon: layer-norm epsilon.
       float32_dw: keep every kernel gradient in float32 when ``dtype`` is 16-bit, as
-        the linen cell's ``float32_dw``. Needs ``param_dtype`` float32.
+        the linen cell's ``float32_dw``. Needs ``param_dtype`` float32. Without it
+        each kernel gradient is rounded to ``dtype``; on a GPU with XLA's default
+        flags some of those roundings may be skipped (the linen cell's docstring;
+        README, "Mixed precision").
       rngs: parameter initialisation keys.
     """
 
