@@ -1,35 +1,64 @@
 """Benchmark bsmm (fprop, bprop, updat) against the dense product on the same device.
 
 For each (op, dtype, block size, density) it times the block-sparse product and the
-dense product of the same shape in the same process, and reports
+dense product (``jnp.dot``, cuBLAS on a GPU) of the same shapes in the same process,
+and reports
 
     efficiency = dense_time * density / sparse_time      (1.0: blocks at dense speed)
     speedup    = dense_time / sparse_time                (= efficiency / density)
     bound      = best speedup a perfect kernel could reach on this device (roofline),
                  where the device's peak numbers are known (H100, H200), else "n/a"
 
-Peers, where importable and on a GPU: torch's BSR matmul (Triton ``bsr_dense_mm``)
-and ``jax.experimental.sparse`` (BCOO, element-sparse), both on the fprop problem.
+What is timed is what users write: ``jax.jit(f)(x, w, layout)`` with the layout passed
+as a jit argument straight from ``jbs.Layout.from_mask`` (never device_put here, never
+closed over). Two times per product:
+
+- device time (``sparse_s``, ``dense_s``; efficiency and speedup use these): one jitted
+  function applies the op ``--chain`` times in a data-dependent chain (each output is
+  the next input; for updat, whose output has another shape, one element of it is
+  written into the next input), so XLA can neither hoist nor merge the products.
+  Calls of it are dispatched back to back and the median per-call time is divided by
+  the chain length. A call's host work (dispatch, argument flattening) is then well
+  below its device time, so this is device time, not host time (GPU.md's pitfall).
+- call time (``sparse_call_s``, ``dense_call_s``): back-to-back calls of the single op,
+  per call: what a user's loop sees; host time wherever that exceeds device time.
+
+Peers, on a GPU and where importable, on the same problem in the same run:
+``torch_bsr``, torch's BSR kernels (Triton ``bsr_dense_mm`` for fprop and bprop,
+``sampled_addmm`` for updat), device time from a CUDA graph of ``--chain`` calls
+(``torch_bsr_method`` says which way it was measured), and ``jax_bcoo``,
+``jax.experimental.sparse`` BCOO (element-sparse, fprop only; slow: it is not in the
+``check`` preset).
 
 On CPU the block-sparse column is the native CPU kernels (the default CPU path when
 built) and an extra column times the pure-JAX reference lowering of the same op.
 
+The JSON (``--json``) holds the device, commit, date, the timing method and one row per
+product; it is rewritten after every row, so a run cut short still leaves its rows
+(``complete`` is false then). ``--deadline`` stops starting new rows after that many
+seconds.
+
 Usage::
 
     python bench/bsmm.py                       # preset chosen by the device: cpu or gpu
+    python bench/bsmm.py --preset check --json out/bench.json     # tests/gpu/check.sh's run
     python bench/bsmm.py --preset cpu --json bench/results/cpu.json
     python bench/bsmm.py --ops fprop --block-sizes 32 64 --densities 1 0.1 --dtypes bfloat16
 """
 
 from __future__ import annotations
 
+import time
+
+_T_START = time.perf_counter()  # --deadline counts from here: imports and device start-up included
+
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -38,33 +67,55 @@ import numpy as np
 
 import jax_blocksparse as jbs
 
+OPS = ("fprop", "bprop", "updat")
+PEERS = ("torch_bsr", "jax_bcoo")
+
 PRESETS = {
     # The issue's CPU measurement: 4096 x 4096 weight, block 32, N = 256, float32.
     "cpu": dict(size=(4096, 4096, 256), block_sizes=[32], densities=[1.0, 0.5, 0.25, 0.1, 0.05],
-                dtypes=["float32"], ops=["fprop", "bprop", "updat"]),
+                dtypes=["float32"], ops=list(OPS)),
     "gpu": dict(size=(4096, 4096, 4096), block_sizes=[8, 16, 32, 64, 128],
                 densities=[1.0, 0.5, 0.25, 0.1, 0.05, 0.01], dtypes=["bfloat16", "float16", "float32"],
-                ops=["fprop", "bprop", "updat"]),
-    "quick": dict(size=(512, 512, 128), block_sizes=[32], densities=[1.0, 0.1],
-                  dtypes=["float32"], ops=["fprop", "bprop", "updat"]),
+                ops=list(OPS)),
+    # tests/gpu/check.sh: 180 rows and torch's BSR beside them in about 100 s on an H100.
+    "check": dict(size=(4096, 4096, 4096), block_sizes=[16, 32, 64, 128],
+                  densities=[1.0, 0.25, 0.1, 0.05, 0.01], dtypes=["bfloat16", "float16", "float32"],
+                  ops=list(OPS), repeats=3, min_time=0.01, chain=10, peers=["torch_bsr"]),
+    # Seconds on a CPU: tests/test_gpu_check.py checks the JSON with it.
+    "quick": dict(size=(256, 256, 64), block_sizes=[32], densities=[1.0, 0.25], dtypes=["float32"],
+                  ops=list(OPS), repeats=1, min_time=0.0, chain=2, peers=[], reference=False),
 }
+
+# Where neither the command line nor the preset sets them. chain None: 10 on a GPU,
+# 1 on a CPU (no host-bound regime there: one product takes milliseconds).
+DEFAULTS = dict(repeats=5, min_time=0.05, chain=None, peers=list(PEERS))
 
 # Peak dense throughput (FLOP/s) by dtype and memory bandwidth (B/s), for the roofline.
+# float32 is TF32's peak: jnp.dot's (and bsmm's) default precision on these GPUs.
 DEVICE_PEAKS = {
-    "H100": dict(flops={"bfloat16": 990e12, "float16": 990e12, "float32": 67e12}, bandwidth=3.35e12),
-    "H200": dict(flops={"bfloat16": 990e12, "float16": 990e12, "float32": 67e12}, bandwidth=4.8e12),
+    "H100": dict(flops={"bfloat16": 990e12, "float16": 990e12, "float32": 495e12}, bandwidth=3.35e12),
+    "H200": dict(flops={"bfloat16": 990e12, "float16": 990e12, "float32": 495e12}, bandwidth=4.8e12),
 }
 
 
-def time_fn(fn, *args, repeats: int, min_time: float = 0.2) -> float:
-    """Median seconds per call: calls are dispatched back to back, then blocked on."""
+# ---------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------
+
+
+def time_calls(fn, *args, repeats: int, min_time: float = 0.05, max_inner: int = 1000) -> float:
+    """Median seconds per call of ``fn(*args)``: calls dispatched back to back, then blocked on.
+
+    This is device time only while a call's host work is shorter than its device work;
+    otherwise it is host time (see :func:`time_chain`).
+    """
     jax.block_until_ready(fn(*args))  # compile + warm up
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    one = max(time.perf_counter() - t0, 1e-6)
-    inner = int(min(max(1, min_time / one), 200))
+    one = max(time.perf_counter() - t0, 1e-7)
+    inner = int(min(max(1, min_time / one), max_inner))
     samples = []
-    for _ in range(repeats):
+    for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
         out = None
         for _ in range(inner):
@@ -72,6 +123,90 @@ def time_fn(fn, *args, repeats: int, min_time: float = 0.2) -> float:
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) / inner)
     return float(np.median(samples))
+
+
+def time_fn(fn, *args, repeats: int, min_time: float = 0.2) -> float:
+    """Back-to-back calls, per call (kept for bench/bsconv.py)."""
+    return time_calls(fn, *args, repeats=repeats, min_time=min_time, max_inner=200)
+
+
+def _feed(a, out):
+    """The next input of a chain: ``out`` itself where it fits, else ``a`` with one element of
+    ``out`` written in (in place after the first link: one tiny kernel)."""
+    if out.shape == a.shape and out.dtype == a.dtype:
+        return out
+    if out.size == 0:  # an empty layout: nothing to chain through
+        return a
+    return a.at[(0,) * a.ndim].set(out.reshape(-1)[0].astype(a.dtype))
+
+
+def chained(fn, k: int):
+    """``fn`` applied k times, each call's first argument computed from the previous output."""
+
+    def run(a, *rest):
+        out = fn(a, *rest)
+        for _ in range(k - 1):
+            a = _feed(a, out)
+            out = fn(a, *rest)
+        return out
+
+    return run
+
+
+def time_chain(chain_fn, k: int, *args, repeats: int, min_time: float) -> float:
+    """Device seconds per op: back-to-back calls of a jitted k-op chain, divided by k."""
+    return time_calls(chain_fn, *args, repeats=repeats, min_time=min_time) / k
+
+
+# ---------------------------------------------------------------------------------
+# Problems
+# ---------------------------------------------------------------------------------
+
+
+def _single_ops():
+    """op -> (sparse(a, b, layout), dense(a, b)): one product each, as users write them."""
+    return {
+        "fprop": (lambda x, w, layout: jbs.bsmm(x, w, layout), lambda x, W: jnp.dot(x, W)),
+        "bprop": (lambda g, w, layout: jbs.bsmm(g, w, layout, transpose=True), lambda g, W: jnp.dot(g, W.T)),
+        "updat": (lambda x, g, layout: jbs.bsmm_updat(x, g, layout), lambda x, g: jnp.dot(x.T, g)),
+    }
+
+
+class Jitted:
+    """The jitted functions, made once: jit's cache then compiles once per layout shape."""
+
+    def __init__(self, chain: int):
+        self.chain = chain
+        self.single = {}
+        self.chains = {}
+        for op, (sparse, dense) in _single_ops().items():
+            self.single[op] = (jax.jit(sparse), jax.jit(dense))
+            self.chains[op] = (jax.jit(chained(sparse, chain)), jax.jit(chained(dense, chain)))
+
+
+def _operands(c, k, n, dtype, key):
+    """Activations (x [N, C], dy [N, K]) and the dense weight, scaled so chains stay O(1)."""
+    kx, kg, kw = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (n, c), dtype)
+    g = jax.random.normal(kg, (n, k), dtype)
+    W = (jax.random.normal(kw, (c, k), jnp.float32) / np.sqrt(c)).astype(dtype)
+    return x, g, W
+
+
+def _blocks(layout, dtype, key):
+    """Stored blocks, scaled by 1/sqrt(blocks per column * bs) so a chain keeps its scale."""
+    c = layout.shape[0]
+    fan_in = max(1.0, c * layout.density)
+    return (jax.random.normal(key, layout.w_shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype)
+
+
+def _args(op, x, g, W, w, layout):
+    """(sparse args, dense args) of op."""
+    if op == "fprop":
+        return (x, w, layout), (x, W)
+    if op == "bprop":
+        return (g, w, layout), (g, W)
+    return (x, g, layout), (x, g)
 
 
 def roofline_bound(op, c, k, n, density, dtype, device_kind):
@@ -90,129 +225,269 @@ def roofline_bound(op, c, k, n, density, dtype, device_kind):
     return model(1.0) / model(density)
 
 
-def _problem(op, c, k, n, layout, dtype, key):
-    kx, kw, kg = jax.random.split(key, 3)
-    x = jax.random.normal(kx, (n, c), dtype)
-    g = jax.random.normal(kg, (n, k), dtype)
-    w = jax.random.normal(kw, layout.w_shape, dtype)
-    W = jax.random.normal(kw, (c, k), dtype)
-    if op == "fprop":
-        sparse = jax.jit(lambda x, w, layout: jbs.bsmm(x, w, layout))
-        dense = jax.jit(lambda x, W: jnp.dot(x, W, preferred_element_type=jnp.float32).astype(dtype))
-        return (sparse, (x, w, layout)), (dense, (x, W))
-    if op == "bprop":
-        sparse = jax.jit(lambda g, w, layout: jbs.bsmm(g, w, layout, transpose=True))
-        dense = jax.jit(lambda g, W: jnp.dot(g, W.T, preferred_element_type=jnp.float32).astype(dtype))
-        return (sparse, (g, w, layout)), (dense, (g, W))
-    sparse = jax.jit(lambda x, g, layout: jbs.bsmm_updat(x, g, layout))
-    dense = jax.jit(lambda x, g: jnp.dot(x.T, g, preferred_element_type=jnp.float32).astype(dtype))
-    return (sparse, (x, g, layout)), (dense, (x, g))
+# ---------------------------------------------------------------------------------
+# Peers
+# ---------------------------------------------------------------------------------
 
 
-def _torch_bsr_time(c, k, n, bs, mask, dtype, repeats):
-    """torch BSR (Triton bsr_dense_mm) on y.T = W.T @ x.T, or None where unavailable."""
+def _torch_time(fn, *, repeats, min_time, chain):
+    """(device s, call s, method) of a torch callable on the current CUDA device.
+
+    Call time: back-to-back calls timed with CUDA events. Device time: a CUDA graph of
+    up to ``chain`` calls, replayed (no host work between kernels); where capture fails,
+    the call time ("calls").
+    """
+    import torch
+
+    def timed(run, inner):
+        samples = []
+        for _ in range(max(1, repeats)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                run()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / inner)
+        return float(np.median(samples))
+
+    fn()  # compile (Triton) and warm up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = max(time.perf_counter() - t0, 1e-7)
+    if one > 0.05:  # host overhead is noise at this length: one more call, no graph
+        call_s = timed(fn, 1)
+        return call_s, call_s, "calls (slow: no graph)"
+    call_s = timed(fn, int(min(max(1, min_time / one), 1000)))
+    k = int(min(max(1, 0.02 / max(call_s, 1e-7)), chain))  # a replay of at most ~20 ms
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: only this thread's capture-unsafe calls fail (XLA's threads are left alone)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(k):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        replay_s = timed(graph.replay, int(min(max(1, min_time / max(call_s * k, 1e-7)), 1000)))
+        return replay_s / k, call_s, f"cuda_graph({k})"
+    except Exception as e:  # capture is optional: fall back to the call time
+        torch.cuda.synchronize()
+        return call_s, call_s, f"calls (graph capture failed: {type(e).__name__})"
+
+
+def torch_bsr_peer(op, c, k, n, bs, mask, dtype, *, repeats, min_time, chain):
+    """torch's BSR kernels on op's problem: dict of torch_bsr_* fields, or {} where unavailable."""
     try:
         import torch
-        from torch.sparse._triton_ops import bsr_dense_mm
+        from torch.sparse._triton_ops import bsr_dense_mm, sampled_addmm
+
+        if not torch.cuda.is_available():
+            return {}
     except Exception:
-        return None
-    if not torch.cuda.is_available():
-        return None
+        return {}
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    dense_mask = torch.from_numpy(np.kron(mask.T, np.ones((bs, bs), bool))).cuda()
-    wt = (torch.randn(k, c, device="cuda", dtype=tdtype) * dense_mask).to_sparse_bsr((bs, bs))
-    xt = torch.randn(c, n, device="cuda", dtype=tdtype)
     try:
-        bsr_dense_mm(wt, xt)
-    except Exception:
-        return None
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            bsr_dense_mm(wt, xt)
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / 10)
-    return float(np.median(samples))
+        block_mask = torch.from_numpy(np.kron(np.asarray(mask, bool), np.ones((bs, bs), bool))).cuda()  # [C, K]
+        W = torch.randn(c, k, device="cuda", dtype=tdtype) * block_mask
+        if op == "fprop":  # y.T [K, N] = W.T [K, C] @ x.T [C, N]
+            bsr = W.t().contiguous().to_sparse_bsr((bs, bs))
+            rhs = torch.randn(n, c, device="cuda", dtype=tdtype).t().contiguous()
+
+            def fn():
+                return bsr_dense_mm(bsr, rhs)
+        elif op == "bprop":  # dx.T [C, N] = W [C, K] @ dy.T [K, N]
+            bsr = W.to_sparse_bsr((bs, bs))
+            rhs = torch.randn(n, k, device="cuda", dtype=tdtype).t().contiguous()
+
+            def fn():
+                return bsr_dense_mm(bsr, rhs)
+        else:  # dW [C, K] at the blocks = x.T [C, N] @ dy [N, K]
+            pattern = W.to_sparse_bsr((bs, bs))
+            xt = torch.randn(n, c, device="cuda", dtype=tdtype).t().contiguous()
+            dy = torch.randn(n, k, device="cuda", dtype=tdtype)
+
+            def fn():
+                return sampled_addmm(pattern, xt, dy, beta=0.0, alpha=1.0)
+
+        device_s, call_s, method = _torch_time(fn, repeats=repeats, min_time=min_time, chain=chain)
+        return dict(torch_bsr_s=device_s, torch_bsr_call_s=call_s, torch_bsr_method=method)
+    except Exception as e:
+        return dict(torch_bsr_s=None, torch_bsr_error=f"{type(e).__name__}: {str(e)[:200]}")
 
 
-def _jax_sparse_time(x, W_masked, repeats):
-    """jax.experimental.sparse BCOO (element-sparse) x @ W, or None where unavailable."""
+def jax_bcoo_peer(x, W_masked, *, repeats, min_time):
+    """jax.experimental.sparse BCOO (element-sparse) x @ W: seconds per call, or None."""
     try:
         from jax.experimental import sparse as jsparse
 
         W_bcoo = jsparse.BCOO.fromdense(W_masked)
         fn = jax.jit(lambda x, W: x @ W)
-        return time_fn(fn, x, W_bcoo, repeats=repeats)
+        return time_calls(fn, x, W_bcoo, repeats=repeats, min_time=min_time)
     except Exception:
         return None
 
 
+# ---------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------
+
+
 def git_commit() -> str:
+    """JBS_COMMIT if set (tests/gpu/check.sh sets it), else git's short HEAD, else "unknown"."""
+    if os.environ.get("JBS_COMMIT"):
+        return os.environ["JBS_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent)
+                             cwd=Path(__file__).resolve().parent, timeout=10)
         return out.stdout.strip() or "unknown"
-    except OSError:
+    except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
+def _versions(peers) -> dict:
+    out = dict(jax=jax.__version__, jax_blocksparse=jbs.__version__, python=sys.version.split()[0],
+               numpy=np.__version__)
+    if "torch_bsr" in peers:
+        try:
+            import torch
+
+            out["torch"] = torch.__version__
+        except Exception:
+            out["torch"] = None
+    return out
+
+
+def _header(args, device, device_kind) -> dict:
+    c, k, n = args.size
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return dict(
+        device=str(device), device_kind=device_kind, platform=device.platform,
+        jax_version=jax.__version__, jax_blocksparse_version=jbs.__version__,
+        versions=_versions(args.peers),
+        implementation=jbs.config.get_implementation(), cuda_kernels=jbs.has_cuda_kernels(),
+        cpu_kernels=jbs.has_cpu_kernels(), extension=jbs._native.extension_info(),
+        commit=git_commit(), date=now.date().isoformat(), datetime=now.isoformat(timespec="seconds"),
+        host=platform.node(), python=sys.version.split()[0],
+        size=dict(C=c, K=k, N=n),
+        config=dict(block_sizes=args.block_sizes, densities=args.densities, dtypes=args.dtypes, ops=args.ops,
+                    peers=args.peers, seed=args.seed, preset=args.preset),
+        timing=dict(
+            chain=args.chain, repeats=args.repeats, min_time_s=args.min_time, statistic="median",
+            layout="jit argument, straight from Layout.from_mask (not device_put, not closed over)",
+            device_time=(f"sparse_s, dense_s: back-to-back calls of one jitted function applying the op "
+                         f"{args.chain} times in a data-dependent chain, per call / {args.chain}"),
+            call_time="sparse_call_s, dense_call_s: back-to-back calls of jax.jit(op)(...), per call "
+                      "(host time where that exceeds device time)",
+            torch="torch_bsr_s: CUDA graph of chained calls, replayed, per call (torch_bsr_method); "
+                  "torch_bsr_call_s: back-to-back calls timed with CUDA events",
+        ),
+    )
+
+
+def _ms(v):
+    return f"{v * 1e3:.3f}" if v else "-"
+
+
+HEADER = (f"{'op':6} {'dtype':9} {'bs':>4} {'density':>8} {'dense ms':>9} {'sparse ms':>10} {'effic.':>7} "
+          f"{'speedup':>8} {'bound':>6} {'call ms':>8} {'call eff':>8} {'torch ms':>9} {'vs torch':>8} "
+          f"{'bcoo ms':>8} {'ref ms':>8}")
+
+
+def _line(row) -> str:
+    bound = row.get("roofline_speedup_bound")
+    vs = row.get("speedup_vs_torch_bsr")
+    return (f"{row['op']:6} {row['dtype']:9} {row['block_size']:>4} {row['density']:>8.3f} "
+            f"{row['dense_s'] * 1e3:>9.3f} {row['sparse_s'] * 1e3:>10.3f} {row['efficiency']:>7.2f} "
+            f"{row['speedup']:>8.2f} {(f'{bound:.1f}' if bound else 'n/a'):>6} "
+            f"{_ms(row.get('sparse_call_s')):>8} {row.get('call_efficiency', 0):>8.2f} "
+            f"{_ms(row.get('torch_bsr_s')):>9} {(f'{vs:.2f}x' if vs else '-'):>8} "
+            f"{_ms(row.get('jax_bcoo_s')):>8} {_ms(row.get('reference_s')):>8}")
+
+
 def run(args) -> dict:
+    t_start = _T_START
     c, k, n = args.size
     device = jax.devices()[0]
     device_kind = getattr(device, "device_kind", device.platform)
-    results = []
-    header = (f"{'op':6} {'dtype':9} {'bs':>4} {'density':>8} {'dense ms':>9} {'sparse ms':>10} "
-              f"{'effic.':>7} {'speedup':>8} {'bound':>6} {'torch_bsr':>10} {'jax_bcoo':>9} {'ref ms':>9}")
-    print(header)
-    print("-" * len(header))
+    on_gpu = device.platform == "gpu"
+    report = _header(args, device, device_kind)
+    report.update(results=[], complete=False)
+    jitted = Jitted(args.chain)
+    print(HEADER)
+    print("-" * len(HEADER), flush=True)
     key = jax.random.key(args.seed)
+    stopped = None
     for dtype in args.dtypes:
+        x, g, W = _operands(c, k, n, dtype, jax.random.fold_in(key, 1))
         for bs in args.block_sizes:
             if c % bs or k % bs:
                 print(f"skip bs={bs}: {c}x{k} not divisible")
                 continue
+            dense_cache = {}
             for density in args.densities:
+                if args.deadline is not None and time.perf_counter() - t_start > args.deadline:
+                    stopped = f"deadline of {args.deadline} s reached before {dtype} bs={bs} density={density}"
+                    break
                 mask = jbs.layouts.random((c // bs, k // bs), density, seed=args.seed)
                 layout = jbs.Layout.from_mask(mask, bs)
                 real_density = layout.density
+                w = _blocks(layout, dtype, jax.random.fold_in(key, 2))
                 for op in args.ops:
-                    (sparse, s_args), (dense, d_args) = _problem(op, c, k, n, layout, dtype, key)
-                    t_dense = time_fn(dense, *d_args, repeats=args.repeats)
-                    t_sparse = time_fn(sparse, *s_args, repeats=args.repeats)
-                    bound = roofline_bound(op, c, k, n, real_density, dtype, device_kind)
+                    s_args, d_args = _args(op, x, g, W, w, layout)
+                    sparse1, dense1 = jitted.single[op]
+                    sparsek, densek = jitted.chains[op]
+                    timing = dict(repeats=args.repeats, min_time=args.min_time)
+                    if op not in dense_cache:  # the dense product's shapes do not depend on the layout
+                        dense_cache[op] = (time_chain(densek, args.chain, *d_args, **timing),
+                                           time_calls(dense1, *d_args, **timing))
+                    t_dense, t_dense_call = dense_cache[op]
+                    t_sparse = time_chain(sparsek, args.chain, *s_args, **timing)
+                    t_call = time_calls(sparse1, *s_args, **timing)
                     row = dict(op=op, dtype=dtype, block_size=bs, density=real_density, nnz=layout.nnz,
                                dense_s=t_dense, sparse_s=t_sparse,
                                efficiency=t_dense * real_density / t_sparse, speedup=t_dense / t_sparse,
-                               roofline_speedup_bound=bound)
-                    if op == "fprop" and args.peers and device.platform == "gpu":
-                        row["torch_bsr_s"] = _torch_bsr_time(c, k, n, bs, mask, dtype, args.repeats)
-                        W_masked = jbs.to_dense(jbs.from_dense(d_args[1], layout), layout)
-                        row["jax_bcoo_s"] = _jax_sparse_time(d_args[0], W_masked, args.repeats)
-                    if args.reference:  # the switch clears JAX's caches: `sparse` is traced anew
+                               roofline_speedup_bound=roofline_bound(op, c, k, n, real_density, dtype, device_kind),
+                               dense_call_s=t_dense_call, sparse_call_s=t_call,
+                               call_efficiency=t_dense_call * real_density / t_call)
+                    if on_gpu and "torch_bsr" in args.peers:
+                        row.update(torch_bsr_peer(op, c, k, n, bs, np.asarray(mask), dtype, repeats=args.repeats,
+                                                  min_time=args.min_time, chain=args.chain))
+                        if row.get("torch_bsr_s"):
+                            row["speedup_vs_torch_bsr"] = row["torch_bsr_s"] / t_sparse
+                    if on_gpu and "jax_bcoo" in args.peers and op == "fprop":
+                        W_masked = jbs.to_dense(jbs.from_dense(W, layout), layout)
+                        row["jax_bcoo_s"] = jax_bcoo_peer(x, W_masked, repeats=args.repeats, min_time=args.min_time)
+                    if args.reference:  # the switch clears JAX's caches: the op is traced anew
                         with jbs.config.implementation("reference"):
-                            row["reference_s"] = time_fn(sparse, *s_args, repeats=args.repeats)
-                    results.append(row)
+                            row["reference_s"] = time_calls(jax.jit(_single_ops()[op][0]), *s_args, **timing)
+                    report["results"].append(row)
+                    print(_line(row), flush=True)
+                    if args.json:
+                        _write(args.json, report)
+            if stopped:
+                break
+        if stopped:
+            break
+    report["complete"] = stopped is None
+    report["stopped"] = stopped
+    report["elapsed_s"] = time.perf_counter() - t_start
+    if stopped:
+        print(f"stopped early: {stopped}", flush=True)
+    return report
 
-                    def ms(v):
-                        return f"{v * 1e3:.3f}" if v else "-"
 
-                    print(f"{op:6} {dtype:9} {bs:>4} {real_density:>8.3f} {t_dense * 1e3:>9.3f} "
-                          f"{t_sparse * 1e3:>10.3f} {row['efficiency']:>7.2f} {row['speedup']:>8.2f} "
-                          f"{(f'{bound:.1f}' if bound else 'n/a'):>6} {ms(row.get('torch_bsr_s')):>10} "
-                          f"{ms(row.get('jax_bcoo_s')):>9} {ms(row.get('reference_s')):>9}", flush=True)
-    return dict(
-        device=str(device), device_kind=device_kind, platform=device.platform,
-        jax_version=jax.__version__, jax_blocksparse_version=jbs.__version__,
-        implementation=jbs.config.get_implementation(), cuda_kernels=jbs.has_cuda_kernels(),
-        cpu_kernels=jbs.has_cpu_kernels(), extension=jbs._native.extension_info(),
-        commit=git_commit(), date=datetime.date.today().isoformat(),
-        host=platform.node(), python=sys.version.split()[0],
-        size=dict(C=c, K=k, N=n), results=results,
-    )
+def _write(path: Path, report: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(path)
 
 
 def parse_args(argv=None):
@@ -223,21 +498,32 @@ def parse_args(argv=None):
     p.add_argument("--block-sizes", type=int, nargs="+")
     p.add_argument("--densities", type=float, nargs="+")
     p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--ops", nargs="+", choices=["fprop", "bprop", "updat"])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ops", nargs="+", choices=list(OPS))
+    p.add_argument("--repeats", type=int, help="samples per time (the median is kept); default 5")
+    p.add_argument("--min-time", type=float, help="seconds of back-to-back calls per sample; default 0.05")
+    p.add_argument("--chain", type=int, help="ops per jitted call for the device time; default 10 on a GPU, 1 on CPU")
+    p.add_argument("--peers", nargs="*", choices=list(PEERS), help="peers to time beside (GPU only); default all")
+    p.add_argument("--no-peers", dest="peers", action="store_const", const=[], help="no peers")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-peers", dest="peers", action="store_false", help="skip torch / jax.experimental.sparse")
     p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
                    help="also time the pure-JAX reference lowering (default: on CPU only)")
-    p.add_argument("--json", type=Path, help="write results here")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="start no new row after this many seconds from the start of the process "
+                        "(the JSON then says complete: false)")
+    p.add_argument("--json", type=Path, help="write results here (rewritten after every row)")
     args = p.parse_args(argv)
     on_gpu = jax.devices()[0].platform == "gpu"
-    preset = PRESETS[args.preset or ("gpu" if on_gpu else "cpu")]
+    args.preset = args.preset or ("gpu" if on_gpu else "cpu")
+    preset = PRESETS[args.preset]
+    for name, value in {**DEFAULTS, **preset}.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
     if args.reference is None:
         args.reference = not on_gpu
-    for name, value in preset.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    if args.chain is None:
+        args.chain = 10 if on_gpu else 1
+    if args.chain < 1 or args.repeats < 1:
+        p.error("--chain and --repeats must be >= 1")
     return args
 
 
@@ -245,8 +531,7 @@ def main(argv=None):
     args = parse_args(argv)
     report = run(args)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        _write(args.json, report)
         print(f"wrote {args.json}")
     return report
 

@@ -1,0 +1,352 @@
+#!/usr/bin/env bash
+# tests/gpu/check.sh: the GPU path checked end to end with one command, on an H100 or H200.
+#
+# Usage
+#   bash tests/gpu/check.sh OUTDIR               # every step; logs, JUnit XML and JSON go in OUTDIR
+#   bash tests/gpu/check.sh --dry-run OUTDIR     # print the exact commands; run (and create) nothing
+#   CHECK_STEPS="bench ncu ncu-summary" bash tests/gpu/check.sh OUTDIR     # only these steps
+#
+# Needs, on the GPU machine: python3 with jax[cuda], torch, pytest, pytest-xdist; nvcc,
+# nvidia-smi, ncu and compute-sanitizer on the PATH. Nothing is downloaded or installed:
+# it builds the extension in place (build.py) and runs from the tree (PYTHONPATH=$PWD).
+#
+# Steps, in order. A failing (or timed out) step never stops the ones after it.
+#   step         what                                                   H100 s   limit s
+#   build        python3 build.py --cuda-arch <arch> -j $(nproc)            16       120
+#                (arch from nvidia-smi's compute_cap: 9.0 -> sm_90a, 8.x -> sm_8x)
+#   env          python3 -m jax_blocksparse; nvidia-smi, git commit, date,    5        60
+#                tool versions into OUTDIR (meta.txt, nvidia-smi.txt)
+#   gpu-tests    pytest tests/gpu -n 8 (JUnit XML)                           50       150
+#   suite        JAX_BLOCKSPARSE_IMPL=kernels pytest tests -n 14, XLA's     135       240
+#                default settings (XLA_FLAGS unset)
+#   sanitizer    tests/gpu/run_sanitizer.sh: memcheck + racecheck           35       120
+#   bench        bench/bsmm.py --preset check: bf16/f16/f32, blocks        100       180
+#                16-128, densities 1-0.01, fprop/bprop/updat, dense and
+#                torch BSR in the same run (device time: see bench/bsmm.py)
+#   ncu          ncu around bench/ncu_driver.py: each jbs kernel family     45       150
+#                x dtype x block at density 0.1, once
+#   ncu-summary  bench/ncu_summary.py: JSON + table (duration, occupancy,     1        30
+#                tensor pipe, DRAM, registers)
+# Expected in all: about 6.5 minutes on an H100. Each step runs under `timeout` with its
+# limit, cut to what is left of CHECK_BUDGET_S (default 480 s: 8 minutes), so the whole
+# run ends within the budget; a step with under 5 s left is skipped (and fails).
+# At the end bench/check_summary.py prints one table (each step's status, counts and
+# seconds; bf16 efficiency per op and block size at density 0.1) and writes
+# OUTDIR/summary.json. Exit status: 0 if every step passed, else 1 (2: usage).
+#
+# OUTDIR after a run: steps.tsv, meta.txt, nvidia-smi.txt, env_report.txt, build.log,
+# pytest_gpu.{log,xml}, pytest_suite.{log,xml}, sanitizer.log,
+# sanitizer_{memcheck,racecheck}.log, bench.{log,json}, ncu.log, ncu_raw.csv,
+# ncu_problems.json, ncu_summary.{txt,json}, summary.json.
+#
+# Environment
+#   CHECK_STEPS        steps to run, space-separated (default: all, in the order above)
+#   CHECK_BUDGET_S     seconds for all steps (default 480; 0: only the per-step limits)
+#   CHECK_CUDA_ARCH    build for this arch instead of the one nvidia-smi reports
+#   CHECK_GPU_WORKERS  pytest-xdist workers for tests/gpu (default 8)
+#   CHECK_SUITE_WORKERS  ... for the whole suite (default 14)
+#   CHECK_TAIL         lines of each step's log echoed to the console (default 6)
+#   JBS_COMMIT         the commit recorded where the tree has no .git (default: git's HEAD)
+# XLA_FLAGS, JAX_PLATFORMS and JAX_BLOCKSPARSE_IMPL are unset (their values go in
+# meta.txt); each step sets what it needs.
+set -uo pipefail
+
+usage() {
+    sed -n '2,/^set -uo pipefail/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+}
+
+DRY=0
+OUT=""
+while [ "$#" -gt 0 ]; do
+    case "$1" in
+        --dry-run) DRY=1 ;;
+        -h | --help) usage; exit 0 ;;
+        -*) echo "check.sh: unknown option $1" >&2; exit 2 ;;
+        *)
+            if [ -n "$OUT" ]; then echo "check.sh: one OUTDIR only" >&2; exit 2; fi
+            OUT="$1"
+            ;;
+    esac
+    shift
+done
+if [ -z "$OUT" ]; then
+    echo "usage: bash tests/gpu/check.sh [--dry-run] OUTDIR   (--help for more)" >&2
+    exit 2
+fi
+case "$OUT" in
+    /*) ;;
+    *) OUT="$PWD/$OUT" ;;
+esac
+OUT="${OUT%/}"
+
+REPO="$(cd "$(dirname "$0")/../.." && pwd)" || exit 2
+cd "$REPO" || exit 2
+
+BUDGET="${CHECK_BUDGET_S:-480}"
+TAIL="${CHECK_TAIL:-6}"
+GPU_WORKERS="${CHECK_GPU_WORKERS:-8}"
+SUITE_WORKERS="${CHECK_SUITE_WORKERS:-14}"
+STEPS="${CHECK_STEPS:-build env gpu-tests suite sanitizer bench ncu ncu-summary}"
+NCU_METRICS="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread"
+
+now_us() {
+    local t="${EPOCHREALTIME:-}"
+    if [ -n "$t" ]; then echo "${t/[.,]/}"; else echo "$(($(date +%s) * 1000000))"; fi
+}
+T0="$(now_us)"
+
+# The environment every step shares (recorded first: what was set before).
+PREV_ENV="XLA_FLAGS=${XLA_FLAGS-<unset>} JAX_PLATFORMS=${JAX_PLATFORMS-<unset>} JAX_BLOCKSPARSE_IMPL=${JAX_BLOCKSPARSE_IMPL-<unset>}"
+unset XLA_FLAGS JAX_PLATFORMS JAX_BLOCKSPARSE_IMPL
+export PYTHONPATH="$REPO"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1
+
+if [ -z "${JBS_COMMIT:-}" ]; then
+    JBS_COMMIT="$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || true)"
+    if [ -n "$JBS_COMMIT" ] && [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no 2>/dev/null | head -n 1)" ]; then
+        JBS_COMMIT="$JBS_COMMIT+dirty"
+    fi
+    JBS_COMMIT="${JBS_COMMIT:-unknown}"
+fi
+export JBS_COMMIT
+
+# 9.0 -> sm_90a (wgmma needs the arch-specific target), 8.x -> sm_8x, else sm_XY.
+arch_of() {
+    case "$1" in
+        9.0) echo sm_90a ;;
+        8.*) echo "sm_8${1#8.}" ;;
+        [0-9]*.[0-9]*) echo "sm_${1%%.*}${1#*.}" ;;
+        *) echo "" ;;
+    esac
+}
+COMPUTE_CAP=""
+if command -v nvidia-smi >/dev/null 2>&1; then
+    COMPUTE_CAP="$(timeout 20 nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' \r')"
+fi
+ARCH="${CHECK_CUDA_ARCH:-$(arch_of "$COMPUTE_CAP")}"
+
+# ---------------------------------------------------------------------------------
+# Step runner
+# ---------------------------------------------------------------------------------
+NAMES=()
+STATUSES=()
+CHILD=""
+# shellcheck disable=SC2317  # called by the trap
+on_signal() {
+    if [ -n "$CHILD" ]; then kill -TERM "$CHILD" 2>/dev/null; fi
+    echo "check.sh: interrupted" >&2
+    exit 130
+}
+trap on_signal INT TERM
+
+# quoted ARGS...: the words as a shell would need them typed, separated by spaces.
+quoted() {
+    local out=() a q="'\\''"
+    for a in "$@"; do
+        if [[ "$a" =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then
+            out+=("$a")
+        else
+            out+=("'${a//\'/$q}'")
+        fi
+    done
+    printf '%s' "${out[*]}"
+}
+
+wanted() {
+    case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac
+}
+
+# limit_for SECONDS: the step's limit, cut to what is left of the budget.
+limit_for() {
+    local limit="$1" left
+    if [ "$BUDGET" -gt 0 ]; then
+        left=$((BUDGET - ($(now_us) - T0) / 1000000))
+        if [ "$left" -lt "$limit" ]; then limit="$left"; fi
+    fi
+    if [ "$limit" -lt 0 ]; then limit=0; fi
+    echo "$limit"
+}
+
+record() {  # record NAME STATUS RC SECONDS LIMIT LOG
+    NAMES+=("$1")
+    STATUSES+=("$2")
+    if [ "$DRY" -eq 0 ]; then
+        printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "${6#"$OUT"/}" >>"$OUT/steps.tsv"
+    fi
+}
+
+# run_step NAME LIMIT LOG [VAR=VALUE ...] -- COMMAND [ARGS ...]
+run_step() {
+    local name="$1" limit="$2" log="$3"
+    shift 3
+    local envs=()
+    while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do
+        envs+=("$1")
+        shift
+    done
+    shift
+    local cmd=(timeout --kill-after=10 "$limit" env "${envs[@]}" "$@")
+    if [ "$DRY" -eq 1 ]; then
+        printf '# %s\n%s > %s 2>&1 < /dev/null\n' "$name" "$(quoted "${cmd[@]}")" "$(quoted "$log")"
+        record "$name" dry-run "" "" "$limit" "$log"
+        return 0
+    fi
+    echo "== [$name] $(quoted "${envs[@]}" "$@")"
+    if [ "$limit" -lt 5 ]; then
+        echo "== [$name] skipped: ${limit}s left of the ${BUDGET}s budget" | tee "$log"
+        record "$name" skipped "" 0 "$limit" "$log"
+        return 0
+    fi
+    local t0 rc secs status
+    t0="$(now_us)"
+    "${cmd[@]}" >"$log" 2>&1 </dev/null &
+    CHILD=$!
+    wait "$CHILD"
+    rc=$?
+    CHILD=""
+    secs="$(awk -v us="$(($(now_us) - t0))" 'BEGIN { printf "%.1f", us / 1e6 }')"
+    case "$rc" in
+        0) status=pass ;;
+        124 | 137) status=timeout ;;
+        *) status=fail ;;
+    esac
+    if [ "$TAIL" -gt 0 ]; then tail -n "$TAIL" "$log" | sed 's/^/   | /'; fi
+    echo "== [$name] $status (exit $rc) in ${secs}s (limit ${limit}s), log: $log"
+    record "$name" "$status" "$rc" "$secs" "$limit" "$log"
+}
+
+# meta FILE COMMAND...: a fact about the machine into OUTDIR (never fails the run).
+meta() {
+    local file="$1"
+    shift
+    if [ "$DRY" -eq 1 ]; then
+        printf '%s >> %s 2>&1\n' "$(quoted "$@")" "$(quoted "$file")"
+        return 0
+    fi
+    timeout 30 "$@" >>"$file" 2>&1 </dev/null || echo "($* failed: exit $?)" >>"$file"
+}
+
+# ---------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------
+if [ "$DRY" -eq 1 ]; then
+    echo "# check.sh --dry-run: the commands a run would make, in order (nothing is run)"
+    printf '# budget %ss; steps: %s\n' "$BUDGET" "$STEPS"
+    printf 'cd %s\n' "$(quoted "$REPO")"
+    printf 'unset XLA_FLAGS JAX_PLATFORMS JAX_BLOCKSPARSE_IMPL\n'
+    printf 'export %s XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 %s\n' \
+        "$(quoted "PYTHONPATH=$REPO")" "$(quoted "JBS_COMMIT=$JBS_COMMIT")"
+    printf 'mkdir -p %s\n' "$(quoted "$OUT")"
+    if [ -z "$ARCH" ]; then ARCH="<sm_XY from nvidia-smi --query-gpu=compute_cap>"; fi
+else
+    mkdir -p "$OUT" || { echo "check.sh: cannot create $OUT" >&2; exit 2; }
+    # Outputs of an earlier run in the same OUTDIR would be read as this run's.
+    (cd "$OUT" && rm -f steps.tsv meta.txt nvidia-smi.txt env_report.txt build.log pytest_gpu.log \
+        pytest_gpu.xml pytest_suite.log pytest_suite.xml sanitizer.log sanitizer_memcheck.log \
+        sanitizer_racecheck.log bench.log bench.json ncu.log ncu_raw.csv ncu_problems.json \
+        ncu_summary.txt ncu_summary.json summary.json)
+    : >"$OUT/steps.tsv"
+    echo "check.sh: $REPO -> $OUT (budget ${BUDGET}s, commit $JBS_COMMIT, compute capability ${COMPUTE_CAP:-none}, arch ${ARCH:-default})"
+fi
+
+# What ran where (also without the env step).
+if [ "$DRY" -eq 0 ]; then
+    {
+        echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+        echo "commit: $JBS_COMMIT"
+        echo "git_head: $(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo none)"
+        echo "host: $(hostname 2>/dev/null || echo unknown)"
+        echo "gpu: $(timeout 20 nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader 2>/dev/null | head -n 1 || echo none)"
+        echo "cuda_arch: ${ARCH:-default of build.py}"
+        echo "nproc: $(nproc)"
+        echo "budget_s: $BUDGET"
+        echo "steps: $STEPS"
+        echo "previous_env: $PREV_ENV"
+    } >"$OUT/meta.txt"
+else
+    printf '# meta.txt: date -u, commit (%s), git rev-parse HEAD, hostname, nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total, arch, nproc\n' "$JBS_COMMIT"
+fi
+
+# 1. Build in place for this GPU, and record the environment.
+if wanted build; then
+    arch_args=()
+    if [ -n "$ARCH" ]; then arch_args=(--cuda-arch "$ARCH"); fi
+    run_step build "$(limit_for 120)" "$OUT/build.log" -- \
+        python3 build.py "${arch_args[@]}" -j "$(nproc)"
+fi
+if wanted env; then
+    meta "$OUT/nvidia-smi.txt" nvidia-smi
+    meta "$OUT/meta.txt" python3 --version
+    meta "$OUT/meta.txt" nvcc --version
+    meta "$OUT/meta.txt" ncu --version
+    meta "$OUT/meta.txt" compute-sanitizer --version
+    meta "$OUT/meta.txt" python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+    run_step env "$(limit_for 60)" "$OUT/env_report.txt" -- python3 -m jax_blocksparse
+fi
+
+# 2. The GPU tests.
+if wanted gpu-tests; then
+    run_step gpu-tests "$(limit_for 150)" "$OUT/pytest_gpu.log" JBS_REQUIRE_KERNELS=1 -- \
+        python3 -m pytest tests/gpu -n "$GPU_WORKERS" -q -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml"
+fi
+
+# 3. The whole suite through the kernels, XLA's default settings.
+if wanted suite; then
+    run_step suite "$(limit_for 240)" "$OUT/pytest_suite.log" JAX_BLOCKSPARSE_IMPL=kernels JBS_REQUIRE_KERNELS=1 -- \
+        python3 -m pytest tests -n "$SUITE_WORKERS" -q -p no:cacheprovider --junitxml="$OUT/pytest_suite.xml"
+fi
+
+# 4. compute-sanitizer: memcheck and racecheck.
+if wanted sanitizer; then
+    run_step sanitizer "$(limit_for 120)" "$OUT/sanitizer.log" -- \
+        bash tests/gpu/run_sanitizer.sh --log-dir "$OUT"
+fi
+
+# 5. The benchmark (it stops starting rows 30 s before its limit and keeps what it has).
+if wanted bench; then
+    limit="$(limit_for 180)"
+    deadline=$((limit > 60 ? limit - 30 : limit / 2))
+    run_step bench "$limit" "$OUT/bench.log" JAX_BLOCKSPARSE_IMPL=kernels -- \
+        python3 bench/bsmm.py --preset check --deadline "$deadline" --json "$OUT/bench.json"
+fi
+
+# 6. Nsight Compute: one launch per kernel family x dtype x block size at density 0.1.
+if wanted ncu; then
+    run_step ncu "$(limit_for 150)" "$OUT/ncu.log" JAX_BLOCKSPARSE_IMPL=kernels -- \
+        ncu --clock-control none --kernel-name-base demangled --kernel-name regex:jbs --csv --page raw \
+        --metrics "$NCU_METRICS" --log-file "$OUT/ncu_raw.csv" \
+        python3 bench/ncu_driver.py --density 0.1 --problems "$OUT/ncu_problems.json"
+fi
+if wanted ncu-summary; then
+    run_step ncu-summary "$(limit_for 30)" "$OUT/ncu_summary.txt" -- \
+        python3 bench/ncu_summary.py "$OUT/ncu_raw.csv" "$OUT/ncu.log" --problems "$OUT/ncu_problems.json" \
+        --json "$OUT/ncu_summary.json" --min-rows 1
+fi
+
+# 7. The summary table.
+if [ "$DRY" -eq 1 ]; then
+    printf '# summary\n'
+    printf 'python3 bench/check_summary.py %s\n' "$(quoted "$OUT")"
+    exit 0
+fi
+echo
+echo "================================ summary ================================"
+if ! timeout 60 python3 bench/check_summary.py "$OUT"; then
+    if [ ! -s "$OUT/summary.json" ]; then  # the script itself failed: the bare table
+        printf '%-12s %s\n' step status
+        while IFS=$'\t' read -r name status rc secs limit log; do
+            printf '%-12s %-8s exit %-4s %6ss (limit %ss) %s\n' "$name" "$status" "$rc" "$secs" "$limit" "$log"
+        done <"$OUT/steps.tsv"
+    fi
+fi
+echo "total: $(awk -v us="$(($(now_us) - T0))" 'BEGIN { printf "%.1f", us / 1e6 }')s; outputs in $OUT"
+failed=0
+for i in "${!NAMES[@]}"; do
+    if [ "${STATUSES[$i]}" != pass ]; then failed=1; fi
+done
+if [ "${#NAMES[@]}" -eq 0 ]; then
+    echo "check.sh: no step ran (CHECK_STEPS=$STEPS)" >&2
+    failed=1
+fi
+exit "$failed"
