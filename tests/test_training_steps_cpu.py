@@ -1,0 +1,148 @@
+"""The training-step builders of tests/training_steps.py, on CPU.
+
+tests/gpu/test_training_steps.py runs every model of ``training_steps`` in float32
+and bfloat16 on the CUDA kernels, in child processes under two XLA command-buffer
+settings. Here the same builders and the same checks run on the native CPU kernels
+against the reference, in process, so that the builders, the comparison and its
+tolerances are verified in CI (each model once, the dtypes alternating, to keep this
+quick); plus the pieces of the GPU test that need no GPU: the check flags wrong
+results, the command-buffer HLO scan, the jaxlib enum reader, and one child process
+run end to end (on CPU, under the forced-graphs XLA flags, which jaxlib parses and
+validates on every platform).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pytest
+import training_steps as ts
+from conftest import require_kernels, xla_optimizations_off
+
+CASES = [
+    ("mlp", "bfloat16"),
+    ("mlp_nnx", "float32"),
+    ("conv", "bfloat16"),
+    ("rnn_cells", "float32"),
+    ("lstm_fused", "bfloat16"),
+    ("rigl", "float32"),
+]
+
+
+@pytest.fixture
+def _cpu_kernels():
+    require_kernels("cpu")
+
+
+def test_cases_cover_every_model_and_dtype():
+    assert sorted({m for m, _ in CASES}) == sorted(ts.MODELS)
+    assert {d for _, d in CASES} == set(ts.DTYPES)
+
+
+@pytest.mark.usefixtures("_cpu_kernels")
+@pytest.mark.parametrize("model, dtype", CASES)
+def test_training_steps_match_reference(model, dtype):
+    with xla_optimizations_off():  # values, not speed: ~2x faster compiles
+        result = ts.evaluate(model, dtype)
+    assert result["platform"] == "cpu"
+    assert ts.check(result) == []
+    # Not vacuous: training moved the loss, and the kernels ran every product.
+    assert result["losses_reference"][0] != result["losses_reference"][-1]
+    assert result["kernels_calls"]["train"] == sorted(ts.TARGETS)
+    assert result["command_buffers"]["train"] == {"computations": 0, "jbs_calls_inside": 0}  # CPU: none
+    if model == "rigl":
+        assert result["layouts_changed"] and result["update_layouts_equal"]
+
+
+def _passing_result():
+    return {
+        "model": "mlp", "dtype": "float32", "all_finite": True,
+        "losses_kernels": [1.0, 0.9], "losses_reference": [1.0, 0.9],
+        "step_loss_err": 0.0, "step_grad_err": 1e-6, "loss_err": 0.0, "param_err": 1e-5,
+        "expected_calls": {"train": list(ts.TARGETS)},
+        "kernels_calls": {"train": sorted(ts.TARGETS)}, "reference_calls": {"train": []},
+    }
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"all_finite": False}, "non-finite"),
+        ({"step_grad_err": float("nan")}, "gradients on the same inputs"),
+        ({"step_loss_err": 1e-3}, "loss on the same inputs"),
+        ({"loss_err": 1e-3}, "losses differ"),
+        ({"param_err": 0.5}, "final params differ"),
+        ({"kernels_calls": {"train": ["jbs_bsmm_fprop"]}}, "lacks \\['jbs_bsmm_bprop', 'jbs_bsmm_updat'\\]"),
+        ({"reference_calls": {"train": ["jbs_bsmm_fprop"]}}, "under 'reference' calls"),
+        ({"layouts_equal": True, "update_layouts_equal": False, "layouts_changed": True,
+          "update_param_diff": 0.0}, "chose different layouts"),
+        ({"layouts_equal": True, "update_layouts_equal": True, "layouts_changed": False,
+          "update_param_diff": 0.0}, "changed no layout"),
+    ],
+)
+def test_check_flags_wrong_results(change, message):
+    assert ts.check(_passing_result()) == []
+    assert np.isnan(ts._worst([0.1, float("nan"), 0.2]))  # a NaN anywhere is the worst
+    errors = ts.check({**_passing_result(), **change})
+    assert len(errors) == 1 and re.search(message, errors[0]), errors
+
+
+def test_command_buffer_scan():
+    # The shape of XLA's compiled HLO after CommandBufferScheduling: outlined
+    # computations named command_buffer*, called from the entry computation.
+    hlo = "\n".join([
+        "HloModule jit_train_step, is_scheduled=true",
+        "",
+        "%fused_add (p0: f32[4], p1: f32[4]) -> f32[4] {",
+        '  ROOT %x = f32[4]{0} custom-call(%p0), custom_call_target="jbs_bsmm_fprop"',
+        "}",
+        "",
+        "%command_buffer (p: f32[4]) -> (f32[4], f32[4]) {",
+        "  %p = f32[4]{0} parameter(0)",
+        '  %a = f32[4]{0} custom-call(%p), custom_call_target="jbs_bsmm_fprop", api_version=API_VERSION_TYPED_FFI',
+        '  %b = f32[4]{0} custom-call(%a), custom_call_target="jbs_bsmm_updat", backend_config={}',
+        "  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%a, %b)",
+        "}",
+        "",
+        "%command_buffer.1 (p: f32[4]) -> f32[4] {",
+        "  ROOT %f = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused_add",
+        "}",
+        "",
+        "ENTRY %main.3 (a: f32[4]) -> f32[4] {",
+        "  %call = (f32[4]{0}, f32[4]{0}) call(%a), to_apply=%command_buffer",
+        '  ROOT %c = f32[4]{0} custom-call(%call), custom_call_target="jbs_bsmm_bprop"',
+        "}",
+    ])
+    assert ts.command_buffer_calls(hlo) == {"computations": 2, "jbs_calls_inside": 2}
+    assert ts._custom_calls(hlo) == sorted(ts.TARGETS)
+
+
+def test_enum_reader_and_accepted_command_types():
+    # A serialized EnumDescriptorProto: name, then values (name, number).
+    def value(name, number):
+        body = b"\x0a" + bytes([len(name)]) + name + b"\x10" + bytes([number])
+        return b"\x12" + bytes([len(body)]) + body
+
+    enum = b"\x0a\x14CommandBufferCmdType" + value(b"INVALID", 0) + value(b"FUSION", 1) + value(b"NEW_KIND", 12)
+    assert ts._enum_names(b"junk CommandBufferCmdType junk" + enum + b"\x1a\x00") == ["INVALID", "FUSION", "NEW_KIND"]
+    assert ts._enum_names(b"no enum here") == []
+    found = ts.jaxlib_command_buffer_enum()
+    assert found == [] or {"FUSION", "CUSTOM_CALL"} <= set(found), found
+    accepted = ts.command_buffer_types()  # probed against this jaxlib: only names it accepts
+    assert {"FUSION", "CUSTOM_CALL", "WHILE", "CONDITIONAL"} <= set(accepted), accepted
+    assert "INVALID" not in accepted and (not found or set(accepted) <= set(found)), (accepted, found)
+
+
+@pytest.mark.usefixtures("_cpu_kernels")
+def test_child_process_end_to_end():
+    """The GPU test's plumbing on CPU: a child under the forced-graphs flags, one model."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    child = ts.run_child("mlp", ts.xla_flags("graphs"), dtypes=("float32",), steps=2, timeout=300, env=env)
+    assert child.returncode == 0 and child.result is not None, child.describe()
+    out = child.result
+    assert out["platform"] == "cpu" and "--xla_gpu_graph_min_graph_size=1" in out["xla_flags"], out
+    result = out["results"]["float32"]
+    assert "exception" not in result and result["errors"] == [], (result, child.describe())
+    assert result["steps"] == 2 and np.all(np.isfinite(result["losses_kernels"]))
