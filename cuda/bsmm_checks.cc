@@ -20,6 +20,20 @@ std::string ShapeStr(const ffi::AnyBuffer& b) {
   return os.str();
 }
 
+std::string Operands::str() const {
+  std::string s;
+  for (int i = 0; i < 3; ++i) s += std::string(i ? ", " : "") + names[i] + " " + ShapeStr(*buffers[i]);
+  return s;
+}
+
+Operands DescribeDsd(const ffi::AnyBuffer& lhs, const ffi::AnyBuffer& w, const ffi::AnyBuffer& out) {
+  return Operands{{"lhs", "w", "out"}, {&lhs, &w, &out}};
+}
+
+Operands DescribeSdd(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& dw) {
+  return Operands{{"x", "dy", "dw"}, {&x, &dy, &dw}};
+}
+
 namespace {
 
 const char* DtypeName(ffi::DataType t) {
@@ -115,11 +129,11 @@ ffi::Error CheckDtypes(const char* op, const ffi::AnyBuffer& a, const ffi::AnyBu
 
 // w (or dw) must be [cap, bs, bs] with a supported bs; returns bs through `bs`.
 ffi::Error CheckBlocks(const char* op, const char* name, const ffi::AnyBuffer& w, int64_t cap,
-                       const std::string& shapes, int64_t* bs) {
+                       const Operands& shapes, int64_t* bs) {
   auto wd = w.dimensions();
   if (wd.size() != 3 || wd[0] != cap || wd[1] != wd[2] || !SupportedBlockSize(static_cast<int>(wd[2]))) {
     return Invalid(op, std::string(name) + " must be [capacity=" + std::to_string(cap) +
-                           ", bs, bs] with bs in {8, 16, 32, 64, 128}; got " + shapes);
+                           ", bs, bs] with bs in {8, 16, 32, 64, 128}; got " + shapes.str());
   }
   *bs = wd[2];
   return ffi::Error::Success();
@@ -127,14 +141,14 @@ ffi::Error CheckBlocks(const char* op, const char* name, const ffi::AnyBuffer& w
 
 // a and b have the same rank >= 1 and share every dim but the last.
 ffi::Error CheckLeadingDims(const char* op, const char* a_name, const ffi::AnyBuffer& a, const char* b_name,
-                            const ffi::AnyBuffer& b, const std::string& shapes) {
+                            const ffi::AnyBuffer& b, const Operands& shapes) {
   auto ad = a.dimensions();
   auto bd = b.dimensions();
   if (ad.size() < 1 || ad.size() != bd.size()) {
-    return Invalid(op, std::string(a_name) + " and " + b_name + " must have the same rank >= 1; got " + shapes);
+    return Invalid(op, std::string(a_name) + " and " + b_name + " must have the same rank >= 1; got " + shapes.str());
   }
   for (size_t i = 0; i + 1 < ad.size(); ++i) {
-    if (ad[i] != bd[i]) return Invalid(op, std::string(a_name) + " and " + b_name + " must share leading dims; got " + shapes);
+    if (ad[i] != bd[i]) return Invalid(op, std::string(a_name) + " and " + b_name + " must share leading dims; got " + shapes.str());
   }
   return ffi::Error::Success();
 }
@@ -149,14 +163,14 @@ ffi::Error CheckDsd(const char* op, bool transpose, const ffi::AnyBuffer& lhs, c
                     const ffi::AnyBuffer& block_rows, const ffi::AnyBuffer& block_cols,
                     const ffi::AnyBuffer& col_ptr, const ffi::AnyBuffer& row_ptr,
                     const ffi::AnyBuffer& row_slots, const ffi::AnyBuffer& order, ffi::AnyBuffer& out,
-                    KernelDtypes* dtypes, DsdParams* p, std::string* shapes) {
-  *shapes = "lhs " + ShapeStr(lhs) + ", w " + ShapeStr(w) + ", out " + ShapeStr(out);
+                    KernelDtypes* dtypes, DsdParams* p) {
+  const Operands shapes = DescribeDsd(lhs, w, out);  // formatted only for an error
   Tables t;
   if (ffi::Error e = CheckTables(op, block_rows, block_cols, col_ptr, row_ptr, row_slots, &t); e.failure()) return e;
   if (ffi::Error e = CheckDtypes(op, lhs, w, out, dtypes); e.failure()) return e;
   int64_t bs;
-  if (ffi::Error e = CheckBlocks(op, "w", w, t.cap, *shapes, &bs); e.failure()) return e;
-  if (ffi::Error e = CheckLeadingDims(op, "lhs", lhs, "out", out, *shapes); e.failure()) return e;
+  if (ffi::Error e = CheckBlocks(op, "w", w, t.cap, shapes, &bs); e.failure()) return e;
+  if (ffi::Error e = CheckLeadingDims(op, "lhs", lhs, "out", out, shapes); e.failure()) return e;
   const int64_t nin = transpose ? t.kb : t.cb;
   const int64_t nseg = transpose ? t.cb : t.kb;
   int64_t n, fin, n_out, fout;
@@ -164,7 +178,7 @@ ffi::Error CheckDsd(const char* op, bool transpose, const ffi::AnyBuffer& lhs, c
   RowsAndFeatures(out, &n_out, &fout);
   if (fin != nin * bs || fout != nseg * bs) {
     return Invalid(op, "need lhs [..., " + std::to_string(nin * bs) + "] and out [..., " +
-                           std::to_string(nseg * bs) + "] for " + GridStr(t, bs) + "; got " + *shapes);
+                           std::to_string(nseg * bs) + "] for " + GridStr(t, bs) + "; got " + shapes.str());
   }
   if (order.element_type() != ffi::DataType::S32 || order.dimensions().size() != 1 ||
       order.dimensions()[0] != nseg) {
@@ -191,20 +205,20 @@ ffi::Error CheckSdd(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffe
                     const ffi::AnyBuffer& block_rows, const ffi::AnyBuffer& block_cols,
                     const ffi::AnyBuffer& col_ptr, const ffi::AnyBuffer& row_ptr,
                     const ffi::AnyBuffer& row_slots, ffi::AnyBuffer& dw, KernelDtypes* dtypes,
-                    SddParams* p, std::string* shapes) {
-  *shapes = "x " + ShapeStr(x) + ", dy " + ShapeStr(dy) + ", dw " + ShapeStr(dw);
+                    SddParams* p) {
+  const Operands shapes = DescribeSdd(x, dy, dw);  // formatted only for an error
   Tables t;
   if (ffi::Error e = CheckTables(op, block_rows, block_cols, col_ptr, row_ptr, row_slots, &t); e.failure()) return e;
   if (ffi::Error e = CheckDtypes(op, x, dy, dw, dtypes); e.failure()) return e;
   int64_t bs;
-  if (ffi::Error e = CheckBlocks(op, "dw", dw, t.cap, *shapes, &bs); e.failure()) return e;
-  if (ffi::Error e = CheckLeadingDims(op, "x", x, "dy", dy, *shapes); e.failure()) return e;
+  if (ffi::Error e = CheckBlocks(op, "dw", dw, t.cap, shapes, &bs); e.failure()) return e;
+  if (ffi::Error e = CheckLeadingDims(op, "x", x, "dy", dy, shapes); e.failure()) return e;
   int64_t n, c, n2, k;
   RowsAndFeatures(x, &n, &c);
   RowsAndFeatures(dy, &n2, &k);
   if (c != t.cb * bs || k != t.kb * bs) {
     return Invalid(op, "need x [..., " + std::to_string(t.cb * bs) + "] and dy [..., " +
-                           std::to_string(t.kb * bs) + "] for " + GridStr(t, bs) + "; got " + *shapes);
+                           std::to_string(t.kb * bs) + "] for " + GridStr(t, bs) + "; got " + shapes.str());
   }
   p->x = x.untyped_data();
   p->dy = dy.untyped_data();

@@ -34,6 +34,16 @@ bool SupportedBlockSize(int bs);
 // "[d0, d1, ...]" of a buffer, for error messages.
 std::string ShapeStr(const xla::ffi::AnyBuffer& b);
 
+// The three float operands of a call, for error messages: formatted (str()) only when
+// an error is reported, so a successful call builds no string.
+struct Operands {
+  const char* names[3];
+  const xla::ffi::AnyBuffer* buffers[3];
+  std::string str() const;  // e.g. "lhs [7, 48], w [6, 16, 16], out [7, 80]"
+};
+Operands DescribeDsd(const xla::ffi::AnyBuffer& lhs, const xla::ffi::AnyBuffer& w, const xla::ffi::AnyBuffer& out);
+Operands DescribeSdd(const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& dy, const xla::ffi::AnyBuffer& dw);
+
 // The dtypes a kernel runs with.
 struct KernelDtypes {
   DType in;      // both float inputs
@@ -41,20 +51,19 @@ struct KernelDtypes {
 };
 
 // fprop (transpose = false: lhs = x, out = y) and bprop (transpose = true: lhs = g, out = dx).
-// `shapes` receives a description of the operands for later error messages.
 xla::ffi::Error CheckDsd(const char* op, bool transpose, const xla::ffi::AnyBuffer& lhs,
                          const xla::ffi::AnyBuffer& w, const xla::ffi::AnyBuffer& block_rows,
                          const xla::ffi::AnyBuffer& block_cols, const xla::ffi::AnyBuffer& col_ptr,
                          const xla::ffi::AnyBuffer& row_ptr, const xla::ffi::AnyBuffer& row_slots,
                          const xla::ffi::AnyBuffer& order, xla::ffi::AnyBuffer& out,
-                         KernelDtypes* dtypes, DsdParams* p, std::string* shapes);
+                         KernelDtypes* dtypes, DsdParams* p);
 
 // updat.
 xla::ffi::Error CheckSdd(const char* op, const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& dy,
                          const xla::ffi::AnyBuffer& block_rows, const xla::ffi::AnyBuffer& block_cols,
                          const xla::ffi::AnyBuffer& col_ptr, const xla::ffi::AnyBuffer& row_ptr,
                          const xla::ffi::AnyBuffer& row_slots, xla::ffi::AnyBuffer& dw,
-                         KernelDtypes* dtypes, SddParams* p, std::string* shapes);
+                         KernelDtypes* dtypes, SddParams* p);
 
 // The operands of the targets, bound in the order documented above, after the
 // platform's context (CUDA: the stream; CPU: XLA's thread pool).

@@ -101,9 +101,9 @@ ffi::Error RequirePrepared(const char* op, cudaStream_t stream) {
                               "illegal (XLA did not run this target's initialize stage first)");
 }
 
-ffi::Error LaunchError(const char* op, cudaError_t err, const std::string& shapes) {
+ffi::Error LaunchError(const char* op, cudaError_t err, const Operands& shapes) {
   return ffi::Error::Internal(std::string(op) + ": kernel launch failed (" + cudaGetErrorString(err) +
-                              ") for " + shapes);
+                              ") for " + shapes.str());
 }
 
 // fprop (transpose = false) and bprop (transpose = true).
@@ -113,9 +113,8 @@ ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::Any
                    ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> out) {
   KernelDtypes dt;
   DsdParams p;
-  std::string shapes;
   if (ffi::Error e = CheckDsd(op, transpose, a, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
-                              order, *out, &dt, &p, &shapes);
+                              order, *out, &dt, &p);
       e.failure()) {
     return e;
   }
@@ -123,7 +122,7 @@ ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::Any
   if (ffi::Error e = RequirePrepared(op, stream); e.failure()) return e;
   cudaError_t err = LaunchDsd(dt.in, dt.out_f32, transpose, p, Launch{stream});
   if (err == cudaSuccess) err = cudaGetLastError();
-  if (err != cudaSuccess) return LaunchError(op, err, shapes);
+  if (err != cudaSuccess) return LaunchError(op, err, DescribeDsd(a, w, *out));
   return ffi::Error::Success();
 }
 
@@ -147,9 +146,7 @@ ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   const char* op = "jbs_bsmm_updat";
   KernelDtypes dt;
   SddParams p;
-  std::string shapes;
-  if (ffi::Error e = CheckSdd(op, x, dy, block_rows, block_cols, col_ptr, row_ptr, row_slots, *dw, &dt, &p,
-                              &shapes);
+  if (ffi::Error e = CheckSdd(op, x, dy, block_rows, block_cols, col_ptr, row_ptr, row_slots, *dw, &dt, &p);
       e.failure()) {
     return e;
   }
@@ -157,7 +154,7 @@ ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   if (ffi::Error e = RequirePrepared(op, stream); e.failure()) return e;
   cudaError_t err = LaunchSdd(dt.in, dt.out_f32, p, Launch{stream});
   if (err == cudaSuccess) err = cudaGetLastError();
-  if (err != cudaSuccess) return LaunchError(op, err, shapes);
+  if (err != cudaSuccess) return LaunchError(op, err, DescribeSdd(x, dy, *dw));
   return ffi::Error::Success();
 }
 

@@ -182,7 +182,7 @@ class Layout:
         w = jnp.zeros(layout.w_shape)                        # [16, 32, 32]
     """
 
-    __slots__ = ("block_size", "grid", "capacity", "tables", "_device_tables")
+    __slots__ = ("block_size", "grid", "capacity", "tables", "_device_tables", "_static")
 
     def __init__(self, block_size: int, grid: tuple[int, int], capacity: int, tables: LayoutTables):
         self.block_size = block_size
@@ -190,6 +190,7 @@ class Layout:
         self.capacity = capacity
         self.tables = tables
         self._device_tables = None  # made on the first flatten of host tables
+        self._static = (block_size, grid, capacity)  # the pytree's aux data, built once
 
     # -- construction -------------------------------------------------------------
 
@@ -245,7 +246,8 @@ class Layout:
     # -- pytree -------------------------------------------------------------------
 
     def tree_flatten(self):
-        return tuple(self._leaves()), (self.block_size, self.grid, self.capacity)
+        # Runs on every jit call that takes the layout: returns prebuilt objects only.
+        return self._leaves(), self._static
 
     def _leaves(self) -> LayoutTables:
         """The tables as pytree leaves: host (numpy) tables become device arrays, once.

@@ -85,8 +85,9 @@ int64_t Macs(int64_t rows, const int32_t* nnz, int cap, int bs) {
   return rows * blocks * bs * bs;
 }
 
-ffi::Error Unsupported(const char* op, const std::string& shapes) {
-  return ffi::Error::Internal(std::string(op) + ": no CPU kernel for this block size, or no memory for its scratch buffers; " + shapes);
+ffi::Error Unsupported(const char* op, const Operands& shapes) {
+  return ffi::Error::Internal(std::string(op) + ": no CPU kernel for this block size, or no memory for its scratch buffers; " +
+                              shapes.str());
 }
 
 ffi::Error DsdImpl(const char* op, bool transpose, ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer w,
@@ -95,15 +96,14 @@ ffi::Error DsdImpl(const char* op, bool transpose, ffi::ThreadPool pool, ffi::An
                    ffi::Result<ffi::AnyBuffer> out) {
   KernelDtypes dt;
   DsdParams p;
-  std::string shapes;
   if (ffi::Error e = CheckDsd(op, transpose, a, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
-                              order, *out, &dt, &p, &shapes);
+                              order, *out, &dt, &p);
       e.failure()) {
     return e;
   }
   if (IsEmpty(p)) return ffi::Error::Success();
   if (!cpu::RunDsd(dt.in, dt.out_f32, transpose, p, Workers(pool, Macs(p.n, p.nnz, p.cap, p.bs)))) {
-    return Unsupported(op, shapes);
+    return Unsupported(op, DescribeDsd(a, w, *out));
   }
   return ffi::Error::Success();
 }
@@ -128,15 +128,13 @@ ffi::Error UpdatImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy, 
   const char* op = "jbs_bsmm_updat";
   KernelDtypes dt;
   SddParams p;
-  std::string shapes;
-  if (ffi::Error e = CheckSdd(op, x, dy, block_rows, block_cols, col_ptr, row_ptr, row_slots, *dw, &dt, &p,
-                              &shapes);
+  if (ffi::Error e = CheckSdd(op, x, dy, block_rows, block_cols, col_ptr, row_ptr, row_slots, *dw, &dt, &p);
       e.failure()) {
     return e;
   }
   if (IsEmpty(p)) return ffi::Error::Success();
   if (!cpu::RunSdd(dt.in, dt.out_f32, p, Workers(pool, Macs(p.n, p.nnz, p.cap, p.bs)))) {
-    return Unsupported(op, shapes);
+    return Unsupported(op, DescribeSdd(x, dy, *dw));
   }
   return ffi::Error::Success();
 }
