@@ -32,7 +32,11 @@ from jax.sharding import PartitionSpec as P
 
 from jax_blocksparse.layout import Layout, LayoutTables, check_layout
 
-__all__ = ["column_parallel_bsmm", "shard_blocks", "split_columns", "unshard_blocks"]
+# The last three are the helpers the column-parallel layers share with this module.
+__all__ = [
+    "column_parallel_bsmm", "shard_blocks", "split_columns", "unshard_blocks",
+    "check_mesh", "default_capacity", "place",
+]
 
 
 def _shard_map():
@@ -65,7 +69,7 @@ def _shard_bounds(layout: Layout, num_shards: int):
     return starts, ends - starts
 
 
-def _default_capacity(layout: Layout, num_shards: int, capacity, fn: str, arg: str = "capacity") -> int:
+def default_capacity(layout: Layout, num_shards: int, capacity, fn: str, arg: str = "capacity") -> int:
     """Slots per shard: ``capacity`` (the argument named ``arg`` of ``fn``) checked
     against the fullest shard of ``layout``, or that shard's block count if None."""
     _, counts = _shard_bounds(layout, num_shards)
@@ -88,11 +92,11 @@ def _default_capacity(layout: Layout, num_shards: int, capacity, fn: str, arg: s
     return int(capacity)
 
 
-# Mesh axis types whose shardings column_parallel_bsmm can place (see _place).
+# Mesh axis types whose shardings column_parallel_bsmm can place (see place).
 _PLACEABLE = (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit)
 
 
-def _place(value, mesh, spec):
+def place(value, mesh, spec):
     """``value`` with the sharding ``spec`` on ``mesh``.
 
     On Auto axes a constraint XLA honours; on Explicit axes the sharding is part of the
@@ -104,7 +108,7 @@ def _place(value, mesh, spec):
     return jax.lax.with_sharding_constraint(value, sharding)
 
 
-def _check_mesh(mesh, axis, batch_axis, fn: str) -> int:
+def check_mesh(mesh, axis, batch_axis, fn: str) -> int:
     """Validates a column-parallel mesh and its axes; returns the size of ``axis``.
 
     ``mesh`` must be a :class:`jax.sharding.Mesh` with ``axis`` (and ``batch_axis``,
@@ -148,7 +152,7 @@ def split_columns(layout: Layout, num_shards: int, *, capacity: int | None = Non
     """
     layout = check_layout(layout)
     num_shards = _check_num_shards(layout, num_shards, "split_columns")
-    capacity = _default_capacity(layout, num_shards, capacity, "split_columns")
+    capacity = default_capacity(layout, num_shards, capacity, "split_columns")
     cb, kb = layout.grid
     per = kb // num_shards
     if all(not isinstance(t, jax.core.Tracer) for t in layout.tables):
@@ -178,7 +182,7 @@ def shard_blocks(w, layout: Layout, num_shards: int, *, capacity: int | None = N
     """
     layout = check_layout(layout)
     num_shards = _check_num_shards(layout, num_shards, "shard_blocks")
-    capacity = _default_capacity(layout, num_shards, capacity, "shard_blocks")
+    capacity = default_capacity(layout, num_shards, capacity, "shard_blocks")
     w = jnp.asarray(w)
     if w.shape != layout.w_shape:
         raise ValueError(f"shard_blocks: w must have shape {layout.w_shape} for {layout}, got {tuple(w.shape)}")
@@ -263,7 +267,7 @@ def column_parallel_bsmm(
     from jax_blocksparse.ops.matmul import bsmm
 
     layouts = check_layout(layouts, name="layouts")
-    num_shards = _check_mesh(mesh, axis, batch_axis, "column_parallel_bsmm")
+    num_shards = check_mesh(mesh, axis, batch_axis, "column_parallel_bsmm")
     w_shards = jnp.asarray(w_shards)
     expected = (num_shards,) + layouts.w_shape
     if w_shards.shape != expected or layouts.tables.col_ptr.shape != (num_shards, layouts.grid[1] + 1):
@@ -291,10 +295,10 @@ def column_parallel_bsmm(
     table_specs = LayoutTables(*([P(axis)] * len(layouts.tables)))
     in_specs = (x_spec, P(axis), table_specs)
     operands = (x, w_shards, layouts.tables)
-    operands = jax.tree.map(lambda v, spec: _place(v, mesh, spec), operands, in_specs,
+    operands = jax.tree.map(lambda v, spec: place(v, mesh, spec), operands, in_specs,
                             is_leaf=lambda v: isinstance(v, P))
     fn = _shard_map()(body, mesh=mesh, in_specs=in_specs, out_specs=P(*lead, axis))
     y = fn(*operands)  # [..., K], the last dim split over `axis`
     if gather_output:
-        y = _place(y, mesh, P(*lead, None))
+        y = place(y, mesh, P(*lead, None))
     return y

@@ -17,7 +17,7 @@ from conftest import make_problem, rand
 from jax import lax
 
 import jax_blocksparse as jbs
-from jax_blocksparse.ops.matmul import canonical_precision
+from jax_blocksparse.ops._checks import canonical_precision
 
 PRIMITIVES = ("bsmm_fprop", "bsmm_bprop", "bsmm_updat")
 

@@ -265,7 +265,7 @@ class ColumnSplit(NamedTuple):
         """The unsplit layer's :func:`init_kernel` (same key use, same values), sharded
         and placed: shard ``i`` on the devices of ``axis`` index ``i``."""
         kernel = self.shard(init_kernel(kernel_init, key, self.layout, self.mask, param_dtype))
-        return sharding._place(kernel, self.mesh, P(*self.kernel_spec))
+        return sharding.place(kernel, self.mesh, P(*self.kernel_spec))
 
     def apply(self, inputs, kernel, bias, dtype, float32_dw: bool):
         """``inputs @ W + bias`` for inputs checked by :func:`check_inputs`: :func:`promote`,
@@ -289,7 +289,7 @@ class ColumnSplit(NamedTuple):
 
 def column_split(mask: StaticMask, block_size: int, mesh, axis, batch_axis, gather_output, shard_capacity, layer: str):
     """Validates a column-parallel layer's mesh configuration; returns a :class:`ColumnSplit`."""
-    num_shards = sharding._check_mesh(mesh, axis, batch_axis, layer)
+    num_shards = sharding.check_mesh(mesh, axis, batch_axis, layer)
     if not isinstance(gather_output, (bool, np.bool_)):
         raise TypeError(f"{layer}: gather_output must be a bool, got {gather_output!r}")
     kb = mask.shape[1]
@@ -299,5 +299,5 @@ def column_split(mask: StaticMask, block_size: int, mesh, axis, batch_axis, gath
             f"columns KB={kb} (mask shape {mask.shape}, mesh {dict(mesh.shape)})"
         )
     layout = layout_for(mask, block_size, None)
-    shard_capacity = sharding._default_capacity(layout, num_shards, shard_capacity, layer, arg="shard_capacity")
+    shard_capacity = sharding.default_capacity(layout, num_shards, shard_capacity, layer, arg="shard_capacity")
     return ColumnSplit(mask, block_size, mesh, axis, batch_axis, bool(gather_output), num_shards, shard_capacity)

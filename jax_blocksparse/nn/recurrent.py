@@ -81,7 +81,8 @@ import numpy as np
 
 from jax_blocksparse.layout import Layout, check_block_size
 from jax_blocksparse.nn import _common
-from jax_blocksparse.ops.matmul import _varying_axes, bsmm, bsmm_updat
+from jax_blocksparse.ops._checks import varying_axes
+from jax_blocksparse.ops.matmul import bsmm, bsmm_updat
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -487,12 +488,12 @@ def _vary_like(tree, *refs):
     A scan carry must keep its type: an initial carry built from constants (zeros, a
     replicated initial state) becomes device-varying once it meets batch-sharded inputs.
     """
-    axes = frozenset().union(*(_varying_axes(jax.typeof(r)) for r in jax.tree.leaves(refs)))
+    axes = frozenset().union(*(varying_axes(jax.typeof(r)) for r in jax.tree.leaves(refs)))
     if not axes:
         return tree
 
     def cast(a):
-        missing = tuple(sorted(axes - _varying_axes(jax.typeof(a))))
+        missing = tuple(sorted(axes - varying_axes(jax.typeof(a))))
         return jax.lax.pcast(a, missing, to="varying") if missing else a
 
     return jax.tree.map(cast, tree)
@@ -508,7 +509,7 @@ def _sum_like(cts, primals):
     def total(ct, primal):
         if ct is None:
             return ct
-        extra = tuple(sorted(_varying_axes(jax.typeof(ct)) - _varying_axes(jax.typeof(primal))))
+        extra = tuple(sorted(varying_axes(jax.typeof(ct)) - varying_axes(jax.typeof(primal))))
         return jax.lax.psum(ct, extra) if extra else ct
 
     return jax.tree.map(total, cts, primals, is_leaf=lambda x: x is None)

@@ -76,16 +76,14 @@ import numpy as np
 from jax import lax
 
 from jax_blocksparse.layout import Layout, LayoutTables, check_layout
-from jax_blocksparse.ops.matmul import (
-    _as_float_array,
-    _check_float32_dw,
-    _compute_dtype,
-    _out_dtype,
-    bsmm,
+from jax_blocksparse.ops._checks import (
+    as_float_array,
     canonical_precision,
-    from_dense,
-    to_dense,
+    check_float32_dw,
+    compute_dtype_of,
+    out_dtype_of,
 )
+from jax_blocksparse.ops.matmul import bsmm, from_dense, to_dense
 
 PADDING_STRINGS = ("SAME", "SAME_LOWER", "VALID")
 TRANSPOSE_PADDING_STRINGS = ("SAME", "VALID")
@@ -147,7 +145,7 @@ def bsconv(
         y = jbs.bsconv(jnp.ones((2, 8, 8, 64)), w, layout, strides=2)   # [2, 4, 4, 64]
     """
     layout = check_layout(layout)
-    x, w = jnp.asarray(_as_float_array(x, "x")), jnp.asarray(_as_float_array(w, "w"))
+    x, w = jnp.asarray(as_float_array(x, "x")), jnp.asarray(as_float_array(w, "w"))
     g = _geometry("bsconv", x, w, layout, strides, padding, dilation, input_dilation, transpose=False)
     prec = _precision("bsconv", x, w, preferred_element_type, compute_dtype, float32_dw, precision)
     out_shape = (x.shape[0], *g.out_spatial, layout.shape[1])
@@ -202,7 +200,7 @@ def bsconv_transpose(
       + low[i] + high[i] - k_eff[i] + 1`` with the transposed convolution's pads.
     """
     layout = check_layout(layout)
-    x, w = jnp.asarray(_as_float_array(x, "x")), jnp.asarray(_as_float_array(w, "w"))
+    x, w = jnp.asarray(as_float_array(x, "x")), jnp.asarray(as_float_array(w, "w"))
     g = _geometry(
         "bsconv_transpose", x, w, layout, strides, padding, dilation, 1, transpose=True,
         transpose_kernel=transpose_kernel,
@@ -272,10 +270,10 @@ def bsconv_reference(
 ):
     """The definition of :func:`bsconv`: ``lax.conv_general_dilated`` on the dense kernel."""
     layout = check_layout(layout)
-    x, w = jnp.asarray(_as_float_array(x, "x")), jnp.asarray(_as_float_array(w, "w"))
+    x, w = jnp.asarray(as_float_array(x, "x")), jnp.asarray(as_float_array(w, "w"))
     g = _geometry("bsconv_reference", x, w, layout, strides, padding, dilation, input_dilation, transpose=False)
-    common = _compute_dtype(compute_dtype, x.dtype, w.dtype)
-    out_dtype = _out_dtype(preferred_element_type, common)
+    common = compute_dtype_of(compute_dtype, x.dtype, w.dtype)
+    out_dtype = out_dtype_of(preferred_element_type, common)
     y = lax.conv_general_dilated(
         x.astype(common),
         conv_to_dense(w, layout).astype(common),
@@ -304,13 +302,13 @@ def bsconv_transpose_reference(
 ):
     """The definition of :func:`bsconv_transpose`: ``lax.conv_transpose`` on the dense kernel."""
     layout = check_layout(layout)
-    x, w = jnp.asarray(_as_float_array(x, "x")), jnp.asarray(_as_float_array(w, "w"))
+    x, w = jnp.asarray(as_float_array(x, "x")), jnp.asarray(as_float_array(w, "w"))
     g = _geometry(
         "bsconv_transpose_reference", x, w, layout, strides, padding, dilation, 1, transpose=True,
         transpose_kernel=transpose_kernel,
     )
-    common = _compute_dtype(compute_dtype, x.dtype, w.dtype)
-    out_dtype = _out_dtype(preferred_element_type, common)
+    common = compute_dtype_of(compute_dtype, x.dtype, w.dtype)
+    out_dtype = out_dtype_of(preferred_element_type, common)
     y = lax.conv_transpose(
         x.astype(common),
         conv_to_dense(w, layout).astype(common),
@@ -361,10 +359,10 @@ class _Precision(NamedTuple):
 
 
 def _precision(op, x, w, preferred_element_type, compute_dtype, float32_dw, precision) -> _Precision:
-    compute = _compute_dtype(compute_dtype, x.dtype, w.dtype)
-    out_dtype = _out_dtype(preferred_element_type, compute, name="preferred_element_type")
+    compute = compute_dtype_of(compute_dtype, x.dtype, w.dtype)
+    out_dtype = out_dtype_of(preferred_element_type, compute, name="preferred_element_type")
     return _Precision(
-        compute, out_dtype, _check_float32_dw(op, float32_dw, w, compute), canonical_precision(precision)
+        compute, out_dtype, check_float32_dw(op, float32_dw, w, compute), canonical_precision(precision)
     )
 
 

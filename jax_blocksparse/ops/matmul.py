@@ -63,7 +63,6 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
@@ -71,10 +70,17 @@ from jax.sharding import PartitionSpec as P
 
 from jax_blocksparse import config
 from jax_blocksparse.layout import Layout, LayoutTables, check_layout
+from jax_blocksparse.ops._checks import (
+    as_float_array,
+    canonical_precision,
+    check_float32_dw,
+    compute_dtype_of,
+    out_dtype_of,
+    varying_axes,
+)
 from jax_blocksparse.ops._lowering import register_lowerings
 from jax_blocksparse.ops._partitioning import mark_partitioned
 
-SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 # ---------------------------------------------------------------------------------
 # Public functions
@@ -125,8 +131,8 @@ def bsmm(
         y = jbs.bsmm(jnp.ones((8, 64)), w, layout)    # [8, 64]
     """
     layout = check_layout(layout)
-    x = _as_float_array(x, "x")
-    w = _as_float_array(w, "w")
+    x = as_float_array(x, "x")
+    w = as_float_array(w, "w")
     _check_w(w, layout)
     c, k = layout.shape
     expected, name = (k, "K") if transpose else (c, "C")
@@ -135,11 +141,11 @@ def bsmm(
             f"bsmm: x must have shape [..., {name}={expected}] for a layout of shape "
             f"{layout.shape}{' (transpose=True)' if transpose else ''}, got x {x.shape}"
         )
-    compute = _compute_dtype(compute_dtype, x.dtype, w.dtype)
-    out_dtype = _out_dtype(preferred_element_type, compute, name="preferred_element_type")
+    compute = compute_dtype_of(compute_dtype, x.dtype, w.dtype)
+    out_dtype = out_dtype_of(preferred_element_type, compute, name="preferred_element_type")
     prim = bsmm_bprop_p if transpose else bsmm_fprop_p
     params = _params(layout, out_dtype, precision)
-    if _check_float32_dw("bsmm", float32_dw, w, compute):
+    if check_float32_dw("bsmm", float32_dw, w, compute):
         return _f32_dw_product((prim, compute, tuple(sorted(params.items()))), x, w, layout.tables)
     return _bind(prim, x.astype(compute), w.astype(compute), layout.tables, **params)
 
@@ -161,15 +167,15 @@ def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None, precision=None):
       [capacity, bs, bs]; padding slots are zero.
     """
     layout = check_layout(layout)
-    x = _as_float_array(x, "x")
-    dy = _as_float_array(dy, "dy")
+    x = as_float_array(x, "x")
+    dy = as_float_array(dy, "dy")
     c, k = layout.shape
     if x.ndim < 1 or dy.ndim < 1 or x.shape[-1] != c or dy.shape[-1] != k or x.shape[:-1] != dy.shape[:-1]:
         raise ValueError(
             f"bsmm_updat: need x [..., C={c}] and dy [..., K={k}] with equal leading dims "
             f"for a layout of shape {layout.shape}, got x {x.shape} and dy {dy.shape}"
         )
-    out_dtype = _out_dtype(out_dtype, x.dtype, dy.dtype, name="out_dtype")
+    out_dtype = out_dtype_of(out_dtype, x.dtype, dy.dtype, name="out_dtype")
     return _bind(bsmm_updat_p, x, dy, layout.tables, **_params(layout, out_dtype, precision))
 
 
@@ -216,8 +222,8 @@ def bsmm_reference(
     """The definition of :func:`bsmm` as a dense product (for tests and debugging)."""
     x = jnp.asarray(x)
     W = to_dense(w, layout)
-    compute = _compute_dtype(compute_dtype, x.dtype, W.dtype)
-    out_dtype = _out_dtype(preferred_element_type, compute, name="preferred_element_type")
+    compute = compute_dtype_of(compute_dtype, x.dtype, W.dtype)
+    out_dtype = out_dtype_of(preferred_element_type, compute, name="preferred_element_type")
     if transpose:
         W = W.T
     product = jnp.matmul(
@@ -231,83 +237,11 @@ def bsmm_reference(
 # ---------------------------------------------------------------------------------
 
 
-def _as_float_array(a, name):
-    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
-        a = jnp.asarray(a)
-    if not any(np.dtype(a.dtype) == np.dtype(d) for d in SUPPORTED_DTYPES):
-        raise TypeError(
-            f"{name} must be float32, bfloat16 or float16, got {np.dtype(a.dtype)} with shape {tuple(a.shape)}"
-        )
-    return a
-
-
 def _check_w(w, layout: Layout):
     if w.shape != layout.w_shape:
         raise ValueError(
             f"w must have shape [capacity, bs, bs] = {layout.w_shape} for {layout}, got {tuple(w.shape)}"
         )
-
-
-def _out_dtype(requested, *input_dtypes, name="out_dtype"):
-    """The requested output dtype (``name`` is the argument, for the error), else the promoted one."""
-    if requested is None:
-        return np.dtype(functools.reduce(jnp.promote_types, input_dtypes))
-    dtype = np.dtype(requested)
-    if not any(dtype == np.dtype(d) for d in SUPPORTED_DTYPES):
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype}")
-    return dtype
-
-
-def _compute_dtype(requested, *input_dtypes):
-    """``compute_dtype`` checked (a supported float dtype), else the promoted input dtype."""
-    return _out_dtype(requested, *input_dtypes, name="compute_dtype")
-
-
-def _check_float32_dw(op: str, float32_dw, w, compute) -> bool:
-    """Validates ``float32_dw``; True when the float32-dW product is needed."""
-    if not isinstance(float32_dw, (bool, np.bool_)):
-        raise TypeError(f"{op}: float32_dw must be a bool, got {float32_dw!r}")
-    if not float32_dw:
-        return False
-    if np.dtype(w.dtype) != np.dtype(np.float32):
-        raise ValueError(
-            f"{op}: float32_dw=True needs a float32 w (its gradient has w's dtype), got w "
-            f"{np.dtype(w.dtype)} with shape {tuple(w.shape)}"
-        )
-    return np.dtype(compute) != np.dtype(np.float32)
-
-
-def canonical_precision(precision, *, name: str = "precision"):
-    """``precision`` as :func:`jax.lax.dot_general` takes it, resolved to one value.
-
-    Returns a :class:`jax.lax.Precision`, or None for XLA's default. None reads
-    :func:`jax.default_matmul_precision` now (at trace time, as ``dot_general``
-    does), so a primitive records the precision it was traced with. A pair (lhs,
-    rhs) resolves to the higher of the two: a product is only as exact as its less
-    exact operand allows, and XLA runs it at the higher request.
-    """
-    if precision is None:
-        default = jax.config.jax_default_matmul_precision
-        try:
-            return None if default is None else lax.Precision(default)
-        except ValueError:  # an algorithm name (e.g. "F32_F32_F32"): XLA's default here
-            return None
-    if isinstance(precision, (tuple, list)):
-        if len(precision) != 2:
-            raise ValueError(f"{name} must be one value or a (lhs, rhs) pair, got {precision!r}")
-        pair = [canonical_precision(p, name=name) or lax.Precision.DEFAULT for p in precision]
-        return max(pair, key=lambda p: p.value)
-    if isinstance(precision, lax.Precision):
-        return precision
-    if isinstance(precision, str):
-        try:
-            return lax.Precision(precision)
-        except ValueError:
-            pass
-    raise TypeError(
-        f"{name} must be None, a jax.lax.Precision, one of its names ('default', 'high', 'highest', "
-        f"'bfloat16', 'tensorfloat32', 'float32') or a pair of them, got {precision!r}"
-    )
 
 
 def _params(layout: Layout, out_dtype, precision) -> dict:
@@ -422,22 +356,14 @@ bsmm_updat_p = Primitive("bsmm_updat")
 _PRIMITIVES = (bsmm_fprop_p, bsmm_bprop_p, bsmm_updat_p)
 
 
-def _varying_axes(aval) -> frozenset:
-    """The shard_map mesh axes an aval varies over (jax 0.10 and 0.11 spell it differently)."""
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _match_varying_axes(operands):
+def _matchvarying_axes(operands):
     """Under shard_map, marks every operand varying over the union of their mesh axes.
 
     A replicated weight used with a batch-sharded x becomes device-varying before the
     product, as jax does for its own primitives: then the weight's cotangent is
     summed over the mesh axes by the transpose of that cast, and every aval matches.
     """
-    vmas = [_varying_axes(jax.typeof(o)) for o in operands]
+    vmas = [varying_axes(jax.typeof(o)) for o in operands]
     union = frozenset().union(*vmas)
     if not union:
         return list(operands)
@@ -458,7 +384,7 @@ def _bind(prim, a, b, tables, *, block_size, out_dtype, impl, precision, lhs_dty
     """
     common = jnp.promote_types(a.dtype, b.dtype)
     return prim.bind(
-        *mark_partitioned(_match_varying_axes([a.astype(common), b.astype(common), *tables])),
+        *mark_partitioned(_matchvarying_axes([a.astype(common), b.astype(common), *tables])),
         block_size=block_size,
         out_dtype=np.dtype(out_dtype),
         impl=impl,

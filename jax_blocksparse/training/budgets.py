@@ -31,7 +31,7 @@ from jax_blocksparse.layout import check_block_size
 DISTRIBUTIONS = ("uniform", "erk")
 
 
-def _check_density(density, name="density") -> float:
+def check_density(density, name="density") -> float:
     density = float(density)
     if not 0.0 < density <= 1.0:
         raise ValueError(f"{name} must be in (0, 1], got {density}")
@@ -54,7 +54,7 @@ def _check_shapes(shapes) -> list[tuple[int, int]]:
 def uniform_densities(shapes, density: float) -> np.ndarray:
     """The target ``density`` for every layer: float64 [num_layers]."""
     shapes = _check_shapes(shapes)
-    return np.full(len(shapes), _check_density(density))
+    return np.full(len(shapes), check_density(density))
 
 
 def erk_densities(shapes, density: float) -> np.ndarray:
@@ -66,7 +66,7 @@ def erk_densities(shapes, density: float) -> np.ndarray:
     is spread over the others with a new ``eps``.
     """
     shapes = _check_shapes(shapes)
-    density = _check_density(density)
+    density = check_density(density)
     sizes = np.array([c * k for c, k in shapes], np.float64)
     raw = np.array([(c + k) / (c * k) for c, k in shapes], np.float64)
     target = density * sizes.sum()

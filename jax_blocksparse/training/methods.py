@@ -105,7 +105,7 @@ class DynamicSparsity:
     dense_start: ClassVar[bool] = False
 
     def __post_init__(self):
-        budgets._check_density(self.density)
+        budgets.check_density(self.density)
         if self.distribution not in budgets.DISTRIBUTIONS:
             raise ValueError(f"distribution must be one of {budgets.DISTRIBUTIONS}, got {self.distribution!r}")
         if int(self.update_every) < 1:
