@@ -68,14 +68,21 @@ def sanitizer_counts(out: Path) -> str | None:
     return "; ".join(parts) or None
 
 
-def bench_counts(out: Path) -> str | None:
-    path = out / "bench.json"
+def _read_json(out: Path, name: str):
+    """(report, None), or (None, why) when OUTDIR/name is missing (why None) or unreadable."""
+    path = out / name
     if not path.exists():
-        return None
+        return None, None
     try:
-        report = json.loads(path.read_text())
+        return json.loads(path.read_text()), None
     except json.JSONDecodeError:
-        return "bench.json unreadable"
+        return None, f"{name} unreadable"
+
+
+def bench_counts(out: Path) -> str | None:
+    report, why = _read_json(out, "bench.json")
+    if report is None:
+        return why
     rows = report.get("results", [])
     torch = sum(1 for r in rows if r.get("torch_bsr_s"))
     text = f"{len(rows)} rows ({torch} with torch BSR)"
@@ -85,13 +92,9 @@ def bench_counts(out: Path) -> str | None:
 
 
 def ncu_counts(out: Path) -> str | None:
-    path = out / "ncu_summary.json"
-    if not path.exists():
-        return None
-    try:
-        s = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return "ncu_summary.json unreadable"
+    s, why = _read_json(out, "ncu_summary.json")
+    if s is None:
+        return why
     text = f"{len(s.get('rows', []))} kernels ({s.get('matched_by', '?')})"
     if s.get("warnings"):
         text += f", {len(s['warnings'])} warnings"
