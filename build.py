@@ -185,6 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="print the commands without running them")
     parser.add_argument("--output-dir", default=str(DEFAULT_OUTPUT_DIR),
                         help="where the extension goes (default: %(default)s)")
+    parser.add_argument("--build-dir", default=str(BUILD_DIR),
+                        help="where objects go (default: %(default)s); a second build tree keeps builds apart")
     parser.add_argument("--nvcc", default=None, help="nvcc to use (default: $CUDA_HOME/bin/nvcc or PATH)")
     parser.add_argument("--cxx", default=None, help="host C++ compiler (default: $CXX, sysconfig's CXX, c++)")
     parser.add_argument("--force", action="store_true", help="rebuild every object even if up to date")
@@ -192,7 +194,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    global BUILD_DIR
     args = parse_args(argv)
+    BUILD_DIR = Path(args.build_dir).resolve()
     cxx = args.cxx or find_cxx()
     if cxx is None:
         print("build.py: no C++ compiler found (set CXX or install g++)", file=sys.stderr)
