@@ -4,9 +4,12 @@
 // handlers (and defines JBS_WITH_CUDA); the CUDA runtime is linked statically and
 // nothing here touches a GPU, so the module imports on machines without one.
 #include <string>
+#include <vector>
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include "bsmm_work_plan.h"
 #include "cpu/bsmm_cpu.h"
 #include "xla/ffi/api/api.h"
 
@@ -58,6 +61,58 @@ std::string VersionString(int cudart) {
   return std::to_string(cudart / 1000) + "." + std::to_string((cudart % 1000) / 10);
 }
 
+// The work plan (bsmm_work_plan.h) enumerated on the host, for tests/test_work_plan.py:
+// the same functions the persistent kernels call per item.
+py::list WorkPlanDsd(int64_t rows, int32_t tile_m, const std::vector<int32_t>& seg_ptr,
+                     const std::vector<int32_t>& order, int32_t pack) {
+  if (rows < 0 || tile_m <= 0 || pack <= 0) {
+    throw py::value_error("work_plan_dsd: need rows >= 0, tile_m > 0, pack > 0; got rows=" + std::to_string(rows) +
+                          ", tile_m=" + std::to_string(tile_m) + ", pack=" + std::to_string(pack));
+  }
+  if (seg_ptr.empty() || order.size() != seg_ptr.size() - 1) {
+    throw py::value_error("work_plan_dsd: order must have len(seg_ptr) - 1 entries; got " +
+                          std::to_string(order.size()) + " and " + std::to_string(seg_ptr.size()));
+  }
+  const int32_t num_outputs = static_cast<int32_t>(order.size());
+  for (int32_t o : order) {
+    if (o < 0 || o >= num_outputs) throw py::value_error("work_plan_dsd: order holds " + std::to_string(o));
+  }
+  namespace plan = jbs::plan;
+  const plan::DsdPlan p = plan::MakeDsdPlan(rows, tile_m, num_outputs, pack);
+  py::list items;
+  for (int64_t t = 0; t < plan::DsdNumItems(p); ++t) {
+    const plan::DsdItem it = plan::DsdItemAt(p, t);
+    const int32_t steps = plan::DsdGroupSteps(p, seg_ptr.data(), order.data(), it.group);
+    py::list members;
+    for (int32_t m = 0; m < plan::DsdGroupSize(p, it.group); ++m) {
+      py::list entries;
+      for (int32_t s = 0; s < steps; ++s) entries.append(plan::DsdEntry(p, seg_ptr.data(), order.data(), it.group, m, s));
+      members.append(py::make_tuple(plan::DsdOutput(p, order.data(), it.group, m), entries));
+    }
+    items.append(py::make_tuple(it.m_tile, it.group, plan::DsdRowBegin(p, it), plan::DsdRowEnd(p, it), members));
+  }
+  return items;
+}
+
+py::dict WorkPlanSdd(int32_t capacity, int32_t group, int64_t n, int32_t tile_n, int32_t num_sms, int32_t bs) {
+  if (capacity < 0 || group <= 0 || n < 0 || tile_n <= 0 || num_sms <= 0 || bs <= 0) {
+    throw py::value_error("work_plan_sdd: need capacity >= 0, group > 0, n >= 0, tile_n > 0, num_sms > 0, bs > 0");
+  }
+  namespace plan = jbs::plan;
+  const plan::SddPlan p = plan::MakeSddPlan(capacity, group, n, tile_n, num_sms);
+  py::list items;
+  for (int64_t t = 0; t < plan::SddNumItems(p); ++t) {
+    const plan::SddItem it = plan::SddItemAt(p, t);
+    items.append(py::make_tuple(it.slot_begin, it.slot_end, it.n_begin, it.n_end, it.split));
+  }
+  py::dict d;
+  d["splits"] = p.splits;
+  d["split_len"] = p.split_len;
+  d["workspace_elems"] = plan::SddWorkspaceElems(p, bs);
+  d["items"] = items;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_jbs_kernels, m) {
@@ -86,6 +141,16 @@ PYBIND11_MODULE(_jbs_kernels, m) {
 #endif
     return by_platform;
   }, "platform ('cpu', 'CUDA') -> {FFI target name -> handler capsule, or {stage -> capsule}} (api_version 1).");
+  m.def("work_plan_dsd", &WorkPlanDsd, py::arg("rows"), py::arg("tile_m"), py::arg("seg_ptr"), py::arg("order"),
+        py::arg("pack"),
+        "DSD work items in launch order: (m_tile, group, row_begin, row_end, [(output, [entry or -1 per step])]).");
+  m.def("work_plan_sdd", &WorkPlanSdd, py::arg("capacity"), py::arg("group"), py::arg("n"), py::arg("tile_n"),
+        py::arg("num_sms"), py::arg("bs"),
+        "SDD plan: {splits, split_len, workspace_elems, items: [(slot_begin, slot_end, n_begin, n_end, split)]}.");
+  m.def("persistent_grid", [](int64_t items, int32_t num_sms, int32_t ctas_per_sm) {
+    return jbs::plan::PersistentGrid(items, num_sms, ctas_per_sm);
+  }, "CTAs of a persistent launch over `items` work items.");
+  m.def("dsd_pack_for", [](int32_t bs) { return jbs::plan::DsdPackFor(bs); }, "Outputs packed per DSD tile at block size bs.");
   m.def("build_info", []() {
     py::dict d;
     d["cpu_isa"] = py::str(jbs::cpu::KernelIsa());

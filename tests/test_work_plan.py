@@ -1,0 +1,171 @@
+"""The persistent kernels' work plan (cuda/bsmm_work_plan.h), checked on a CPU.
+
+The Hopper kernels take their tiles and reduction splits from the functions of
+bsmm_work_plan.h; the extension binds the same functions for the host
+(``_jbs_kernels.work_plan_dsd`` / ``work_plan_sdd``). Here every item list is checked
+for the adversarial layouts of tests/gpu: every output tile is written exactly once,
+every member of a tile reads exactly its segment's entries in order, every reduction
+split covers its range and the splits of a slot partition [0, n). A GPU run then only
+has to check the arithmetic.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from conftest import make_mask, require_kernels
+from jax_blocksparse import Layout
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+KINDS = ("random", "empty", "single", "full", "empty_rows_cols", "long_column", "padded")
+ROWS = (0, 1, 7, 129, 1000)
+
+
+@pytest.fixture(scope="module")
+def native():
+    require_kernels("cpu")
+    from jax_blocksparse import _jbs_kernels
+
+    return _jbs_kernels
+
+
+def _tables(kind: str, grid=(9, 7), seed: int = 0):
+    """Host tables of an adversarial layout ("padded": capacity nnz + 5)."""
+    if kind == "long_column":
+        grid = (4 * grid[0], grid[1])
+    mask = make_mask("random" if kind == "padded" else kind, grid, seed)
+    capacity = int(mask.sum()) + 5 if kind == "padded" else None
+    layout = Layout.from_mask(mask, 16, capacity=capacity)
+    return layout, {name: np.asarray(t).tolist() for name, t in layout.tables._asdict().items()}
+
+
+def _check_dsd(items, rows, tile_m, seg_ptr, order, pack):
+    num_outputs = len(order)
+    m_tiles = max(1, -(-rows // tile_m))
+    written = collections.Counter()
+    first_lengths = []
+    for m_tile, group, row_begin, row_end, members in items:
+        assert row_begin == m_tile * tile_m and row_end == min(rows, row_begin + tile_m)
+        assert 1 <= len(members) <= pack
+        lengths = [seg_ptr[out + 1] - seg_ptr[out] for out, _ in members]
+        first_lengths.append(lengths[0])
+        for out, entries in members:
+            written[(m_tile, out)] += 1
+            # The tile runs as many steps as its longest member; a member reads exactly
+            # its own entries, in order, then skips (-1).
+            assert len(entries) == max(lengths)
+            present = [e for e in entries if e >= 0]
+            assert present == list(range(seg_ptr[out], seg_ptr[out + 1]))
+            assert entries[: len(present)] == present
+    assert set(written.values()) <= {1}
+    assert set(written) == {(m, o) for m in range(m_tiles) for o in range(num_outputs)}
+    # Rows: the tiles of one output partition [0, rows).
+    if rows:
+        spans = sorted((it[2], it[3]) for it in items if any(o == 0 for o, _ in it[4]))
+        assert spans[0][0] == 0 and spans[-1][1] == rows
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    # Longest first: items are group-major in `order`, so lengths never grow.
+    assert first_lengths == sorted(first_lengths, reverse=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bs", BLOCK_SIZES)
+def test_dsd_plan_covers_every_output_tile_once(native, kind, bs):
+    layout, t = _tables(kind)
+    pack = native.dsd_pack_for(bs)
+    assert pack == max(1, 64 // bs)
+    for rows in ROWS:
+        for tile_m in (64, 128):
+            # fprop: output block columns; bprop: output block rows (transposed tables).
+            for seg_ptr, order in ((t["col_ptr"], t["col_order"]), (t["row_ptr"], t["row_order"])):
+                items = native.work_plan_dsd(rows, tile_m, seg_ptr, order, pack)
+                _check_dsd(items, rows, tile_m, seg_ptr, order, pack)
+
+
+def test_dsd_entries_never_reach_padding(native):
+    layout, t = _tables("padded")
+    nnz = t["col_ptr"][-1]
+    assert layout.capacity > nnz
+    for seg_ptr, order in ((t["col_ptr"], t["col_order"]), (t["row_ptr"], t["row_order"])):
+        items = native.work_plan_dsd(300, 128, seg_ptr, order, 4)
+        entries = [e for it in items for _, es in it[4] for e in es if e >= 0]
+        assert max(entries) < nnz
+        assert sorted(set(entries)) == list(range(nnz))
+
+
+def _check_sdd(plan, capacity, group, n, tile_n, num_sms, bs):
+    splits, split_len, items = plan["splits"], plan["split_len"], plan["items"]
+    k_tiles = max(1, -(-n // tile_n))
+    slot_groups = -(-capacity // group)
+    assert split_len % tile_n == 0
+    assert 1 <= splits <= k_tiles
+    if slot_groups >= 2 * num_sms:
+        assert splits == 1
+    elif slot_groups:
+        # Split until the SMs have two items each, or there are no more k-steps to split.
+        assert slot_groups * splits >= 2 * num_sms or splits == k_tiles
+    assert plan["workspace_elems"] == (splits * capacity * bs * bs if splits > 1 else 0)
+    ranges = collections.defaultdict(list)
+    for slot_begin, slot_end, n_begin, n_end, split in items:
+        assert 0 <= slot_begin < slot_end <= capacity and slot_end - slot_begin <= group
+        assert n_begin % tile_n == 0 and 0 <= n_begin <= n_end <= n
+        assert n_begin == min(n, split * split_len)
+        for slot in range(slot_begin, slot_end):
+            ranges[slot].append((split, n_begin, n_end))
+    assert sorted(ranges) == list(range(capacity))
+    for slot, rs in ranges.items():
+        rs.sort()
+        assert [r[0] for r in rs] == list(range(splits))  # every split once
+        assert rs[0][1] == 0 and rs[-1][2] == n  # the splits partition [0, n)
+        assert all(a[2] == b[1] for a, b in zip(rs, rs[1:]))
+        if n:
+            assert all(r[2] > r[1] for r in rs)  # no empty split
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sdd_plan_splits_sum_the_full_range(native, kind):
+    layout, _ = _tables(kind)
+    capacity = layout.capacity
+    for bs in BLOCK_SIZES:
+        for group in (1, 4, max(1, 64 // bs)):
+            for n in (0, 1, 7, 129, 1000, 4096):
+                for tile_n in (32, 64):
+                    for num_sms in (1, 8, 132):
+                        plan = native.work_plan_sdd(capacity, group, n, tile_n, num_sms, bs)
+                        _check_sdd(plan, capacity, group, n, tile_n, num_sms, bs)
+
+
+def test_sdd_splits_only_when_the_slots_leave_sms_idle(native):
+    few = native.work_plan_sdd(10, 1, 4096, 64, 132, 128)
+    assert few["splits"] > 1 and len(few["items"]) >= 2 * 132
+    many = native.work_plan_sdd(400, 1, 4096, 64, 132, 128)
+    assert many["splits"] == 1 and many["workspace_elems"] == 0
+
+
+def test_persistent_grid(native):
+    assert native.persistent_grid(0, 132, 1) == 1  # an empty problem still launches to write zeros
+    assert native.persistent_grid(50, 132, 1) == 50
+    assert native.persistent_grid(10_000, 132, 2) == 264
+    # The loop `t = cta; t < items; t += grid` visits every item once.
+    items, grid = 1000, native.persistent_grid(1000, 132, 1)
+    visited = sorted(t for cta in range(grid) for t in range(cta, items, grid))
+    assert visited == list(range(items))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.work_plan_dsd(-1, 128, [0, 1], [0], 1),
+        lambda m: m.work_plan_dsd(10, 0, [0, 1], [0], 1),
+        lambda m: m.work_plan_dsd(10, 128, [0, 1], [0, 1], 1),
+        lambda m: m.work_plan_dsd(10, 128, [0, 1], [3], 1),
+        lambda m: m.work_plan_sdd(4, 0, 10, 64, 132, 64),
+        lambda m: m.work_plan_sdd(4, 1, 10, 64, 0, 64),
+    ],
+)
+def test_bad_arguments_raise_value_error(native, call):
+    with pytest.raises(ValueError, match="work_plan"):
+        call(native)
