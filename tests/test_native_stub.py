@@ -1,0 +1,52 @@
+"""jax_blocksparse/_jbs_kernels.pyi describes the extension that build.py builds.
+
+Every public function of the module has a stub with the same parameter names (read
+from pybind11's signature line), and the stub declares nothing the module lacks.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from conftest import require_kernels
+
+STUB = Path(__file__).resolve().parents[1] / "jax_blocksparse" / "_jbs_kernels.pyi"
+
+
+def _stub_functions() -> dict[str, list[str]]:
+    tree = ast.parse(STUB.read_text())
+    return {
+        node.name: [a.arg for a in node.args.args]
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+    }
+
+
+def _module_functions(module) -> dict[str, list[str]]:
+    found = {}
+    for name in dir(module):
+        fn = getattr(module, name)
+        if name.startswith("_") or not callable(fn):
+            continue
+        # pybind11 puts "name(arg0: type, arg1: type) -> type" on the docstring's first line.
+        signature = (fn.__doc__ or "").splitlines()[0]
+        inside = re.match(rf"{name}\((.*)\) ->", signature)
+        assert inside, f"{name}: no pybind11 signature line in {fn.__doc__!r}"
+        found[name] = [part.split(":")[0].strip() for part in inside.group(1).split(",") if part.strip()]
+    return found
+
+
+def test_stub_matches_the_extension():
+    require_kernels("cpu")
+    from jax_blocksparse import _jbs_kernels
+
+    stub, module = _stub_functions(), _module_functions(_jbs_kernels)
+    assert sorted(stub) == sorted(module), "update jax_blocksparse/_jbs_kernels.pyi"
+    for name, params in module.items():
+        # Unnamed pybind11 arguments appear as arg0, arg1...: compare the count only.
+        if all(re.fullmatch(r"arg\d+", p) for p in params):
+            assert len(stub[name]) == len(params), name
+        else:
+            assert stub[name] == params, name
