@@ -27,7 +27,7 @@ def _impls(f, *args):
 
 @pytest.mark.parametrize("op", OPS)
 def test_reference_implementation_gives_same_results(problem, op):
-    mask, layout, w = problem
+    _, layout, w = problem
     a, b = operands(op, layout, (2,), F32, w)
     fn = OPS[op][0]
 
@@ -47,7 +47,7 @@ def test_reference_implementation_gives_same_results(problem, op):
 
 
 def test_context_retraces_already_traced_functions(problem):
-    mask, layout, w = problem
+    _, layout, w = problem
     x = rand((2, 24))
     f = lambda x_: jbs.bsmm(x_, w, layout)  # noqa: E731
     jitted = jax.jit(f)
@@ -60,7 +60,7 @@ def test_context_retraces_already_traced_functions(problem):
 
 
 def test_config_env_var_and_nesting(problem, monkeypatch):
-    mask, layout, w = problem
+    _, layout, w = problem
     x = rand((2, 24))
 
     def impls():  # a fresh function each time, so that JAX traces it anew
@@ -79,6 +79,67 @@ def test_config_env_var_and_nesting(problem, monkeypatch):
     monkeypatch.setenv(jbs.config.ENV_VAR, "fastest")
     with pytest.raises(ValueError, match="JAX_BLOCKSPARSE_IMPL must be one of"):
         f(x)
-    with pytest.raises(ValueError, match="implementation must be one of"):
-        with jbs.config.implementation("cuda"):
-            pass
+    with pytest.raises(ValueError, match="implementation must be one of"), jbs.config.implementation("cuda"):
+        pass
+
+
+def test_context_never_clears_jax_caches(problem, monkeypatch):
+    """Switching keys jit's caches on the setting instead of emptying them."""
+    _, layout, w = problem
+    x = rand((2, 24))
+
+    def refuse():
+        raise AssertionError("jbs.config must not clear JAX's caches")
+
+    monkeypatch.setattr(jax, "clear_caches", refuse)
+    f = jax.jit(lambda x_: jbs.bsmm(x_, w, layout))
+    f(x)
+    for impl in jbs.config.IMPLEMENTATIONS:
+        with jbs.config.implementation(impl):
+            f(x)
+    assert f._cache_size() == 1 + len({*jbs.config.IMPLEMENTATIONS})
+
+
+def test_context_restores_the_default_after_an_exception():
+    before = jbs.config.get_implementation()
+    with pytest.raises(KeyError), jbs.config.implementation("reference"), jbs.config.implementation("kernels"):
+        raise KeyError("inside")
+    assert jbs.config.get_implementation() == before
+
+
+def test_env_var_is_read_at_trace_time(problem, monkeypatch):
+    """The environment variable is the default of calls traced after it is set; impl= and
+    the context both beat it."""
+    _, layout, w = problem
+    x = rand((2, 24))
+    monkeypatch.setenv(jbs.config.ENV_VAR, "reference")
+    assert _impls(lambda x_: jbs.bsmm(x_, w, layout), x) == {"reference"}
+    assert _impls(lambda x_: jbs.bsmm(x_, w, layout, impl="auto"), x) == {"auto"}
+    monkeypatch.setenv(jbs.config.ENV_VAR, "kernels")
+    assert _impls(lambda x_: jbs.bsmm(x_, w, layout), x) == {"kernels"}
+
+
+@pytest.mark.parametrize("given, want", [("auto", "auto"), ("reference", "reference"), ("kernels", "kernels")])
+def test_canonical_impl(given, want):
+    assert jbs.config.canonical_impl(given) == want
+    with jbs.config.implementation("reference"):
+        assert jbs.config.canonical_impl(None) == "reference"
+        assert jbs.config.canonical_impl(given) == want
+
+
+@pytest.mark.parametrize("bad", ["REFERENCE", "cuda", "", 0, ["auto"]])
+def test_canonical_impl_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match=r"impl must be None or one of \('auto', 'reference', 'kernels'\), got"):
+        jbs.config.canonical_impl(bad)
+    with pytest.raises(ValueError, match="implementation must be one of"), jbs.config.implementation(bad):
+        pass
+
+
+def test_context_on_a_jax_without_user_contexts(monkeypatch):
+    """Where jax has no make_user_context the context manager says so; impl= and the
+    environment variable still work."""
+    monkeypatch.setattr(jbs.config, "_context", None)
+    monkeypatch.setenv(jbs.config.ENV_VAR, "reference")
+    assert jbs.config.get_implementation() == "reference"
+    with pytest.raises(RuntimeError, match="needs jax.make_user_context.*impl="), jbs.config.implementation("auto"):
+        pass

@@ -43,7 +43,7 @@ def implementation(request):
     """Runs the module on the CPU kernels and on the reference lowering.
 
     Module scope: pytest runs every test of one implementation before switching, and
-    each switch clears JAX's caches (see jbs.config), so compiled functions stay cached
+    each switch changes jit's cache key (see jbs.config) (see jbs.config), so compiled functions stay cached
     between the tests of one implementation."""
     if request.param == "kernels":
         require_kernels("cpu")

@@ -75,6 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_blocksparse import config
 from jax_blocksparse.layout import Layout, LayoutTables, check_layout
 from jax_blocksparse.ops._checks import (
     as_float_array,
@@ -106,6 +107,7 @@ def bsconv(
     compute_dtype=None,
     float32_dw: bool = False,
     precision=None,
+    impl: str | None = None,
 ):
     """Block-sparse convolution: ``lax.conv_general_dilated(x, conv_to_dense(w, layout))``.
 
@@ -132,6 +134,11 @@ def bsconv(
       precision: as in :func:`jax.lax.conv_general_dilated` and
         :func:`~jax_blocksparse.bsmm`: None (read from :func:`jax.default_matmul_precision`),
         a :class:`jax.lax.Precision` or its name, or a pair.
+      impl: the implementation of this call's products, as in
+        :func:`~jax_blocksparse.bsmm`: ``"auto"``, ``"reference"``, ``"kernels"``, or
+        None for the default read at trace time
+        (:func:`jax_blocksparse.config.get_implementation`). Its gradient, JVP and vmap
+        keep it.
 
     Returns:
       [N, *out_spatial, K], with ``out_spatial`` that of ``lax.conv_general_dilated``
@@ -147,7 +154,7 @@ def bsconv(
     layout = check_layout(layout)
     x, w = jnp.asarray(as_float_array(x, "x")), jnp.asarray(as_float_array(w, "w"))
     g = _geometry("bsconv", x, w, layout, strides, padding, dilation, input_dilation, transpose=False)
-    prec = _precision("bsconv", x, w, preferred_element_type, compute_dtype, float32_dw, precision)
+    prec = _precision("bsconv", x, w, preferred_element_type, compute_dtype, float32_dw, precision, impl)
     out_shape = (x.shape[0], *g.out_spatial, layout.shape[1])
     if _is_empty(out_shape) or _is_empty(x.shape[1:-1]):
         return jnp.zeros(out_shape, prec.out_dtype)
@@ -171,6 +178,7 @@ def bsconv_transpose(
     compute_dtype=None,
     float32_dw: bool = False,
     precision=None,
+    impl: str | None = None,
 ):
     """Block-sparse transposed (fractionally strided) convolution.
 
@@ -193,7 +201,8 @@ def bsconv_transpose(
       dilation: kernel dilation, an int or ``n`` ints >= 1.
       transpose_kernel: flip the kernel's spatial axes and swap its channel axes,
         as ``lax.conv_transpose`` (the gradient of ``bsconv`` with the same w).
-      preferred_element_type, compute_dtype, float32_dw, precision: as in :func:`bsconv`.
+      preferred_element_type, compute_dtype, float32_dw, precision, impl: as in
+        :func:`bsconv`.
 
     Returns:
       [N, *out_spatial, Cy]; ``out_spatial[i] = (spatial[i] - 1) * strides[i] + 1
@@ -205,7 +214,9 @@ def bsconv_transpose(
         "bsconv_transpose", x, w, layout, strides, padding, dilation, 1, transpose=True,
         transpose_kernel=transpose_kernel,
     )
-    prec = _precision("bsconv_transpose", x, w, preferred_element_type, compute_dtype, float32_dw, precision)
+    prec = _precision(
+        "bsconv_transpose", x, w, preferred_element_type, compute_dtype, float32_dw, precision, impl
+    )
     k_out = layout.shape[0] if transpose_kernel else layout.shape[1]
     out_shape = (x.shape[0], *g.out_spatial, k_out)
     if _is_empty(out_shape) or _is_empty(x.shape[1:-1]):
@@ -340,13 +351,15 @@ class _Geometry(NamedTuple):
 
 
 class _Precision(NamedTuple):
-    """The numerics of one call: the products' input and output dtypes, float32_dw, and
-    the matmul precision (``lax.Precision`` or None, resolved at trace time)."""
+    """The numerics of one call: the products' input and output dtypes, float32_dw, the
+    matmul precision (``lax.Precision`` or None) and the implementation (one of
+    ``config.IMPLEMENTATIONS``), both resolved at trace time."""
 
     compute_dtype: np.dtype
     out_dtype: np.dtype
     float32_dw: bool
     precision: object
+    impl: str
 
     def bsmm_args(self, out_dtype=None) -> dict:
         """The keyword arguments of the bsmm calls that compute this call's products."""
@@ -355,14 +368,19 @@ class _Precision(NamedTuple):
             compute_dtype=self.compute_dtype,
             float32_dw=self.float32_dw,
             precision=self.precision,
+            impl=self.impl,
         )
 
 
-def _precision(op, x, w, preferred_element_type, compute_dtype, float32_dw, precision) -> _Precision:
+def _precision(op, x, w, preferred_element_type, compute_dtype, float32_dw, precision, impl) -> _Precision:
     compute = compute_dtype_of(compute_dtype, x.dtype, w.dtype)
     out_dtype = out_dtype_of(preferred_element_type, compute, name="preferred_element_type")
     return _Precision(
-        compute, out_dtype, check_float32_dw(op, float32_dw, w, compute), canonical_precision(precision)
+        compute,
+        out_dtype,
+        check_float32_dw(op, float32_dw, w, compute),
+        canonical_precision(precision),
+        config.canonical_impl(impl),
     )
 
 

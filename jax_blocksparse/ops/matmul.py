@@ -50,6 +50,14 @@ gives it to XLA's dot: on GPU, float32 at DEFAULT may use TF32 tensor cores, as
 ``jnp.dot`` does, and HIGHEST is exact float32. The native kernels compute float32
 exactly at every precision (DEFAULT allows TF32; it does not require it).
 
+Implementation
+--------------
+``impl=`` chooses the lowering of one call: ``"auto"``, ``"reference"`` or ``"kernels"``
+(:mod:`jax_blocksparse.config`). Like ``precision=`` it is resolved when the op is
+traced (None reads :func:`jax_blocksparse.config.get_implementation`) and kept as the
+primitives' ``impl`` parameter, which the JVP, transpose and batching rules pass on:
+the gradient, JVP and vmap of a call lower the way the call does.
+
 Order of this module: public functions, shape rules, references, primitives and
 abstract eval, lowerings, batching, JVP, transpose, registration.
 """
@@ -97,6 +105,7 @@ def bsmm(
     compute_dtype=None,
     float32_dw: bool = False,
     precision=None,
+    impl: str | None = None,
 ):
     """Block-sparse matmul: ``x @ to_dense(w, layout)`` (or ``@ ...T``), blocks only.
 
@@ -119,6 +128,13 @@ def bsmm(
         does. It matters for float32 products on GPU only: at ``DEFAULT`` they may
         run on TF32 tensor cores, as ``jnp.dot`` does; ``HIGHEST`` is exact float32
         (see "Precision" in the module docstring). The gradient's products keep it.
+      impl: the implementation of this call: ``"auto"`` (the native kernels where
+        built and verified, else the reference), ``"reference"`` (pure JAX) or
+        ``"kernels"`` (the native kernels, an error at lowering if not built). None
+        reads :func:`jax_blocksparse.config.get_implementation` at trace time (the
+        :func:`~jax_blocksparse.config.implementation` context, else the environment
+        variable ``JAX_BLOCKSPARSE_IMPL``, else "auto"). The gradient's, JVP's and
+        vmap's products keep it.
 
     Returns:
       [..., K] (or [..., C] with ``transpose=True``). Products are accumulated in
@@ -144,13 +160,13 @@ def bsmm(
     compute = compute_dtype_of(compute_dtype, x.dtype, w.dtype)
     out_dtype = out_dtype_of(preferred_element_type, compute, name="preferred_element_type")
     prim = bsmm_bprop_p if transpose else bsmm_fprop_p
-    params = _params(layout, out_dtype, precision)
+    params = _params(layout, out_dtype, precision, impl)
     if check_float32_dw("bsmm", float32_dw, w, compute):
         return _f32_dw_product((prim, compute, tuple(sorted(params.items()))), x, w, layout.tables)
     return _bind(prim, x.astype(compute), w.astype(compute), layout.tables, **params)
 
 
-def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None, precision=None):
+def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None, precision=None, impl: str | None = None):
     """The weight gradient of bsmm at the layout's blocks only (SDDMM).
 
     ``bsmm_updat(x, dy, layout) == from_dense(x.T @ dy, layout)`` with all leading
@@ -162,6 +178,8 @@ def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None, precision=None):
       out_dtype: dtype of the result (e.g. float32 from bfloat16 inputs); default
         the promoted dtype of x and dy.
       precision: as in :func:`bsmm` (and :func:`jax.lax.dot_general`).
+      impl: ``"auto"``, ``"reference"``, ``"kernels"`` or None (the default read at
+        trace time), as in :func:`bsmm`.
 
     Returns:
       [capacity, bs, bs]; padding slots are zero.
@@ -176,7 +194,7 @@ def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None, precision=None):
             f"for a layout of shape {layout.shape}, got x {x.shape} and dy {dy.shape}"
         )
     out_dtype = out_dtype_of(out_dtype, x.dtype, dy.dtype, name="out_dtype")
-    return _bind(bsmm_updat_p, x, dy, layout.tables, **_params(layout, out_dtype, precision))
+    return _bind(bsmm_updat_p, x, dy, layout.tables, **_params(layout, out_dtype, precision, impl))
 
 
 def from_dense(W, layout: Layout):
@@ -244,12 +262,13 @@ def _check_w(w, layout: Layout):
         )
 
 
-def _params(layout: Layout, out_dtype, precision) -> dict:
-    """The parameters a public function binds its primitive with."""
+def _params(layout: Layout, out_dtype, precision, impl) -> dict:
+    """The parameters a public function binds its primitive with (``impl`` and
+    ``precision`` resolved now, at trace time)."""
     return dict(
         block_size=layout.block_size,
         out_dtype=np.dtype(out_dtype),
-        impl=config.get_implementation(),
+        impl=config.canonical_impl(impl),
         precision=canonical_precision(precision),
     )
 
