@@ -42,9 +42,9 @@ HIGHEST = jax.lax.Precision.HIGHEST
 def implementation(request):
     """Runs the module on the CPU kernels and on the reference lowering.
 
-    Module scope: pytest runs every test of one implementation before switching, and
-    each switch changes jit's cache key (see jbs.config) (see jbs.config), so compiled functions stay cached
-    between the tests of one implementation."""
+    Module scope: pytest runs every test of one implementation before switching; the
+    setting is part of jit's cache key (see jbs.config), so compiled functions stay
+    cached between the tests of one implementation."""
     if request.param == "kernels":
         require_kernels("cpu")
     with jbs.config.implementation(request.param):
