@@ -138,10 +138,8 @@ def train(mode: str, steps: int = 200, batch_size: int = 128, seed: int = 0, num
         def global_mean_loss(params, x, y):  # the transpose of pmean all-reduces the grads
             return jax.lax.pmean(local_loss(params, x, y), "batch")
 
-        shard_map = jax.shard_map if hasattr(jax, "shard_map") else __import__(
-            "jax.experimental.shard_map", fromlist=["shard_map"]).shard_map
         step = jax.jit(
-            shard_map(
+            jbs.sharding.shard_map(
                 sgd_step(global_mean_loss),
                 mesh=mesh,
                 in_specs=(P(), P(), P("batch"), P("batch")),

@@ -1,12 +1,19 @@
 """jax-blocksparse: block-sparse matrix products for JAX, with kernels that skip absent blocks.
 
-    import jax_blocksparse as jbs
-    layout = jbs.Layout.from_mask(jbs.layouts.barabasi_albert(16, 2), block_size=32)
-    w = jbs.from_dense(W, layout)            # [capacity, 32, 32]
-    y = jbs.bsmm(x, w, layout)               # == x @ jbs.to_dense(w, layout)
+Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> import jax_blocksparse as jbs
+    >>> layout = jbs.Layout.from_mask(jbs.layouts.barabasi_albert(16, 2), block_size=32)
+    >>> W = jax.random.normal(jax.random.key(0), layout.shape)    # [512, 512]
+    >>> w = jbs.from_dense(W, layout)                             # [capacity, 32, 32]
+    >>> x = jnp.ones((8, 512))
+    >>> y = jbs.bsmm(x, w, layout)                                # == x @ jbs.to_dense(w, layout)
+    >>> y.shape
+    (8, 512)
 """
 
-from jax_blocksparse import config, layouts, sharding
+from jax_blocksparse import attention, config, layouts, sharding
 from jax_blocksparse._native import has_cpu_kernels, has_cuda_kernels
 from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
 from jax_blocksparse.ops.conv import (
@@ -24,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Layout",
     "SUPPORTED_BLOCK_SIZES",
+    "attention",
     "bsconv",
     "bsconv_reference",
     "bsconv_transpose",
@@ -37,7 +45,9 @@ __all__ = [
     "from_dense",
     "has_cpu_kernels",
     "has_cuda_kernels",
+    "layers",
     "layouts",
+    "mixed_precision",
     "sharding",
     "nn",
     "nnx",
@@ -47,8 +57,8 @@ __all__ = [
 
 
 def __getattr__(name):
-    # Flax layers and training import lazily so that the ops import without flax.
-    if name in ("nn", "nnx", "training"):
+    # The layers, Flax and optax import lazily so that the ops import without flax or optax.
+    if name in ("layers", "mixed_precision", "nn", "nnx", "training"):
         import importlib
 
         return importlib.import_module(f"jax_blocksparse.{name}")

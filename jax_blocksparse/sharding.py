@@ -31,20 +31,21 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_blocksparse.layout import Layout, LayoutTables, check_layout
+from jax_blocksparse.ops.matmul import bsmm
 
-# The last three are the helpers the column-parallel layers share with this module.
+# check_mesh, default_capacity and place are the helpers the column-parallel layers
+# share with this module; shard_map is the package's one spelling of the transform.
 __all__ = [
     "column_parallel_bsmm", "shard_blocks", "split_columns", "unshard_blocks",
-    "check_mesh", "default_capacity", "place",
+    "check_mesh", "default_capacity", "place", "shard_map",
 ]
 
-
-def _shard_map():
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map
-    from jax.experimental.shard_map import shard_map  # jax < 0.7
-
-    return shard_map
+#: ``jax.shard_map`` (``jax.experimental.shard_map.shard_map`` on JAX < 0.7): the one
+#: compatibility shim of the package, used by the library, its tests and examples.
+if hasattr(jax, "shard_map"):
+    shard_map = jax.shard_map
+else:  # pragma: no cover - jax < 0.7
+    from jax.experimental.shard_map import shard_map
 
 
 def _check_num_shards(layout: Layout, num_shards, fn: str) -> int:
@@ -238,6 +239,8 @@ def column_parallel_bsmm(
     preferred_element_type=None,
     compute_dtype=None,
     float32_dw: bool = False,
+    precision=None,
+    impl: str | None = None,
 ):
     """``x @ W`` with W's output block columns split over the mesh axis ``axis``.
 
@@ -257,15 +260,13 @@ def column_parallel_bsmm(
       gather_output: True: return [..., K] replicated over ``axis`` (an all-gather of
         the column blocks). False: return [..., K] whose last dim stays split over
         ``axis`` (no communication), e.g. to feed a row-parallel layer.
-      preferred_element_type, compute_dtype, float32_dw: as in
+      preferred_element_type, compute_dtype, float32_dw, precision, impl: as in
         :func:`jax_blocksparse.bsmm`, applied on every device (``float32_dw`` needs
-        float32 ``w_shards``).
+        float32 ``w_shards``; ``precision`` and ``impl`` also rule the gradient's products).
 
     Returns:
       [..., K] equal to ``bsmm(x, unshard_blocks(w_shards, full_layout), full_layout)``.
     """
-    from jax_blocksparse.ops.matmul import bsmm
-
     layouts = check_layout(layouts, name="layouts")
     num_shards = check_mesh(mesh, axis, batch_axis, "column_parallel_bsmm")
     w_shards = jnp.asarray(w_shards)
@@ -290,14 +291,14 @@ def column_parallel_bsmm(
     def body(x, w, tables):
         local = Layout(layouts.block_size, layouts.grid, layouts.capacity, LayoutTables(*(t[0] for t in tables)))
         return bsmm(x, w[0], local, preferred_element_type=preferred_element_type,
-                    compute_dtype=compute_dtype, float32_dw=float32_dw)
+                    compute_dtype=compute_dtype, float32_dw=float32_dw, precision=precision, impl=impl)
 
     table_specs = LayoutTables(*([P(axis)] * len(layouts.tables)))
     in_specs = (x_spec, P(axis), table_specs)
     operands = (x, w_shards, layouts.tables)
     operands = jax.tree.map(lambda v, spec: place(v, mesh, spec), operands, in_specs,
                             is_leaf=lambda v: isinstance(v, P))
-    fn = _shard_map()(body, mesh=mesh, in_specs=in_specs, out_specs=P(*lead, axis))
+    fn = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(*lead, axis))
     y = fn(*operands)  # [..., K], the last dim split over `axis`
     if gather_output:
         y = place(y, mesh, P(*lead, None))

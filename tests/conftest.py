@@ -134,12 +134,9 @@ def make_problem(kind="random", block_size=8, grid=None, dtype=jnp.float32, capa
 
 
 def shard_map():
-    """``jax.shard_map`` (``jax.experimental.shard_map.shard_map`` on JAX < 0.7)."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map
-    from jax.experimental.shard_map import shard_map as experimental
-
-    return experimental
+    """``jax.shard_map`` (``jax.experimental.shard_map.shard_map`` on JAX < 0.7): the
+    package's one shim, :data:`jax_blocksparse.sharding.shard_map`."""
+    return jbs.sharding.shard_map
 
 
 def collectives(compiled_text: str) -> dict:

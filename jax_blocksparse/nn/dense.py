@@ -7,10 +7,10 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import dense as _core
 from jax_blocksparse.layout import Layout
-from jax_blocksparse.nn import _common
-from jax_blocksparse.training import probe as _probe
 
 #: The linen variable collection that holds the layouts of dynamic layers.
 LAYOUT_COLLECTION = "layout"
@@ -44,7 +44,7 @@ class BlockSparseDense(nn.Module):
     Attributes:
       features: the number of output features K; must be ``mask.shape[1] * block_size``.
       mask: the block mask, bool [C // block_size, K // block_size], static (numpy;
-        stored as a hashable :class:`StaticMask`). Inputs must have C features.
+        stored as a hashable :class:`~jax_blocksparse.layers.StaticMask`). Inputs must have C features.
       block_size: the block edge, one of 8, 16, 32, 64, 128.
       use_bias: whether to add a bias to the output (default: True).
       dtype: the dtype of the computation (default: infer from input and params).
@@ -75,6 +75,14 @@ class BlockSparseDense(nn.Module):
         jit without recompiling. ``mask`` is then only the initial layout (and sets
         the default init's fan-in). Apply with
         ``model.apply({"params": params, "layout": layouts}, x)``.
+      precision: numerical precision of the products, forward and backward (and a
+        dynamic layer's dense-gradient probe), as in ``flax.linen.Dense``: None (the
+        default: ``jax.default_matmul_precision`` when traced), a
+        :class:`jax.lax.Precision`, its name, or a pair (the higher one applies).
+      impl: how the products are lowered (:mod:`jax_blocksparse.config`):
+        ``"auto"``, ``"reference"`` (XLA ops) or ``"kernels"`` (the native kernels),
+        for the forward and backward pass; None (the default) reads
+        :func:`jax_blocksparse.config.get_implementation` when traced.
 
     Dynamic example::
 
@@ -96,14 +104,16 @@ class BlockSparseDense(nn.Module):
     capacity: int | None = None
     dynamic: bool = False
     float32_dw: bool = False
+    precision: PrecisionLike = None
+    impl: str | None = None
 
     def __post_init__(self):
         # Attributes may be set until Module.__post_init__ runs; keep the mask hashable.
-        self.mask = _common.StaticMask(self.mask)
-        self.float32_dw = _common.check_float32_dw(self.float32_dw, self.param_dtype, type(self).__name__)
-        self.block_size = _common.check_config(
-            self.mask, self.block_size, self.capacity, None, self.features, type(self).__name__
+        self.mask, self.block_size, self.float32_dw = _core.check_dense(
+            self.mask, self.block_size, self.capacity, None, self.features, self.float32_dw, self.param_dtype,
+            type(self).__name__,
         )
+        self.precision, self.impl = _core.check_options(self.precision, self.impl, type(self).__name__)
         super().__post_init__()
 
     @property
@@ -113,7 +123,7 @@ class BlockSparseDense(nn.Module):
         With ``dynamic=True`` this is the initial layout; the current one is
         ``variables["layout"][...]["kernel"]``.
         """
-        return _common.layout_for(self.mask, self.block_size, self.capacity)
+        return _core.layout_for(self.mask, self.block_size, self.capacity)
 
     @nn.compact
     def __call__(self, inputs: Array) -> Array:
@@ -126,15 +136,12 @@ class BlockSparseDense(nn.Module):
           [..., features].
         """
         layout = self.layout
-        _common.check_inputs(inputs, layout, type(self).__name__)
+        _core.check_inputs(inputs, layout, type(self).__name__)
         kernel = self.param(
             "kernel",
-            lambda key: _common.init_kernel(self.kernel_init, key, layout, self.mask, self.param_dtype),
+            lambda key: _core.init_kernel(self.kernel_init, key, layout, self.mask, self.param_dtype),
         )
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
-        inputs, kernel, bias, compute = _common.promote(inputs, kernel, bias, self.dtype, self.float32_dw)
-        if not self.dynamic:
-            return _common.apply(inputs, kernel, bias, layout, compute, self.float32_dw)
-        current = self.variable(LAYOUT_COLLECTION, "kernel", lambda: layout).value
-        _common.check_dynamic_layout(_probe.unwrap(current)[0], layout, type(self).__name__)
-        return _probe.linear(inputs, kernel, current, bias, compute, self.float32_dw)
+        current = self.variable(LAYOUT_COLLECTION, "kernel", lambda: layout).value if self.dynamic else None
+        return _core.forward(inputs, kernel, bias, layout, dtype=self.dtype, float32_dw=self.float32_dw,
+                             current=current, layer=type(self).__name__, precision=self.precision, impl=self.impl)

@@ -7,9 +7,11 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import dense as _dense
+from jax_blocksparse.layers import parallel as _core
 from jax_blocksparse.layout import Layout
-from jax_blocksparse.nn import _common
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -94,6 +96,13 @@ class ColumnParallelDense(nn.Module):
         kernel's gradient in float32 (needs ``param_dtype`` float32).
       shard_capacity: storage slots per shard (default: the block count of the
         fullest shard); padding slots are zero and do not contribute.
+      precision: numerical precision of every device's products, forward and
+        backward, as in ``flax.linen.Dense``: None (the default:
+        ``jax.default_matmul_precision`` when traced), a :class:`jax.lax.Precision`,
+        its name, or a pair.
+      impl: how the products are lowered: ``"auto"``, ``"reference"``, ``"kernels"``,
+        or None (the default) for :func:`jax_blocksparse.config.get_implementation`
+        when traced.
     """
 
     features: int
@@ -110,17 +119,20 @@ class ColumnParallelDense(nn.Module):
     bias_init: Initializer = nn.initializers.zeros_init()
     float32_dw: bool = False
     shard_capacity: int | None = None
+    precision: PrecisionLike = None
+    impl: str | None = None
 
     def __post_init__(self):
-        name = type(self).__name__
-        self.mask = _common.StaticMask(self.mask)
-        self.float32_dw = _common.check_float32_dw(self.float32_dw, self.param_dtype, name)
-        self.block_size = _common.check_config(self.mask, self.block_size, None, None, self.features, name)
+        self.mask, self.block_size, self.float32_dw = _dense.check_dense(
+            self.mask, self.block_size, None, None, self.features, self.float32_dw, self.param_dtype,
+            type(self).__name__,
+        )
+        self.precision, self.impl = _dense.check_options(self.precision, self.impl, type(self).__name__)
         self._split()  # validates mesh, axes, gather_output and shard_capacity
         super().__post_init__()
 
-    def _split(self) -> _common.ColumnSplit:
-        return _common.column_split(
+    def _split(self) -> _core.ColumnSplit:
+        return _core.column_split(
             self.mask, self.block_size, self.mesh, self.axis, self.batch_axis, self.gather_output,
             self.shard_capacity, type(self).__name__,
         )
@@ -160,7 +172,7 @@ class ColumnParallelDense(nn.Module):
           not ``gather_output``.
         """
         split = self._split()
-        _common.check_inputs(inputs, split.layout, type(self).__name__)
+        _dense.check_inputs(inputs, split.layout, type(self).__name__)
         kernel = self.param(
             "kernel",
             nn.with_partitioning(
@@ -171,4 +183,5 @@ class ColumnParallelDense(nn.Module):
         if self.use_bias:
             bias_init = nn.with_partitioning(self.bias_init, (None,), self.mesh)
             bias = self.param("bias", bias_init, (self.features,), self.param_dtype)
-        return split.apply(inputs, kernel, bias, self.dtype, self.float32_dw)
+        return split.apply(inputs, kernel, bias, self.dtype, self.float32_dw, precision=self.precision,
+                           impl=self.impl)

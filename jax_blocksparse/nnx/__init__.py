@@ -11,7 +11,9 @@ from jax_blocksparse.nnx.conv import BlockSparseConv, BlockSparseConvTranspose
 from jax_blocksparse.nnx.linear import BlockLayout, BlockSparseLinear
 from jax_blocksparse.nnx.parallel import ColumnParallelLinear
 from jax_blocksparse.nnx.recurrent import BlockSparseLSTM, BlockSparseLSTMCell, BlockSparseMLSTMCell
+from jax_blocksparse.nnx.attention import BlockSparseSelfAttention
 
 __all__ = ["BlockLayout", "BlockSparseLinear", "ColumnParallelLinear"]
 __all__ += ["BlockSparseConv", "BlockSparseConvTranspose"]
 __all__ += ["BlockSparseLSTM", "BlockSparseLSTMCell", "BlockSparseMLSTMCell"]
+__all__ += ["BlockSparseSelfAttention"]

@@ -13,10 +13,11 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import conv as _core
+from jax_blocksparse.layers.dense import check_options
 from jax_blocksparse.layout import Layout
-from jax_blocksparse.nn import _common
-from jax_blocksparse.nn import conv as _conv
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -67,6 +68,12 @@ class BlockSparseConv(nnx.Module):
       float32_dw: keep the kernel's gradient in float32 when ``dtype`` is 16-bit,
         straight from the float32 accumulator of its weight-gradient product (see
         :class:`~jax_blocksparse.nnx.BlockSparseLinear`). Needs ``param_dtype`` float32.
+      precision: numerical precision of the products, forward and backward, as in
+        ``flax.nnx.Conv``: None (the default: ``jax.default_matmul_precision`` when
+        traced), a :class:`jax.lax.Precision`, its name, or a pair.
+      impl: how the products are lowered: ``"auto"``, ``"reference"``, ``"kernels"``,
+        or None (the default) for :func:`jax_blocksparse.config.get_implementation`
+        when traced.
       rngs: rng key.
     """
 
@@ -89,31 +96,29 @@ class BlockSparseConv(nnx.Module):
         bias_init: Initializer = nnx.initializers.zeros_init(),
         capacity: int | None = None,
         float32_dw: bool = False,
+        precision: PrecisionLike = None,
+        impl: str | None = None,
         rngs: nnx.Rngs,
     ):
-        name = type(self).__name__
-        self.float32_dw = _common.check_float32_dw(float32_dw, param_dtype, name)
-        mask = _common.StaticMask(mask)
-        kernel_size = _conv.kernel_size_tuple(kernel_size, name)
-        block_size = _common.check_config(mask, block_size, capacity, in_features, out_features, name)
+        cfg = _core.check_conv(
+            mask, block_size, kernel_size, capacity, in_features, out_features, strides=strides, padding=padding,
+            input_dilation=input_dilation, kernel_dilation=kernel_dilation, float32_dw=float32_dw,
+            param_dtype=param_dtype, layer=type(self).__name__,
+        )
         self.in_features = in_features
         self.out_features = out_features
-        self.kernel_size = kernel_size
-        self.mask = mask
-        self.block_size = block_size
+        self.mask, self.block_size, self.kernel_size, self.strides, self.padding = cfg[:5]
+        self.input_dilation, self.kernel_dilation, self.float32_dw = cfg[5:]
+        self.precision, self.impl = check_options(precision, impl, type(self).__name__)
         self.capacity = capacity
-        self.strides = _conv.hashable(strides)
-        self.padding = _conv.hashable(padding)
-        self.input_dilation = _conv.hashable(input_dilation)
-        self.kernel_dilation = _conv.hashable(kernel_dilation)
         self.use_bias = use_bias
         self.dtype = dtype
         self.param_dtype = param_dtype
 
         layout = self.layout
-        self.kernel_shape = (layout.capacity, *kernel_size, block_size, block_size)
+        self.kernel_shape = (layout.capacity, *self.kernel_size, self.block_size, self.block_size)
         self.kernel = nnx.Param(
-            _conv.init_conv_kernel(kernel_init, rngs.params(), layout, mask, kernel_size, param_dtype)
+            _core.init_conv_kernel(kernel_init, rngs.params(), layout, self.mask, self.kernel_size, param_dtype)
         )
         self.bias: nnx.Param[jax.Array] | None
         if use_bias:
@@ -124,16 +129,17 @@ class BlockSparseConv(nnx.Module):
     @property
     def layout(self) -> Layout:
         """The :class:`~jax_blocksparse.Layout` of the kernel (for ``jbs.conv_to_dense``)."""
-        return _common.layout_for(self.mask, self.block_size, self.capacity)
+        return _core.layout_for(self.mask, self.block_size, self.capacity)
 
     def __call__(self, inputs: Array) -> Array:
         """Applies the convolution to ``inputs`` [*batch_dims, *spatial, in_features]."""
         layout = self.layout
-        _conv.check_conv_inputs(inputs, self.in_features, len(self.kernel_size), type(self).__name__, layout)
+        _core.check_conv_inputs(inputs, self.in_features, len(self.kernel_size), type(self).__name__, layout)
         bias = self.bias[...] if self.bias is not None else None
-        return _conv.conv_apply(
+        return _core.conv_apply(
             inputs, self.kernel[...], bias, layout, self.kernel_size, self.strides, self.padding,
-            self.input_dilation, self.kernel_dilation, self.dtype, self.float32_dw,
+            self.input_dilation, self.kernel_dilation, self.dtype, self.float32_dw, precision=self.precision,
+            impl=self.impl,
         )
 
 
@@ -168,6 +174,7 @@ class BlockSparseConvTranspose(nnx.Module):
       kernel_dilation: an int or ``n`` ints (default 1).
       use_bias, dtype, param_dtype, kernel_init, bias_init, capacity, float32_dw: as
         :class:`BlockSparseConv`.
+      precision, impl: as :class:`BlockSparseConv`.
       transpose_kernel: flip the kernel's spatial axes and swap its channel axes.
       rngs: rng key.
     """
@@ -191,34 +198,32 @@ class BlockSparseConvTranspose(nnx.Module):
         transpose_kernel: bool = False,
         capacity: int | None = None,
         float32_dw: bool = False,
+        precision: PrecisionLike = None,
+        impl: str | None = None,
         rngs: nnx.Rngs,
     ):
-        name = type(self).__name__
-        self.float32_dw = _common.check_float32_dw(float32_dw, param_dtype, name)
-        mask = _common.StaticMask(mask)
-        kernel_size = _conv.kernel_size_tuple(kernel_size, name)
-        block_size = _conv.check_transpose_config(
-            mask, block_size, capacity, in_features, out_features, transpose_kernel, name
+        cfg = _core.check_conv(
+            mask, block_size, kernel_size, capacity, in_features, out_features, strides=strides, padding=padding,
+            input_dilation=1, kernel_dilation=kernel_dilation, float32_dw=float32_dw, param_dtype=param_dtype,
+            layer=type(self).__name__, transpose_kernel=transpose_kernel,
         )
         self.in_features = in_features
         self.out_features = out_features
-        self.kernel_size = kernel_size
-        self.mask = mask
-        self.block_size = block_size
+        self.mask, self.block_size, self.kernel_size, self.strides, self.padding = cfg[:5]
+        self.kernel_dilation, self.float32_dw = cfg.kernel_dilation, cfg.float32_dw
+        self.precision, self.impl = check_options(precision, impl, type(self).__name__)
         self.capacity = capacity
-        self.strides = _conv.hashable(strides)
-        self.padding = _conv.hashable(padding)
-        self.kernel_dilation = _conv.hashable(kernel_dilation)
         self.use_bias = use_bias
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.transpose_kernel = transpose_kernel
 
         layout = self.layout
-        self.kernel_shape = (layout.capacity, *kernel_size, block_size, block_size)
+        self.kernel_shape = (layout.capacity, *self.kernel_size, self.block_size, self.block_size)
         self.kernel = nnx.Param(
-            _conv.init_conv_kernel(
-                kernel_init, rngs.params(), layout, mask, kernel_size, param_dtype, fan_in_rows=transpose_kernel
+            _core.init_conv_kernel(
+                kernel_init, rngs.params(), layout, self.mask, self.kernel_size, param_dtype,
+                fan_in_rows=transpose_kernel,
             )
         )
         self.bias: nnx.Param[jax.Array] | None
@@ -230,14 +235,15 @@ class BlockSparseConvTranspose(nnx.Module):
     @property
     def layout(self) -> Layout:
         """The :class:`~jax_blocksparse.Layout` of the kernel (for ``jbs.conv_to_dense``)."""
-        return _common.layout_for(self.mask, self.block_size, self.capacity)
+        return _core.layout_for(self.mask, self.block_size, self.capacity)
 
     def __call__(self, inputs: Array) -> Array:
         """Applies the transposed convolution to ``inputs`` [*batch_dims, *spatial, in_features]."""
         layout = self.layout
-        _conv.check_conv_inputs(inputs, self.in_features, len(self.kernel_size), type(self).__name__, layout)
+        _core.check_conv_inputs(inputs, self.in_features, len(self.kernel_size), type(self).__name__, layout)
         bias = self.bias[...] if self.bias is not None else None
-        return _conv.conv_transpose_apply(
+        return _core.conv_transpose_apply(
             inputs, self.kernel[...], bias, layout, self.kernel_size, self.strides, self.padding,
-            self.kernel_dilation, self.transpose_kernel, self.dtype, self.float32_dw,
+            self.kernel_dilation, self.transpose_kernel, self.dtype, self.float32_dw, precision=self.precision,
+            impl=self.impl,
         )

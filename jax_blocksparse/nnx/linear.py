@@ -7,10 +7,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import dense as _core
 from jax_blocksparse.layout import Layout
-from jax_blocksparse.nn import _common
-from jax_blocksparse.training import probe as _probe
+from jax_blocksparse.ops.probe import unwrap
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -53,7 +54,7 @@ class BlockSparseLinear(nnx.Module):
       in_features: the number of input features C; must be ``mask.shape[0] * block_size``.
       out_features: the number of output features K; must be ``mask.shape[1] * block_size``.
       mask: the block mask, bool [C // block_size, K // block_size], static (numpy;
-        stored as a hashable :class:`~jax_blocksparse.nn.StaticMask`).
+        stored as a hashable :class:`~jax_blocksparse.layers.StaticMask`).
       block_size: the block edge, one of 8, 16, 32, 64, 128.
       use_bias: whether to add a bias to the output (default: True).
       dtype: the dtype of the computation (default: infer from input and params).
@@ -75,6 +76,12 @@ class BlockSparseLinear(nnx.Module):
         fixed ``capacity``), initialised from ``mask``. Dynamic sparse training
         (:mod:`jax_blocksparse.training`, e.g. :func:`~jax_blocksparse.training.nnx_update`)
         replaces it inside ``nnx.jit`` without recompiling; ``layout`` returns it.
+      precision: numerical precision of the products, forward and backward, as in
+        ``flax.nnx.Linear``: None (the default: ``jax.default_matmul_precision`` when
+        traced), a :class:`jax.lax.Precision`, its name, or a pair.
+      impl: how the products are lowered: ``"auto"``, ``"reference"``, ``"kernels"``,
+        or None (the default) for :func:`jax_blocksparse.config.get_implementation`
+        when traced (see :class:`jax_blocksparse.nn.BlockSparseDense`).
       rngs: rng key.
     """
 
@@ -93,11 +100,14 @@ class BlockSparseLinear(nnx.Module):
         capacity: int | None = None,
         dynamic: bool = False,
         float32_dw: bool = False,
+        precision: PrecisionLike = None,
+        impl: str | None = None,
         rngs: nnx.Rngs,
     ):
-        mask = _common.StaticMask(mask)
-        block_size = _common.check_config(mask, block_size, capacity, in_features, out_features, type(self).__name__)
-        self.float32_dw = _common.check_float32_dw(float32_dw, param_dtype, type(self).__name__)
+        mask, block_size, self.float32_dw = _core.check_dense(
+            mask, block_size, capacity, in_features, out_features, float32_dw, param_dtype, type(self).__name__
+        )
+        self.precision, self.impl = _core.check_options(precision, impl, type(self).__name__)
         self.in_features = in_features
         self.out_features = out_features
         self.mask = mask
@@ -108,8 +118,8 @@ class BlockSparseLinear(nnx.Module):
         self.param_dtype = param_dtype
         self.dynamic = bool(dynamic)
 
-        layout = _common.layout_for(mask, block_size, capacity)
-        self.kernel = nnx.Param(_common.init_kernel(kernel_init, rngs.params(), layout, mask, param_dtype))
+        layout = _core.layout_for(mask, block_size, capacity)
+        self.kernel = nnx.Param(_core.init_kernel(kernel_init, rngs.params(), layout, mask, param_dtype))
         self.bias: nnx.Param[jax.Array] | None
         if use_bias:
             self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
@@ -125,8 +135,8 @@ class BlockSparseLinear(nnx.Module):
         With ``dynamic=True``, the current layout (``self.kernel_layout``).
         """
         if self.dynamic:
-            return _probe.unwrap(self.kernel_layout.get_value())[0]
-        return _common.layout_for(self.mask, self.block_size, self.capacity)
+            return unwrap(self.kernel_layout.get_value())[0]
+        return _core.layout_for(self.mask, self.block_size, self.capacity)
 
     def __call__(self, inputs: Array) -> Array:
         """Applies the block-sparse linear map to the last axis of ``inputs``.
@@ -137,13 +147,9 @@ class BlockSparseLinear(nnx.Module):
         Returns:
           [..., out_features].
         """
-        layout = self.layout
-        _common.check_inputs(inputs, layout, type(self).__name__)
-        kernel = self.kernel[...]
+        layout = _core.layout_for(self.mask, self.block_size, self.capacity)
+        _core.check_inputs(inputs, layout, type(self).__name__)
         bias = self.bias[...] if self.bias is not None else None
-        inputs, kernel, bias, compute = _common.promote(inputs, kernel, bias, self.dtype, self.float32_dw)
-        if not self.dynamic:
-            return _common.apply(inputs, kernel, bias, layout, compute, self.float32_dw)
-        expected = _common.layout_for(self.mask, self.block_size, self.capacity)
-        _common.check_dynamic_layout(layout, expected, type(self).__name__)
-        return _probe.linear(inputs, kernel, self.kernel_layout.get_value(), bias, compute, self.float32_dw)
+        current = self.kernel_layout.get_value() if self.dynamic else None
+        return _core.forward(inputs, self.kernel[...], bias, layout, dtype=self.dtype, float32_dw=self.float32_dw,
+                             current=current, layer=type(self).__name__, precision=self.precision, impl=self.impl)

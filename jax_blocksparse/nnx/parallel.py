@@ -7,9 +7,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import dense as _dense
+from jax_blocksparse.layers import parallel as _core
 from jax_blocksparse.layout import Layout
-from jax_blocksparse.nn import _common
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -84,6 +86,10 @@ class ColumnParallelLinear(nnx.Module):
         kernel's gradient in float32 (needs ``param_dtype`` float32).
       shard_capacity: storage slots per shard (default: the block count of the
         fullest shard); padding slots are zero and do not contribute.
+      precision, impl: the precision (as ``flax.nnx.Linear``'s) and the lowering
+        (``"auto"``, ``"reference"``, ``"kernels"``) of every device's products, forward
+        and backward, as in :class:`jax_blocksparse.nn.ColumnParallelDense`; None (the
+        defaults) reads the global defaults when traced.
       rngs: rng key.
     """
 
@@ -105,13 +111,16 @@ class ColumnParallelLinear(nnx.Module):
         bias_init: Initializer = nnx.initializers.zeros_init(),
         float32_dw: bool = False,
         shard_capacity: int | None = None,
+        precision: PrecisionLike = None,
+        impl: str | None = None,
         rngs: nnx.Rngs,
     ):
         name = type(self).__name__
-        mask = _common.StaticMask(mask)
-        block_size = _common.check_config(mask, block_size, None, in_features, out_features, name)
-        self.float32_dw = _common.check_float32_dw(float32_dw, param_dtype, name)
-        split = _common.column_split(mask, block_size, mesh, axis, batch_axis, gather_output, shard_capacity, name)
+        mask, block_size, self.float32_dw = _dense.check_dense(
+            mask, block_size, None, in_features, out_features, float32_dw, param_dtype, name
+        )
+        self.precision, self.impl = _dense.check_options(precision, impl, name)
+        split = _core.column_split(mask, block_size, mesh, axis, batch_axis, gather_output, shard_capacity, name)
         self.in_features = in_features
         self.out_features = out_features
         self.mask = mask
@@ -134,8 +143,8 @@ class ColumnParallelLinear(nnx.Module):
         else:
             self.bias = nnx.data(None)
 
-    def _split(self) -> _common.ColumnSplit:
-        return _common.ColumnSplit(
+    def _split(self) -> _core.ColumnSplit:
+        return _core.ColumnSplit(
             self.mask, self.block_size, self.mesh, self.axis, self.batch_axis, self.gather_output,
             self.mesh.shape[self.axis], self.shard_capacity,
         )
@@ -175,6 +184,7 @@ class ColumnParallelLinear(nnx.Module):
           if not ``gather_output``.
         """
         split = self._split()
-        _common.check_inputs(inputs, split.layout, type(self).__name__)
+        _dense.check_inputs(inputs, split.layout, type(self).__name__)
         bias = self.bias[...] if self.bias is not None else None
-        return split.apply(inputs, self.kernel[...], bias, self.dtype, self.float32_dw)
+        return split.apply(inputs, self.kernel[...], bias, self.dtype, self.float32_dw, precision=self.precision,
+                           impl=self.impl)

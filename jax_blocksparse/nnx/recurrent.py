@@ -1,25 +1,35 @@
 """Flax NNX block-sparse recurrent cells and the fused sequence layer.
 
-The NNX twins of :mod:`jax_blocksparse.nn.recurrent` (same math, same parameter
-names and shapes, same initialisation): :class:`BlockSparseLSTMCell` and
+The NNX twins of the linen cells (same math, same parameter names and shapes, same
+initialisation, from the same core): :class:`BlockSparseLSTMCell` and
 :class:`BlockSparseMLSTMCell` mirror ``flax.nnx.LSTMCell`` (constructor takes
 ``in_features, hidden_features``; ``initialize_carry(input_shape, rngs)``; works with
 ``nnx.RNN``), and :class:`BlockSparseLSTM` runs a cell over a whole sequence with one
 input projection and one ``bsmm_updat`` per recurrent weight in the backward pass.
-See :mod:`jax_blocksparse.nn.recurrent` for the equations and design.
+The equations and the fused backward pass are the op
+:mod:`jax_blocksparse.ops.recurrence`; the configuration and init are
+:mod:`jax_blocksparse.layers.recurrent`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import recurrent as _core
+from jax_blocksparse.layers.dense import check_float32_dw, check_options
 from jax_blocksparse.layout import Layout
-from jax_blocksparse.nn import _common
-from jax_blocksparse.nn import recurrent as _rec
+from jax_blocksparse.ops.recurrence import (
+    LSTMSpec,
+    bs_lstm_sequence,
+    bs_lstm_step,
+    check_step_inputs,
+)
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -74,6 +84,15 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
         each kernel gradient is rounded to ``dtype``; on a GPU with XLA's default
         flags some of those roundings may be skipped (the linen cell's docstring;
         README, "Mixed precision").
+      precision: numerical precision of every product (input projection, mLSTM
+        factor, internal steps, gates), forward and backward, as in
+        ``flax.nnx.LSTMCell``'s linear layers: None (the default:
+        ``jax.default_matmul_precision`` when traced), a :class:`jax.lax.Precision`,
+        its name, or a pair.
+      impl: how the block-sparse products are lowered: ``"auto"``, ``"reference"``,
+        ``"kernels"`` (forward and backward, also in :class:`BlockSparseLSTM`'s custom
+        backward pass), or None (the default) for
+        :func:`jax_blocksparse.config.get_implementation` when traced.
       rngs: parameter initialisation keys.
     """
 
@@ -102,11 +121,14 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
         epsilon: float = 1e-5,
         mh_mask: Any = None,
         float32_dw: bool = False,
+        precision: PrecisionLike = None,
+        impl: str | None = None,
         rngs: nnx.Rngs,
     ):
         name = type(self).__name__
-        self.float32_dw = _common.check_float32_dw(float32_dw, param_dtype, name)
-        config = _rec.cell_config(
+        self.float32_dw = check_float32_dw(float32_dw, param_dtype, name)
+        self.precision, self.impl = check_options(precision, impl, name)
+        config = _core.cell_config(
             name, hidden_features, mask, block_size, multiplicative=self.multiplicative,
             internal_steps=internal_steps, step_masks=step_masks, mh_mask=mh_mask, input_mask=input_mask,
             in_features=in_features, layer_norm=layer_norm, epsilon=epsilon,
@@ -123,7 +145,7 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
         self.carry_init = carry_init
         self.param_names = tuple(config.param_shapes(self.in_features))
         for pname in self.param_names:
-            value = _rec.init_param(
+            value = _core.init_param(
                 config, pname, rngs.params(), self.in_features, kernel_init=kernel_init,
                 recurrent_kernel_init=recurrent_kernel_init, bias_init=bias_init, param_dtype=param_dtype,
             )
@@ -136,19 +158,17 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
 
     def layout_of(self, param_name: str) -> Layout | None:
         """The layout of a block-sparse kernel parameter (None for a dense input kernel)."""
-        if param_name == "input_kernel":
-            return self.config.input_layout()
-        for stage in self.config.stages:
-            if stage.kernel == param_name:
-                return stage.layout(self.block_size)
-        raise KeyError(f"{type(self).__name__} has no block-sparse kernel named {param_name!r}")
+        return self.config.layout_of(param_name, type(self).__name__)
 
     def _params(self) -> dict[str, Array]:
         return {pname: getattr(self, pname)[...] for pname in self.param_names}
 
-    def _fns(self, inputs):
-        return _rec._Fns(self.config, self.gate_fn, self.activation_fn, self.internal_activation,
-                         _rec.compute_dtype(self.dtype, inputs, self.param_dtype), self.float32_dw)
+    def _spec(self, inputs, precision=None, impl=None) -> LSTMSpec:
+        """The op's spec; ``precision`` / ``impl`` (checked) override the cell's when not None."""
+        return self.config.spec(self.gate_fn, self.activation_fn, self.internal_activation,
+                                _core.compute_dtype(self.dtype, inputs, self.param_dtype), self.float32_dw,
+                                precision=self.precision if precision is None else precision,
+                                impl=self.impl if impl is None else impl)
 
     def _check_inputs(self, inputs):
         if jnp.shape(inputs)[-1:] != (self.in_features,):
@@ -158,17 +178,21 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
 
     def __call__(self, carry, inputs):  # type: ignore[override]
         """One timestep: ``carry`` (c, h) [..., H], ``inputs`` [..., D] -> ``((c', h'), h')``."""
-        _rec.check_step_inputs(type(self).__name__, carry, inputs, self.hidden_features)
+        check_step_inputs(type(self).__name__, carry, inputs, self.hidden_features)
         self._check_inputs(inputs)
-        return _rec.cell_step(self._fns(inputs), self._params(), tuple(carry), inputs)
+        return bs_lstm_step(self._spec(inputs), self._params(), tuple(carry), inputs)
 
-    def sequence(self, carry, inputs):
-        """A whole sequence: inputs [T, *batch, D] (time-major) -> ``((c_T, h_T), [T, *batch, H])``."""
+    def sequence(self, carry, inputs, *, precision=None, impl: str | None = None):
+        """A whole sequence: inputs [T, *batch, D] (time-major) -> ``((c_T, h_T), [T, *batch, H])``.
+
+        ``precision`` and ``impl`` override the cell's for this call when not None.
+        """
         if jnp.ndim(inputs) < 2:
             raise ValueError(f"{type(self).__name__}.sequence: inputs must be [T, ..., D], got {jnp.shape(inputs)}")
-        _rec.check_step_inputs(type(self).__name__, carry, inputs[0], self.hidden_features)
+        check_step_inputs(type(self).__name__, carry, inputs[0], self.hidden_features)
         self._check_inputs(inputs)
-        return _rec.sequence(self._fns(inputs), self._params(), tuple(carry), inputs)
+        precision, impl = check_options(precision, impl, f"{type(self).__name__}.sequence")
+        return bs_lstm_sequence(self._spec(inputs, precision, impl), self._params(), tuple(carry), inputs)
 
     def initialize_carry(  # type: ignore[override]
         self, input_shape: tuple[int, ...], rngs=None, carry_init: Initializer | None = None
@@ -235,22 +259,29 @@ class BlockSparseLSTM(nnx.Module):
       cell: a :class:`BlockSparseLSTMCell` or :class:`BlockSparseMLSTMCell`.
       time_major: inputs are [T, *batch, D] instead of [*batch, T, D].
       return_carry: also return the final carry: ``(carry, outputs)``.
+      precision: numerical precision of every product of the sequence, forward and
+        backward, as the cell's ``precision``; None (the default) keeps the cell's.
+      impl: ``"auto"``, ``"reference"`` or ``"kernels"`` for every block-sparse
+        product of the sequence, forward and custom backward; None (the default)
+        keeps the cell's (whose own None reads the default when traced).
     """
 
-    def __init__(self, cell: BlockSparseLSTMCell, *, time_major: bool = False, return_carry: bool = False):
+    def __init__(self, cell: BlockSparseLSTMCell, *, time_major: bool = False, return_carry: bool = False,
+                 precision: PrecisionLike = None, impl: str | None = None):
         if not isinstance(cell, BlockSparseLSTMCell):
             raise TypeError(
                 "BlockSparseLSTM: cell must be a BlockSparseLSTMCell or BlockSparseMLSTMCell, "
                 f"got {type(cell).__name__}"
             )
+        self.precision, self.impl = check_options(precision, impl, type(self).__name__)
         self.cell = cell
         self.time_major = time_major
         self.return_carry = return_carry
 
     def __call__(self, inputs, *, initial_carry=None, return_carry: bool | None = None, rngs=None):
         """inputs [*batch, T, D] -> outputs [*batch, T, H] (or ``(carry, outputs)``)."""
-        return _rec.run_sequence(
+        return _core.run_sequence(
             self.cell, inputs, self.time_major, initial_carry,
             self.return_carry if return_carry is None else return_carry,
-            lambda shape: self.cell.initialize_carry(shape, rngs),
+            lambda shape: self.cell.initialize_carry(shape, rngs), precision=self.precision, impl=self.impl,
         )

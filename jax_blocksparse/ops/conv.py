@@ -7,16 +7,16 @@ every spatial tap. Only those blocks are stored, as ``w`` of shape
 [capacity, *kernel_size, bs, bs]: slot ``s`` holds block
 (``layout.tables.block_rows[s]``, ``layout.tables.block_cols[s]``) at every tap.
 
-========================  ===================================================
-function                  computes (NHWC / HWIO, any number of spatial dims)
-========================  ===================================================
-bsconv                    ``lax.conv_general_dilated(x, conv_to_dense(w))``
-bsconv_transpose          ``lax.conv_transpose(x, conv_to_dense(w))``
-conv_to_dense             w [cap, *ks, bs, bs] -> W [*ks, C, K]
-conv_from_dense           W [*ks, C, K] -> w [cap, *ks, bs, bs]
-bsconv_reference          the dense definition of ``bsconv``
-bsconv_transpose_reference  the dense definition of ``bsconv_transpose``
-========================  ===================================================
+============================  ===================================================
+function                      computes (NHWC / HWIO, any number of spatial dims)
+============================  ===================================================
+bsconv                        ``lax.conv_general_dilated(x, conv_to_dense(w))``
+bsconv_transpose              ``lax.conv_transpose(x, conv_to_dense(w))``
+conv_to_dense                 w [cap, *ks, bs, bs] -> W [*ks, C, K]
+conv_from_dense               W [*ks, C, K] -> w [cap, *ks, bs, bs]
+bsconv_reference              the dense definition of ``bsconv``
+bsconv_transpose_reference    the dense definition of ``bsconv_transpose``
+============================  ===================================================
 
 How a convolution becomes one block-sparse matmul
 -------------------------------------------------

@@ -1,6 +1,7 @@
 """Dynamic sparse training: the layout is learned, every step stays block-sparse.
 
-(Also here: dynamic loss scaling for float16 training, :mod:`.loss_scale`.)
+(Also re-exported here: dynamic loss scaling for float16 training, whose module is
+:mod:`jax_blocksparse.mixed_precision`.)
 
 Block-level versions of sparse momentum, RigL, SET, gradual magnitude pruning and
 a static-sparse baseline, with layer budgets (uniform, ERK). Layouts live beside
@@ -54,7 +55,7 @@ from jax_blocksparse.training.budgets import (
     uniform_densities,
 )
 from jax_blocksparse.training.log import LayoutChangeLog, format_log, log_rows
-from jax_blocksparse.training.loss_scale import (
+from jax_blocksparse.mixed_precision import (
     LossScaleState,
     all_finite,
     dynamic_loss_scaling,

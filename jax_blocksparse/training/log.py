@@ -20,10 +20,10 @@ FIELDS = ("nnz_before", "pruned", "grown", "nnz_after")
 class LayoutChangeLog:
     """What one layout update did, per layer.
 
-    Attributes (int32 arrays, leaves):
-      step: scalar, the training step of the update.
-      nnz_before, pruned, grown, nnz_after: [num_layers] block counts;
-        ``nnz_after == nnz_before - pruned + grown``.
+    Leaves (int32 arrays): ``step`` (scalar, the training step of the update) and
+    ``nnz_before``, ``pruned``, ``grown``, ``nnz_after`` ([num_layers] block counts;
+    ``nnz_after == nnz_before - pruned + grown``).
+
     Static attributes:
       names: layer names ("/"-joined parameter paths, e.g. "layer0/kernel").
       capacities: each layer's number of storage slots.

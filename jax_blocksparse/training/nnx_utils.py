@@ -14,13 +14,10 @@ and layouts, call the functional API and write the results back::
 
 from __future__ import annotations
 
+from flax import nnx
+
+from jax_blocksparse.nnx.linear import BlockLayout
 from jax_blocksparse.training.probe import dense_grads
-
-
-def _layout_filter():
-    from jax_blocksparse.nnx.linear import BlockLayout
-
-    return BlockLayout
 
 
 def nnx_dense_grads(loss_fn, model, *args, has_aux: bool = False):
@@ -30,9 +27,7 @@ def nnx_dense_grads(loss_fn, model, *args, has_aux: bool = False):
     [CB * KB, bs, bs] in place of each layout (see
     :func:`~jax_blocksparse.training.dense_grads`).
     """
-    from flax import nnx
-
-    graphdef, layouts, rest = nnx.split(model, _layout_filter(), ...)
+    graphdef, layouts, rest = nnx.split(model, BlockLayout, ...)
 
     def loss_of(params, probed_layouts, *args):
         del params
@@ -55,10 +50,8 @@ def nnx_update(method, step, model, optimizer=None, grads=None):
     Returns:
       The :class:`~jax_blocksparse.training.LayoutChangeLog`.
     """
-    from flax import nnx
-
     params = nnx.state(model, nnx.Param)
-    layouts = nnx.state(model, _layout_filter())
+    layouts = nnx.state(model, BlockLayout)
     opt_state = nnx.state(optimizer) if optimizer is not None else None
     result = method.update(step, params, layouts, opt_state, grads)
     nnx.update(model, result.params, result.layouts)

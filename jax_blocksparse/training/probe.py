@@ -3,110 +3,35 @@
 RigL grows the blocks where the gradient of the loss with respect to the *whole*
 weight is largest; sparse momentum grows where its momentum is. For a block-sparse
 layer ``y = x @ W`` that gradient is ``x.T @ dy`` at every block of the grid:
-``jbs.bsmm_updat(x, dy, Layout.dense(grid, bs))``. It is only needed at layout
-updates, so the layers compute it on request only:
+``jbs.bsmm_updat(x, dy, Layout.dense(grid, bs))``. :func:`dense_grads` computes it
+for every dynamic layer of a model at once, by handing the model
+:class:`ProbedLayout` s in place of its layouts; the layers' half of the trick
+(:class:`ProbedLayout`, :func:`probe_product`, :func:`linear`) is the op module
+:mod:`jax_blocksparse.ops.probe`, re-exported here.
 
-* :func:`dense_grads` replaces each :class:`~jax_blocksparse.Layout` handed to the
-  model by a :class:`ProbedLayout`: the layout plus a zero "probe" of shape
-  [CB * KB, bs, bs] (every block of the grid, in the dense layout's storage order).
-* A layer that finds a :class:`ProbedLayout` adds :func:`probe_product` ``(x, probe)``
-  to its output. Its value is zero and costs nothing in the forward pass; its
-  gradient with respect to the probe is ``bsmm_updat(x, dy, dense_layout)``, the
-  dense block gradient. The rest of the forward and backward pass stays
-  block-sparse (``bsmm`` with the layer's own layout).
-
-``jbs.nn.BlockSparseDense`` and ``jbs.nnx.BlockSparseLinear`` in dynamic mode do
-this; a custom layer calls :func:`unwrap` and :func:`probe_product` the same way.
+``jbs.nn.BlockSparseDense`` and ``jbs.nnx.BlockSparseLinear`` in dynamic mode read
+probed layouts; a custom layer calls :func:`unwrap` and :func:`probe_product` (or
+:func:`linear`) the same way.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from jax_blocksparse.layout import Layout
-from jax_blocksparse.ops.matmul import bsmm_updat
+from jax_blocksparse.ops.probe import (
+    ProbedLayout,
+    dense_grid_blocks,
+    linear,
+    probe_product,
+    unwrap,
+)
 from jax_blocksparse.training import _paths
 
-
-@jax.tree_util.register_pytree_node_class
-class ProbedLayout:
-    """A :class:`~jax_blocksparse.Layout` plus a zero probe [CB * KB, bs, bs] (float32)."""
-
-    __slots__ = ("layout", "probe")
-
-    def __init__(self, layout: Layout, probe):
-        self.layout = layout
-        self.probe = probe
-
-    def tree_flatten(self):
-        return (self.layout, self.probe), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*children)
-
-    def __repr__(self):
-        return f"ProbedLayout({self.layout!r})"
-
-
-def unwrap(layout_like):
-    """(layout, probe or None) from a Layout or a ProbedLayout."""
-    if isinstance(layout_like, ProbedLayout):
-        return layout_like.layout, layout_like.probe
-    return layout_like, None
-
-
-def dense_grid_blocks(grid, block_size) -> tuple[int, int, int]:
-    """Shape of the probe of a layout: (CB * KB, bs, bs)."""
-    return (grid[0] * grid[1], block_size, block_size)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def probe_product(x, probe, grid, block_size):
-    """Zero [..., K], whose gradient w.r.t. ``probe`` is the dense block gradient.
-
-    ``probe_product(x, P, grid, bs) == x @ to_dense(P, dense_layout)`` for ``P == 0``
-    (which is what :func:`dense_grads` passes): its value is zero and it is not
-    computed; its gradient with respect to ``P`` is
-    ``bsmm_updat(x, dy, Layout.dense(grid, bs))`` and with respect to ``x`` it is
-    ``dy @ P.T == 0``.
-    """
-    del probe
-    return jnp.zeros(x.shape[:-1] + (grid[1] * block_size,), x.dtype)
-
-
-def _probe_fwd(x, probe, grid, block_size):
-    return probe_product(x, probe, grid, block_size), (x, jnp.zeros((), probe.dtype))
-
-
-def _probe_bwd(grid, block_size, residuals, dy):
-    x, probe_zero = residuals
-    with jax.ensure_compile_time_eval():
-        dense = Layout.dense(tuple(grid), block_size)
-    d_probe = bsmm_updat(x, dy.astype(x.dtype), dense, out_dtype=probe_zero.dtype)
-    return jnp.zeros_like(x), d_probe
-
-
-probe_product.defvjp(_probe_fwd, _probe_bwd)
-
-
-def linear(inputs, kernel, layout_like, bias=None, compute_dtype=None, float32_dw: bool = False):
-    """``bsmm(inputs, kernel, layout) + bias``, plus the probe term for a ProbedLayout.
-
-    ``compute_dtype`` and ``float32_dw`` are passed to :func:`~jax_blocksparse.bsmm`.
-    """
-    from jax_blocksparse.ops.matmul import bsmm
-
-    layout, probe = unwrap(layout_like)
-    y = bsmm(inputs, kernel, layout, compute_dtype=compute_dtype, float32_dw=float32_dw)
-    if probe is not None:
-        y = y + probe_product(inputs, probe, layout.grid, layout.block_size).astype(y.dtype)
-    if bias is not None:
-        y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    return y
+__all__ = [
+    "ProbedLayout", "dense_grads", "dense_grid_blocks", "grid_view", "linear", "probe_product", "probed",
+    "unwrap", "zero_probes",
+]
 
 
 def zero_probes(layouts):

@@ -1,0 +1,18 @@
+"""The framework-neutral core of the block-sparse layers.
+
+The math, the parameter shapes, the initialisation and the checks of every layer live
+here once; :mod:`jax_blocksparse.nn` (Flax linen) and :mod:`jax_blocksparse.nnx`
+(Flax NNX) are thin siblings that declare parameters and call these modules. Nothing
+here imports Flax:
+
+* :mod:`~jax_blocksparse.layers.dense`: :class:`StaticMask`, layouts, init and the
+  forward pass of the block-sparse dense layer (static or dynamic layout).
+* :mod:`~jax_blocksparse.layers.conv`: the convolution and transposed convolution.
+* :mod:`~jax_blocksparse.layers.parallel`: the column-parallel split over a mesh axis.
+* :mod:`~jax_blocksparse.layers.recurrent`: the LSTM/mLSTM cell configuration and
+  init; the recurrence itself is the op :mod:`jax_blocksparse.ops.recurrence`.
+"""
+
+from jax_blocksparse.layers.dense import StaticMask
+
+__all__ = ["StaticMask"]
