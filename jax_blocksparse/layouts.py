@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jax_blocksparse.layout import check_block_size
+
 
 def _check_grid(grid, name="grid"):
     try:
@@ -117,7 +119,7 @@ def banded(grid, bandwidth: int) -> np.ndarray:
 
     Block column k spans rows [k * CB / KB, (k + 1) * CB / KB) of the diagonal;
     block (c, k) is present when that span meets rows [c - bandwidth, c + bandwidth].
-    For a square grid this is the usual band |c - k| <= bandwidth; for a
+    For a square grid this is the usual band ``|c - k| <= bandwidth``; for a
     rectangular grid every block row and every block column gets at least one block.
 
     Returns:
@@ -159,8 +161,6 @@ def from_dense_topk(W, block_size: int, density: float) -> np.ndarray:
     Returns:
       bool [C // block_size, K // block_size].
     """
-    from jax_blocksparse.layout import check_block_size
-
     block_size = check_block_size(block_size)
     density = _check_fraction(density, "density")
     norms = block_norms(W, block_size)
@@ -212,6 +212,143 @@ def mixing_steps(mask, max_steps: int | None = None):
             return None  # reachability stopped growing: never full
         reach = grown
     return None
+
+
+# ---------------------------------------------------------------------------------
+# Attention patterns: square [n, n] masks, query block rows x key block columns
+# ---------------------------------------------------------------------------------
+# Non-causal (symmetric where the pattern is); jbs.layouts.causal keeps the lower
+# triangle for autoregressive models. Pictures: docs/_static/layouts/, made by
+# bench/plot_attention_layouts.py with :func:`plot`.
+
+
+def _check_count(value, name, low=0):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if int(value) < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def _distance(n: int) -> np.ndarray:
+    i = np.arange(n)
+    return i[:, None] - i[None, :]  # query block - key block
+
+
+def local(n: int, window: int) -> np.ndarray:
+    """Local (sliding window) attention: query block i sees key blocks j with ``|i - j| < window``.
+
+    ``causal(local(n, w))`` is the Sparse Transformer's local pattern: each block sees
+    itself and the ``w - 1`` blocks before it.
+
+    .. image:: /_static/layouts/local.png
+
+    Args:
+      n: blocks per side (T / block_size).
+      window: >= 1; 1 is the diagonal only.
+    Returns:
+      bool [n, n], symmetric.
+    """
+    n = _check_count(n, "n")
+    window = _check_count(window, "window", 1)
+    return np.abs(_distance(n)) < window
+
+
+def strided(n: int, stride: int) -> np.ndarray:
+    """The Sparse Transformer's strided pattern (both of its heads in one mask).
+
+    Query block i sees key block j when they are within ``stride`` blocks (``|i - j| <
+    stride``: the local head) or a multiple of ``stride`` apart ((i - j) % stride == 0:
+    the strided head). With ``stride ~ sqrt(n)`` every block reaches every other in two
+    steps. Use :func:`causal` for autoregressive attention.
+
+    .. image:: /_static/layouts/strided.png
+
+    Args:
+      n: blocks per side; stride: >= 1.
+    Returns:
+      bool [n, n], symmetric.
+    """
+    n = _check_count(n, "n")
+    stride = _check_count(stride, "stride", 1)
+    d = _distance(n)
+    return (np.abs(d) < stride) | (d % stride == 0)
+
+
+def fixed(n: int, stride: int, summary: int) -> np.ndarray:
+    """The Sparse Transformer's fixed pattern (both of its heads in one mask).
+
+    Blocks are grouped in chunks of ``stride``. Query block i sees every key block of its
+    own chunk (i // stride == j // stride), and the last ``summary`` blocks of every chunk
+    (j % stride >= stride - summary), which carry information between chunks.
+
+    .. image:: /_static/layouts/fixed.png
+
+    Args:
+      n: blocks per side; stride: chunk length in blocks, >= 1;
+      summary: summary blocks per chunk, 0 <= summary <= stride.
+    Returns:
+      bool [n, n].
+    """
+    n = _check_count(n, "n")
+    stride = _check_count(stride, "stride", 1)
+    summary = _check_count(summary, "summary")
+    if summary > stride:
+        raise ValueError(f"fixed needs summary <= stride, got summary={summary}, stride={stride}")
+    i = np.arange(n)
+    same_chunk = (i[:, None] // stride) == (i[None, :] // stride)
+    summary_cols = (i % stride) >= stride - summary
+    return same_chunk | summary_cols[None, :]
+
+
+def bigbird(n: int, window: int, num_global: int, num_random: int, seed: int = 0) -> np.ndarray:
+    """BigBird's pattern: a sliding window, global blocks and random blocks.
+
+    * window: query block i sees key blocks j with ``|i - j| < window`` (as :func:`local`);
+    * global: the first ``num_global`` blocks see, and are seen by, every block;
+    * random: each other query block row gets ``num_random`` more key blocks, drawn
+      uniformly from those it does not see yet (fewer when fewer are left).
+
+    .. image:: /_static/layouts/bigbird.png
+
+    Args:
+      n: blocks per side; window >= 1; num_global in [0, n]; num_random >= 0;
+      seed: numpy random seed for the random blocks.
+    Returns:
+      bool [n, n].
+    """
+    n = _check_count(n, "n")
+    window = _check_count(window, "window", 1)
+    num_global = _check_count(num_global, "num_global")
+    num_random = _check_count(num_random, "num_random")
+    if num_global > n:
+        raise ValueError(f"bigbird needs num_global <= n, got num_global={num_global}, n={n}")
+    mask = local(n, window)
+    mask[:num_global, :] = True
+    mask[:, :num_global] = True
+    rng = np.random.default_rng(seed)
+    for i in range(num_global, n):
+        free = np.flatnonzero(~mask[i])
+        if free.size and num_random:
+            mask[i, rng.choice(free, size=min(num_random, free.size), replace=False)] = True
+    return mask
+
+
+def causal(mask) -> np.ndarray:
+    """Keeps the lower triangle (key block <= query block) of a square attention mask.
+
+    .. image:: /_static/layouts/causal_fixed.png
+
+    Args:
+      mask: bool [n, n], or [heads, n, n] (each head's mask is cut).
+    Returns:
+      bool, mask's shape.
+    """
+    mask = np.asarray(mask)
+    if mask.ndim not in (2, 3) or mask.shape[-1] != mask.shape[-2]:
+        raise ValueError(f"causal needs a square [n, n] or [heads, n, n] mask, got shape {mask.shape}")
+    n = mask.shape[-1]
+    return (mask != 0) & np.tril(np.ones((n, n), bool))
 
 
 def plot(mask, path, *, title: str | None = None):

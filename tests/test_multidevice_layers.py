@@ -45,6 +45,8 @@ SQUARE = make_mask("random", (3, 3), seed=5)  # recurrent: 24 -> 24
 DENSE_X = rand((NUM_DEVICES * 2, 2 * BS), F32, 6)
 IMAGE_X = rand((NUM_DEVICES, 4, 4, 2 * BS), F32, 6)
 SEQUENCE_X = rand((NUM_DEVICES, 2, 2 * BS), F32, 6)
+ATTENTION_MASK = jbs.layouts.causal(jbs.layouts.local(4, 2))  # attention over T = 4 * BS
+ATTENTION_X = rand((NUM_DEVICES, 4 * BS, 2 * BS), F32, 6)
 
 
 def _linen(layer, x):
@@ -91,6 +93,14 @@ CASES = {
     "nnx.BlockSparseLSTMCell": lambda: _nnx(nnx.RNN(_nnx_cell("BlockSparseLSTMCell"), rngs=False), SEQUENCE_X),
     "nnx.BlockSparseMLSTMCell": lambda: _nnx(nnx.RNN(_nnx_cell("BlockSparseMLSTMCell"), rngs=False), SEQUENCE_X),
     "nnx.BlockSparseLSTM": lambda: _nnx(jbs.nnx.BlockSparseLSTM(_nnx_cell("BlockSparseLSTMCell")), SEQUENCE_X),
+    # Block-sparse q/k/v projections (MASK: 16 -> 24 features) in one, dense in the other. No
+    # biases: the key bias's gradient is 0 (softmax ignores a shift), so its values are noise.
+    "nn.BlockSparseSelfAttention": lambda: _linen(
+        jbs.nn.BlockSparseSelfAttention(2, ATTENTION_MASK, BS, causal=True, qkv_mask=MASK, use_bias=False),
+        ATTENTION_X),
+    "nnx.BlockSparseSelfAttention": lambda: _nnx(
+        jbs.nnx.BlockSparseSelfAttention(2, 2 * BS, ATTENTION_MASK, BS, causal=True, use_bias=False,
+                                         rngs=nnx.Rngs(0)), ATTENTION_X),
 }
 
 
