@@ -14,7 +14,11 @@ changed. The CPU kernels are compiled once per instruction set (on x86-64: basel
 AVX2+FMA, AVX-512; elsewhere baseline only) and the best one is chosen at run time.
 
 Headers: XLA FFI from ``jax.ffi.include_dir()``, pybind11 from ``pybind11.get_include()``,
-Python from ``sysconfig``.
+Python from ``sysconfig``. When sm_90a is among the architectures, the Hopper kernels
+(``cuda/sm90/*.cu``, CuTe/CUTLASS: TMA, wgmma, warp-specialized pipelines) are compiled
+for sm_90a alone, with the CUTLASS headers of the ``nvidia-cutlass`` package (a build
+requirement; ``cutlass_library.source_path``/include) as system headers for those sources
+only; without the package that is a build error naming it.
 
 Usage::
 
@@ -61,6 +65,11 @@ X86_ISAS = {
 PORTABLE_ISAS = {"baseline": (4, ())}
 # Host-compiled with nvcc because they include CUDA headers.
 CUDA_HOST_SOURCES = (SRC_DIR / "bsmm_cuda_handlers.cc",)
+# The Hopper kernels (CuTe/CUTLASS: TMA, wgmma): compiled only when sm_90a is among the
+# architectures, for sm_90a alone, with the CUTLASS headers of the nvidia-cutlass package.
+SM90_DIR = SRC_DIR / "sm90"
+SM90_ARCH = "sm_90a"
+SM90_HOST_SOURCES = (SM90_DIR / "bsmm_sm90_handlers.cc",)
 
 
 def is_x86_64() -> bool:
@@ -100,6 +109,22 @@ def gencode_flags(archs) -> list[str]:
         flags += ["-gencode", f"arch=compute_{num},code={code}"]
     return flags
 
+
+
+def cutlass_include() -> str:
+    """The CUTLASS/CuTe C++ headers shipped by the ``nvidia-cutlass`` package (a build requirement)."""
+    try:
+        import cutlass_library  # noqa: PLC0415  (only the sm_90a build needs it)
+    except ImportError as err:
+        raise RuntimeError(
+            "the sm_90a kernels need the CUTLASS headers of the Python package 'nvidia-cutlass' "
+            f"(pip install 'nvidia-cutlass>=4.2'), which cannot be imported ({err}); "
+            f"or build without {SM90_ARCH} (--cuda-arch sm_80,compute_90)"
+        ) from None
+    include = Path(cutlass_library.source_path) / "include"
+    if not (include / "cute" / "tensor.hpp").is_file():
+        raise RuntimeError(f"nvidia-cutlass at {cutlass_library.__file__} has no CuTe headers under {include}")
+    return str(include)
 
 
 def include_flags() -> list[str]:
@@ -143,9 +168,15 @@ def _object(src: Path, tag: str = "") -> Path:
     return BUILD_DIR / (f"{name}.{tag}.o" if tag else f"{name}.o")
 
 
-def compile_jobs(cxx: str, nvcc: str | None, archs: list[str], includes: list[str]) -> list[tuple[Path, Path, list[str]]]:
-    """(source, object, command) for every translation unit of this build."""
+def compile_jobs(cxx: str, nvcc: str | None, archs: list[str], includes: list[str],
+                 cutlass: str | None = None) -> list[tuple[Path, Path, list[str]]]:
+    """(source, object, command) for every translation unit of this build.
+
+    ``cutlass``: the CUTLASS include directory; the sm_90a kernels are built when it is
+    given (``main`` passes it when sm_90a is among ``archs``).
+    """
     with_cuda = nvcc is not None
+    with_sm90 = with_cuda and cutlass is not None
     isas = X86_ISAS if is_x86_64() else PORTABLE_ISAS
     cpu_defines = ["-DJBS_CPU_X86_VARIANTS"] if is_x86_64() else []
     jobs = []
@@ -158,7 +189,8 @@ def compile_jobs(cxx: str, nvcc: str | None, archs: list[str], includes: list[st
     for src in host_sources:
         if src == CPU_KERNELS:
             continue
-        defines = [*cpu_defines, *(["-DJBS_WITH_CUDA"] if with_cuda and src.name == "module.cc" else [])]
+        defines = [*cpu_defines, *(["-DJBS_WITH_CUDA"] if with_cuda and src.name == "module.cc" else []),
+                   *(["-DJBS_WITH_SM90"] if with_sm90 and src.name == "module.cc" else [])]
         jobs.append((src, _object(src), [cxx, *HOST_FLAGS, *defines, *includes, "-c", str(src), "-o", str(_object(src))]))
     if with_cuda:
         gencode = gencode_flags(archs)
@@ -167,6 +199,14 @@ def compile_jobs(cxx: str, nvcc: str | None, archs: list[str], includes: list[st
                    "-o", str(_object(src))]
             jobs.append((src, _object(src), cmd))
         for src in CUDA_HOST_SOURCES:
+            cmd = [nvcc, *NVCC_FLAGS, "-cudart=static", *includes, "-c", str(src), "-o", str(_object(src))]
+            jobs.append((src, _object(src), cmd))
+    if with_sm90:
+        for src in sorted(SM90_DIR.glob("*.cu")):
+            cmd = [nvcc, *NVCC_FLAGS, *DEVICE_FLAGS, *gencode_flags([SM90_ARCH]), "-cudart=static",
+                   "-isystem", cutlass, *includes, "-c", str(src), "-o", str(_object(src))]
+            jobs.append((src, _object(src), cmd))
+        for src in SM90_HOST_SOURCES:
             cmd = [nvcc, *NVCC_FLAGS, "-cudart=static", *includes, "-c", str(src), "-o", str(_object(src))]
             jobs.append((src, _object(src), cmd))
     return jobs
@@ -212,6 +252,13 @@ def main(argv=None) -> int:
         print(f"build.py: {err}", file=sys.stderr)
         return 2
     includes = include_flags()
+    cutlass = None
+    if nvcc and SM90_ARCH in archs:
+        try:
+            cutlass = cutlass_include()
+        except RuntimeError as err:
+            print(f"build.py: {err}", file=sys.stderr)
+            return 1
     output = Path(args.output_dir) / f"{MODULE_NAME}{sysconfig.get_config_var('EXT_SUFFIX')}"
     print(f"build.py: CPU kernels with {cxx}; " + (f"CUDA kernels with {nvcc} for {', '.join(archs)}"
                                                     if nvcc else "no CUDA kernels (nvcc not found or --cpu-only)"))
@@ -223,7 +270,7 @@ def main(argv=None) -> int:
         if not info.exists() or info.read_text() != text:
             info.write_text(text)
 
-    jobs = compile_jobs(cxx, nvcc, archs, includes)
+    jobs = compile_jobs(cxx, nvcc, archs, includes, cutlass)
     start = time.perf_counter()
     pending = [(s, o, c) for s, o, c in jobs if args.force or args.dry_run or not _up_to_date(o, s, c)]
     for src, obj, _ in jobs:
@@ -245,6 +292,8 @@ def main(argv=None) -> int:
         return 1
 
     objects = [str(o) for _, o, _ in jobs]
+    if not args.dry_run:
+        output.parent.mkdir(parents=True, exist_ok=True)
     if nvcc:
         link = [nvcc, "-shared", "-cudart=static", *objects, "-o", str(output)]
     else:

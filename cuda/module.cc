@@ -28,6 +28,13 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmBpropCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmUpdatCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmInitializeCuda);
 #endif
+// The Hopper targets (cuda/sm90/), built when sm_90a is among the architectures.
+#ifdef JBS_WITH_SM90
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmFpropSm90);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmBpropSm90);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmUpdatSm90);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmInitializeSm90);
+#endif
 
 // build.py writes build/jbs_build_info.h with JBS_CUDA_ARCHS ("sm_80,sm_90a,...").
 #if __has_include("jbs_build_info.h")
@@ -137,6 +144,17 @@ PYBIND11_MODULE(_jbs_kernels, m) {
     cuda["jbs_bsmm_fprop"] = stages(Capsule(JbsBsmmFpropCuda));
     cuda["jbs_bsmm_bprop"] = stages(Capsule(JbsBsmmBpropCuda));
     cuda["jbs_bsmm_updat"] = stages(Capsule(JbsBsmmUpdatCuda));
+#ifdef JBS_WITH_SM90
+    auto sm90_stages = [](py::capsule execute) {
+      py::dict d;
+      d["initialize"] = Capsule(JbsBsmmInitializeSm90);
+      d["execute"] = execute;
+      return d;
+    };
+    cuda["jbs_bsmm_fprop_sm90"] = sm90_stages(Capsule(JbsBsmmFpropSm90));
+    cuda["jbs_bsmm_bprop_sm90"] = sm90_stages(Capsule(JbsBsmmBpropSm90));
+    cuda["jbs_bsmm_updat_sm90"] = sm90_stages(Capsule(JbsBsmmUpdatSm90));
+#endif
     by_platform["CUDA"] = cuda;
 #endif
     return by_platform;
@@ -164,6 +182,12 @@ PYBIND11_MODULE(_jbs_kernels, m) {
     d["cuda"] = false;
 #endif
     d["targets"] = py::make_tuple("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat");
+#ifdef JBS_WITH_SM90
+    // CUDA only, Hopper (sm_90a) kernels: chosen by the lowering behind the Hopper gate.
+    d["sm90_targets"] = py::make_tuple("jbs_bsmm_fprop_sm90", "jbs_bsmm_bprop_sm90", "jbs_bsmm_updat_sm90");
+#else
+    d["sm90_targets"] = py::tuple();
+#endif
     d["block_sizes"] = py::make_tuple(8, 16, 32, 64, 128);
     return d;
   }, "Facts about this build: CPU instruction set in use, CUDA version and architectures.");

@@ -16,6 +16,7 @@ class _BuildInfo(TypedDict, total=False):
     cudart_runtime_version: int
     archs: list[str]
     targets: tuple[str, ...]
+    sm90_targets: tuple[str, ...]  # CUDA Hopper targets, empty unless built for sm_90a
     block_sizes: tuple[int, ...]
 
 class _SddPlan(TypedDict):

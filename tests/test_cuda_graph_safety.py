@@ -38,7 +38,8 @@ BEGIN, END = "// capture-unsafe: begin", "// capture-unsafe: end"
 
 
 def _cuda_sources():
-    files = [p for ext in ("*.cc", "*.cu", "*.cuh", "*.h") for p in CUDA_DIR.glob(ext)]
+    # Every directory under cuda/ (the Hopper kernels live in cuda/sm90/).
+    files = [p for ext in ("*.cc", "*.cu", "*.cuh", "*.h") for p in CUDA_DIR.rglob(ext)]
     assert files, f"no CUDA sources under {CUDA_DIR}"
     return sorted(files)
 
@@ -95,3 +96,19 @@ def test_handlers_register_an_initialize_stage():
         stages = registrations["CUDA"][target]
         assert isinstance(stages, dict) and set(stages) == {"initialize", "execute"}, (target, stages)
         assert stages["initialize"] is not stages["execute"]
+
+
+def test_hopper_handlers_register_an_initialize_stage():
+    require_kernels("cuda")
+    registrations = _native._load()[0].registrations()["CUDA"]
+    hopper = [t + "_sm90" for t in TARGETS]
+    if not any(t in registrations for t in hopper):
+        pytest.skip("extension built without sm_90a")
+    for target in hopper:
+        stages = registrations[target]
+        assert isinstance(stages, dict) and set(stages) == {"initialize", "execute"}, (target, stages)
+
+
+def test_sources_cover_the_hopper_kernels():
+    names = {p.relative_to(CUDA_DIR).as_posix() for p in _cuda_sources()}
+    assert {"sm90/bsmm_sm90_handlers.cc", "sm90/bsmm_sm90_dsd.cuh", "sm90/bsmm_sm90_sdd.cuh"} <= names

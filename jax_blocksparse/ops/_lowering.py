@@ -40,6 +40,7 @@ from jax.interpreters import mlir
 
 from jax_blocksparse import _native
 from jax_blocksparse.layout import LayoutTables
+from jax_blocksparse.ops import _sm90
 from jax_blocksparse.ops._partitioning import partitioned
 
 KERNEL_PLATFORMS = ("cpu", "cuda")
@@ -79,7 +80,12 @@ def kernels_selected(platform: str, impl: str, target: str | None = None) -> boo
             f"but its native kernels are not available: {_native.load_error(platform)}. Build them "
             f"with `python build.py` ({hint}), or use implementation 'auto' or 'reference'."
         )
-    return _native.has_kernels(platform) and target is not None and target in verified_targets(platform)
+    if not (_native.has_kernels(platform) and target is not None):
+        return False
+    if target in verified_targets(platform):
+        return True
+    # A verified Hopper variant counts where the lowering would pick it (ops/_sm90.py).
+    return platform == "cuda" and _sm90.select_target(target, VERIFIED_CUDA_TARGETS) in VERIFIED_CUDA_TARGETS
 
 
 # ---------------------------------------------------------------------------------
@@ -106,14 +112,24 @@ def _kernel_call(target: str, out_shape, out_dtype, *operands):
     in_dtype = np.dtype(operands[0].dtype)
     kernel_dtype = out_dtype if out_dtype in (in_dtype, *_KERNEL_OUT_DTYPES) else np.dtype(np.float32)
     a, b, *tables = operands
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(tuple(out_shape), kernel_dtype))
-    return call(*_KERNEL_OPERANDS[target](a, b, LayoutTables(*tables))).astype(out_dtype)
+    result = jax.ShapeDtypeStruct(tuple(out_shape), kernel_dtype)
+    if target == "jbs_bsmm_updat_sm90":  # + its split-reduction workspace (ops/_sm90.py)
+        n = int(np.prod(a.shape[:-1], dtype=np.int64))
+        ws = _sm90.updat_workspace_bytes(in_dtype, n, out_shape[0], out_shape[-1])
+        call = jax.ffi.ffi_call(target, (result, jax.ShapeDtypeStruct((ws,), np.uint8)))
+        out = call(*_KERNEL_OPERANDS[_sm90.BASE_TARGETS[target]](a, b, LayoutTables(*tables)))[0]
+        return out.astype(out_dtype)
+    call = jax.ffi.ffi_call(target, result)
+    base = _sm90.BASE_TARGETS.get(target, target)
+    return call(*_KERNEL_OPERANDS[base](a, b, LayoutTables(*tables))).astype(out_dtype)
 
 
 def _kernel_rule(target: str):
-    def rule(ctx, *operands):
+    def rule(ctx, *operands, platform: str = "cpu"):
         (aval_out,) = ctx.avals_out
-        fun = functools.partial(_kernel_call, target, aval_out.shape, aval_out.dtype)
+        # On "cuda", the Hopper variant of the target when its gate is open (ops/_sm90.py).
+        name = _sm90.select_target(target, VERIFIED_CUDA_TARGETS) if platform == "cuda" else target
+        fun = functools.partial(_kernel_call, name, aval_out.shape, aval_out.dtype)
         return mlir.lower_fun(fun, multiple_results=False)(ctx, *operands)
 
     return rule
@@ -144,14 +160,18 @@ def register_lowerings(
 
         def rule(ctx, *operands, impl, _platform=platform, _fallback=fallback, **params):
             if kernels_selected(_platform, impl, target):
-                return kernel_rule(ctx, *operands)
+                return kernel_rule(ctx, *operands, platform=_platform)
             return _fallback(ctx, *operands, impl=impl, **params)
 
         mlir.register_lowering(primitive, partitioned(primitive, rule), platform=platform)
 
 
 def describe_path(platform: str, impl: str) -> str:
-    """One line saying which path bsmm takes on ``platform`` under ``impl`` (for reports)."""
+    """One line saying which path bsmm takes on ``platform`` under ``impl`` (for reports).
+
+    ``platform`` is a lowering platform ("cpu", "cuda") or a device's ``platform``
+    attribute ("gpu" names CUDA there)."""
+    platform = {"gpu": "cuda"}.get(platform, platform)
     if platform not in KERNEL_PLATFORMS:
         return "pure-JAX reference (no native kernels for this platform)"
     kind = "CUDA kernels" if platform == "cuda" else "native CPU kernels"

@@ -6,7 +6,8 @@
 #   bash tests/gpu/check.sh --dry-run OUTDIR     # print the exact commands; run (and create) nothing
 #   CHECK_STEPS="bench ncu ncu-summary" bash tests/gpu/check.sh OUTDIR     # only these steps
 #
-# Needs, on the GPU machine: python3 with jax[cuda], torch, pytest, pytest-xdist; nvcc,
+# Needs, on the GPU machine: python3 with jax[cuda], torch, pytest, pytest-xdist,
+# nvidia-cutlass (the CuTe headers of the sm_90a kernels, a build requirement); nvcc,
 # nvidia-smi, ncu and compute-sanitizer on the PATH. Nothing is downloaded or installed:
 # it builds the extension in place (build.py) and runs from the tree (PYTHONPATH=$PWD).
 #

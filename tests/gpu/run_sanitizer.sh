@@ -52,7 +52,7 @@ for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool (log: $log)"
     "$SANITIZER" --tool "$tool" --error-exitcode 99 --kernel-name kns=jbs \
         --print-limit 100 \
-        "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu/test_bsmm_kernels.py "$@" 2>&1 | tee "$log"
+        "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu/test_bsmm_kernels.py tests/gpu/test_bsmm_sm90.py "$@" 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     if [ "$rc" -ne 0 ]; then
         echo "== $tool: exit status $rc" >&2

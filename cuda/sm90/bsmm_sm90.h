@@ -1,0 +1,71 @@
+// Launchers of the Hopper (sm_90a) block-sparse matmul kernels (declarations only; no
+// CUDA device code, no CuTe: the FFI handlers include this file).
+//
+// The problems are the ones of the Ampere kernels (bsmm_problem.h): DSD for fprop and
+// bprop, SDD for updat. The sm_90a kernels (bsmm_sm90_dsd.cuh, bsmm_sm90_dsd_packed.cuh,
+// bsmm_sm90_sdd.cuh) take 16-bit inputs (float16, bfloat16): DSD at every block size,
+// SDD at blocks 64 and 128; every other problem (float32 inputs, SDD at blocks 8/16/32)
+// runs the Ampere kernels (bsmm_kernels.h), which also run on Hopper. Sm90RunsDsd() /
+// Sm90RunsSdd() say which one a problem gets.
+//
+// Like the Ampere launchers: a launch makes no CUDA call but the kernel launches and
+// cudaGetLastError (TMA descriptors are encoded on the host, a pure host computation
+// through the driver entry point); PrepareKernelsSm90() does the per-device setup
+// outside stream capture.
+#ifndef JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_H_
+#define JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_H_
+
+#include <cstddef>
+
+#include <cuda_runtime_api.h>
+
+#include "bsmm_problem.h"
+
+namespace jbs {
+namespace sm90 {
+
+struct Launch {
+  cudaStream_t stream = nullptr;
+  bool prepare_only = false;  // launch nothing: set the kernel's attributes (PrepareKernelsSm90)
+  int num_sms = 0;            // streaming multiprocessors of the device (persistent grid size)
+  int plan_sms = 0;           // updat: the SM count its split plan assumes (<= num_sms; 0 = num_sms)
+  void* workspace = nullptr;  // updat only: SddWorkspaceBytes(.., plan_sms) bytes, 16-byte aligned
+};
+
+// updat tiling (mirrored by jax_blocksparse/ops/_sm90.py for the workspace size):
+// slots per work item and rows of N per k-step.
+constexpr int SddGroupFor(int bs) { return bs == 128 ? 2 : 4; }
+constexpr int kSddTileK = 32;
+
+// Whether the sm_90a kernels run this problem (else the Ampere kernels do): 16-bit
+// inputs, blocks 8..128 for DSD (below 64 packed, bsmm_sm90_dsd_packed.cuh) and 64 or
+// 128 for SDD, and no zero-sized dimension (a TMA descriptor needs positive extents).
+bool Sm90RunsDsd(DType in, const DsdParams& p);
+bool Sm90RunsSdd(DType in, const SddParams& p);
+
+// DSD (fprop; bprop with transpose_w). out_f32: float32 output, else the input dtype.
+cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
+
+// Bytes of float32 partial sums the updat of `p` needs on a device with `num_sms` SMs
+// (0 when the N reduction is not split). Depends on shapes only, never on the tables.
+size_t SddWorkspaceBytes(DType in, const SddParams& p, int num_sms);
+
+// SDD (updat).
+cudaError_t LaunchSdd(DType in, bool out_f32, const SddParams& p, const Launch& launch);
+
+// Per-dtype launchers (one translation unit each).
+cudaError_t LaunchDsdBF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
+cudaError_t LaunchDsdF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
+cudaError_t LaunchDsdSmallBF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
+cudaError_t LaunchDsdSmallF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
+cudaError_t LaunchSddBF16(bool out_f32, const SddParams& p, const Launch& launch);
+cudaError_t LaunchSddF16(bool out_f32, const SddParams& p, const Launch& launch);
+
+// Sets every sm_90a kernel's shared memory limit on the current device (loading its
+// module). Call once per device, never during stream capture.
+cudaError_t PrepareKernelsSm90();
+
+}  // namespace sm90
+}  // namespace jbs
+
+#endif  // JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_H_

@@ -1,0 +1,101 @@
+// Pieces shared by the sm_90a kernels: CuTe/CUTLASS headers, warp roles, the
+// shared-memory limit setup. Compiled for sm_90a only (build.py: cuda/sm90/*.cu).
+#ifndef JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_COMMON_CUH_
+#define JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_COMMON_CUH_
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "bsmm_problem.h"
+#include "bsmm_work_plan.h"
+#include "sm90/bsmm_sm90.h"
+
+namespace jbs {
+namespace sm90 {
+namespace detail {
+
+// CUTLASS's element types for the library's dtypes (same bits as __half / __nv_bfloat16).
+template <DType D>
+struct Element;
+template <>
+struct Element<DType::kF16> {
+  using type = cutlass::half_t;
+};
+template <>
+struct Element<DType::kBF16> {
+  using type = cutlass::bfloat16_t;
+};
+
+// Warp roles of every kernel: warpgroup 0 produces (one elected thread issues the TMA
+// loads; the other warps idle with few registers), warpgroups 1.. consume (GMMA and
+// epilogue). 128 threads per warpgroup.
+constexpr int kWarpgroupThreads = 128;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+// Named barrier among the consumer threads (ids 0.. are reserved by CUTLASS).
+constexpr int kEpilogueBarrier = 1;
+
+__device__ __forceinline__ int Clamp(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+// Loads `kernel`'s module and sets its dynamic shared memory limit; capture-unsafe.
+// Only PrepareKernelsSm90() reaches it, through the launchers' prepare_only path.
+template <typename Kernel>
+inline cudaError_t LoadWithSharedLimit(Kernel kernel, int bytes) {
+  // capture-unsafe: begin
+  cudaFuncAttributes attributes;
+  cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
+  if (err != cudaSuccess) return err;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  // capture-unsafe: end
+}
+template <typename Kernel>
+inline cudaError_t PrepareKernel(Kernel kernel, int bytes) {
+  return LoadWithSharedLimit(kernel, bytes);
+}
+// A kernel with its second-pass kernel (no dynamic shared memory): both prepared.
+template <typename Kernel, typename Second>
+inline cudaError_t PrepareKernel(Kernel kernel, int bytes, Second second) {
+  cudaError_t err = LoadWithSharedLimit(kernel, bytes);
+  return err != cudaSuccess ? err : LoadWithSharedLimit(second, 0);
+}
+
+// Slot and input block of layout entry `entry`, or false when it contributes nothing
+// (a padding slot or an out-of-range input block: the same rule as the Ampere kernels).
+__device__ __forceinline__ bool DsdEntrySource(const DsdParams& p, int nnz, int entry, int* slot, int* in_block) {
+  const int s = p.seg_slots != nullptr ? __ldg(p.seg_slots + entry) : entry;
+  if (s < 0 || s >= nnz) return false;
+  const int ib = __ldg(p.in_block + s);
+  if (ib < 0 || ib >= p.nin) return false;
+  *slot = s;
+  *in_block = ib;
+  return true;
+}
+
+// Copies a consumer warpgroup's accumulators into the shared epilogue tile, converted
+// to the output type. tCsC: thr_mma.partition_C of the tile, same shape as `accum`.
+template <class Accum, class SmemPart>
+__device__ __forceinline__ void StoreAccum(const Accum& accum, SmemPart&& tCsC) {
+  using OutT = typename cute::remove_cvref_t<SmemPart>::value_type;
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(accum); ++i) tCsC(i) = static_cast<OutT>(accum(i));
+}
+
+}  // namespace detail
+}  // namespace sm90
+}  // namespace jbs
+
+#endif  // JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_COMMON_CUH_

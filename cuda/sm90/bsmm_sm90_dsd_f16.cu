@@ -1,0 +1,14 @@
+// sm_90a DSD launchers (fprop / bprop) for f16 inputs: output f16 or float32.
+#include "sm90/bsmm_sm90_dsd.cuh"
+
+namespace jbs {
+namespace sm90 {
+
+cudaError_t LaunchDsdF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch) {
+  using T = cutlass::half_t;
+  return out_f32 ? detail::DispatchDsd<T, float>(transpose_w, p, launch)
+                 : detail::DispatchDsd<T, T>(transpose_w, p, launch);
+}
+
+}  // namespace sm90
+}  // namespace jbs

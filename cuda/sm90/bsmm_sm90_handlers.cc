@@ -1,0 +1,230 @@
+// XLA FFI handlers of the Hopper targets jbs_bsmm_{fprop,bprop,updat}_sm90.
+//
+// Same operands and checks as jbs_bsmm_{fprop,bprop,updat} (bsmm_checks.h); updat_sm90
+// has one more result: a uint8 workspace for the float32 partial sums of a split N
+// reduction, sized by the lowering (jax_blocksparse/ops/_sm90.py mirrors
+// SddWorkspaceBytes for a device of at most kPlanSms SMs; a larger device plans for
+// fewer SMs so that the workspace always suffices). A result rather than the FFI
+// scratch allocator, so that a CUDA graph replays with a buffer XLA owns.
+//
+// The targets require a device of compute capability 9.x (the kernels are sm_90a
+// SASS only) and return an FFI error elsewhere. Problems the sm_90a kernels do not
+// cover (float32 inputs; updat at blocks 8/16/32; zero-sized dimensions) run the Ampere
+// kernels, which Hopper runs too.
+//
+// Stages, as for the Ampere targets (bsmm_cuda_handlers.cc): initialize (never
+// captured) reads the device's compute capability and SM count and prepares both
+// kernel families once per device; execute makes only capture-safe calls.
+#include <map>
+#include <mutex>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "bsmm_checks.h"
+#include "bsmm_kernels.h"
+#include "sm90/bsmm_sm90.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jbs {
+namespace sm90 {
+namespace {
+
+// The SM count the lowering sizes the updat workspace for (ops/_sm90.py: PLAN_SMS).
+constexpr int kPlanSms = 132;
+
+struct DeviceInfo {
+  int major = 0;
+  int minor = 0;
+  int num_sms = 0;
+};
+
+std::mutex devices_mutex;
+std::map<int, DeviceInfo> prepared_devices;  // devices whose kernels are prepared
+
+bool FindDevice(int device, DeviceInfo* info) {
+  std::lock_guard<std::mutex> lock(devices_mutex);
+  auto it = prepared_devices.find(device);
+  if (it == prepared_devices.end()) return false;
+  *info = it->second;
+  return true;
+}
+
+std::string CudaErrorText(const char* op, const std::string& what, cudaError_t err) {
+  return std::string(op) + ": " + what + " (" + cudaGetErrorString(err) + ")";
+}
+
+ffi::Error NotHopper(const char* op, int device, const DeviceInfo& info) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": needs a compute capability 9.x (Hopper) GPU, but device " +
+                                     std::to_string(device) + " has compute capability " + std::to_string(info.major) +
+                                     "." + std::to_string(info.minor) +
+                                     "; lower without JAX_BLOCKSPARSE_HOPPER=1 to use the portable kernels");
+}
+
+// Reads the device of `stream` and prepares the kernels there, once per device. Never
+// while a stream is capturing: the initialize stage, or execute outside capture.
+ffi::Error PrepareStreamDevice(const char* op, cudaStream_t stream) {
+  // capture-unsafe: begin
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot read the current device", err));
+  int device = current;
+#if CUDART_VERSION >= 12080
+  err = cudaStreamGetDevice(stream, &device);
+  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot read the stream's device", err));
+#else
+  (void)stream;
+#endif
+  std::lock_guard<std::mutex> lock(devices_mutex);
+  if (prepared_devices.count(device) > 0) return ffi::Error::Success();
+  DeviceInfo info;
+  if ((err = cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) {
+    return ffi::Error::Internal(CudaErrorText(op, "cannot read the attributes of device " + std::to_string(device), err));
+  }
+  if (info.major != 9) return NotHopper(op, device, info);
+  if (device != current && (err = cudaSetDevice(device)) != cudaSuccess) {
+    return ffi::Error::Internal(CudaErrorText(op, "cannot select device " + std::to_string(device), err));
+  }
+  err = PrepareKernelsSm90();
+  if (err == cudaSuccess) err = jbs::PrepareKernels();  // the Ampere kernels, for the uncovered problems
+  if (device != current) {
+    cudaError_t restore = cudaSetDevice(current);
+    if (err == cudaSuccess) err = restore;
+  }
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(CudaErrorText(op, "cannot prepare the kernels on device " + std::to_string(device), err));
+  }
+  prepared_devices[device] = info;
+  return ffi::Error::Success();
+  // capture-unsafe: end
+}
+
+// Execute stage: the prepared device's facts (preparing it now if legal).
+ffi::Error RequireDevice(const char* op, cudaStream_t stream, DeviceInfo* info) {
+  int device = -1;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot read the current device", err));
+  if (FindDevice(device, info)) return ffi::Error::Success();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  err = cudaStreamIsCapturing(stream, &capture);
+  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot query stream capture", err));
+  if (capture != cudaStreamCaptureStatusNone) {
+    return ffi::Error::Internal(std::string(op) + ": the kernels are not prepared on device " + std::to_string(device) +
+                                " and the stream is being captured into a CUDA graph, where preparing them is "
+                                "illegal (XLA did not run this target's initialize stage first)");
+  }
+  if (ffi::Error e = PrepareStreamDevice(op, stream); e.failure()) return e;
+  if (!FindDevice(device, info)) return ffi::Error::Internal(std::string(op) + ": device preparation failed");
+  return ffi::Error::Success();
+}
+
+ffi::Error LaunchError(const char* op, cudaError_t err, const Operands& shapes) {
+  return ffi::Error::Internal(std::string(op) + ": kernel launch failed (" + cudaGetErrorString(err) + ") for " +
+                              shapes.str());
+}
+
+ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer w,
+                   ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr,
+                   ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots, ffi::AnyBuffer order,
+                   ffi::Result<ffi::AnyBuffer> out) {
+  KernelDtypes dt;
+  DsdParams p;
+  if (ffi::Error e = CheckDsd(op, transpose, a, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order,
+                              *out, &dt, &p);
+      e.failure()) {
+    return e;
+  }
+  DeviceInfo info;
+  if (ffi::Error e = RequireDevice(op, stream, &info); e.failure()) return e;
+  if (IsEmpty(p)) return ffi::Error::Success();
+  cudaError_t err;
+  if (Sm90RunsDsd(dt.in, p)) {
+    Launch launch;
+    launch.stream = stream;
+    launch.num_sms = info.num_sms;
+    err = LaunchDsd(dt.in, dt.out_f32, transpose, p, launch);
+  } else {
+    err = jbs::LaunchDsd(dt.in, dt.out_f32, transpose, p, jbs::Launch{stream});
+  }
+  if (err == cudaSuccess) err = cudaGetLastError();
+  if (err != cudaSuccess) return LaunchError(op, err, DescribeDsd(a, w, *out));
+  return ffi::Error::Success();
+}
+
+ffi::Error FpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
+                     ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
+                     ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> y) {
+  return DsdImpl("jbs_bsmm_fprop_sm90", false, stream, x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
+                 order, y);
+}
+
+ffi::Error BpropImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
+                     ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
+                     ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> dx) {
+  return DsdImpl("jbs_bsmm_bprop_sm90", true, stream, g, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
+                 order, dx);
+}
+
+ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer block_rows,
+                     ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
+                     ffi::AnyBuffer row_slots, ffi::Result<ffi::AnyBuffer> dw,
+                     ffi::Result<ffi::AnyBuffer> workspace) {
+  const char* op = "jbs_bsmm_updat_sm90";
+  KernelDtypes dt;
+  SddParams p;
+  if (ffi::Error e = CheckSdd(op, x, dy, block_rows, block_cols, col_ptr, row_ptr, row_slots, *dw, &dt, &p);
+      e.failure()) {
+    return e;
+  }
+  if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": the workspace result must be uint8 of rank 1, got " +
+                                       ShapeStr(*workspace));
+  }
+  DeviceInfo info;
+  if (ffi::Error e = RequireDevice(op, stream, &info); e.failure()) return e;
+  if (IsEmpty(p)) return ffi::Error::Success();
+  cudaError_t err;
+  if (Sm90RunsSdd(dt.in, p)) {
+    Launch launch;
+    launch.stream = stream;
+    launch.num_sms = info.num_sms;
+    // Plan for no more SMs than the workspace was sized for (halving keeps it a divisor-
+    // free, monotone search: fewer SMs never need more splits).
+    const size_t have = workspace->size_bytes();
+    int plan_sms = info.num_sms < kPlanSms ? info.num_sms : kPlanSms;
+    while (plan_sms > 1 && SddWorkspaceBytes(dt.in, p, plan_sms) > have) plan_sms /= 2;
+    if (SddWorkspaceBytes(dt.in, p, plan_sms) > have) {
+      return ffi::Error::InvalidArgument(std::string(op) + ": workspace of " + std::to_string(have) +
+                                         " bytes is too small (needs " +
+                                         std::to_string(SddWorkspaceBytes(dt.in, p, plan_sms)) + ")");
+    }
+    launch.plan_sms = plan_sms;
+    launch.workspace = workspace->untyped_data();
+    err = LaunchSdd(dt.in, dt.out_f32, p, launch);
+  } else {
+    err = jbs::LaunchSdd(dt.in, dt.out_f32, p, jbs::Launch{stream});
+  }
+  if (err == cudaSuccess) err = cudaGetLastError();
+  if (err != cudaSuccess) return LaunchError(op, err, DescribeSdd(x, dy, *dw));
+  return ffi::Error::Success();
+}
+
+ffi::Error InitializeImpl(cudaStream_t stream) { return PrepareStreamDevice("jbs_bsmm_sm90 (initialize)", stream); }
+
+}  // namespace
+}  // namespace sm90
+}  // namespace jbs
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmInitializeSm90, jbs::sm90::InitializeImpl,
+                              ffi::Ffi::BindInitialize().Ctx<ffi::PlatformStream<cudaStream_t>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmFpropSm90, jbs::sm90::FpropImpl,
+                              jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmBpropSm90, jbs::sm90::BpropImpl,
+                              jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmUpdatSm90, jbs::sm90::UpdatImpl,
+                              jbs::BindSdd<ffi::PlatformStream<cudaStream_t>>().Ret<ffi::AnyBuffer>(),  // workspace
+                              {ffi::Traits::kCmdBufferCompatible});

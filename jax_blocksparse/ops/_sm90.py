@@ -1,0 +1,110 @@
+"""The Hopper (sm_90a) targets: when the lowering picks them, and what they take.
+
+The extension built for sm_90a registers, for CUDA, ``jbs_bsmm_{fprop,bprop,updat}_sm90``
+(cuda/sm90/): persistent, warp-specialized kernels with TMA loads, wgmma and TMA stores,
+for 16-bit inputs (fprop/bprop at every block size, small blocks packed 64 / bs outputs
+per tile; updat at blocks 64 and 128). The other problems (float32 inputs, updat at
+blocks 8/16/32) run the portable kernels from inside the same targets. They take the
+operands of the portable targets; ``jbs_bsmm_updat_sm90`` returns a second
+result, a uint8 workspace for the float32 partial sums of a split N reduction, sized here
+(:func:`updat_workspace_bytes`, a mirror of ``SddWorkspaceBytes`` and the work plan of
+cuda/bsmm_work_plan.h).
+
+The Hopper gate (:func:`select_target`): the lowering for "cuda" picks the sm_90 target
+only when the extension has it, the gate is open, and the target GPU is sm_90:
+
+* open: the environment variable ``JAX_BLOCKSPARSE_HOPPER=1``, or the sm_90 target listed
+  among the verified CUDA targets (``_lowering.VERIFIED_CUDA_TARGETS``, empty until the
+  kernels pass tests/gpu on an H100);
+* sm_90: the first CUDA device's compute capability is 9.x; with no CUDA device at
+  lowering time (cross-lowering), the environment variable alone decides.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from jax_blocksparse import _native
+
+HOPPER_ENV = "JAX_BLOCKSPARSE_HOPPER"
+
+# portable target -> Hopper target, and back.
+SM90_TARGETS = {
+    "jbs_bsmm_fprop": "jbs_bsmm_fprop_sm90",
+    "jbs_bsmm_bprop": "jbs_bsmm_bprop_sm90",
+    "jbs_bsmm_updat": "jbs_bsmm_updat_sm90",
+}
+BASE_TARGETS = {v: k for k, v in SM90_TARGETS.items()}
+
+# The SM count the updat workspace is sized for (kPlanSms in cuda/sm90/bsmm_sm90_handlers.cc);
+# a device with more SMs plans its splits for this many.
+PLAN_SMS = 132
+# Mirrors of cuda/sm90/bsmm_sm90.h (Sm90RunsSdd, SddGroupFor, kSddTileK): block sizes and
+# input dtypes of the sm_90a updat kernel (other problems run the portable kernels inside
+# the same target and need no workspace), and its tiling.
+SDD_BLOCK_SIZES = (64, 128)
+SM90_DTYPES = (np.dtype(np.float16), np.dtype("bfloat16"))
+SDD_TILE_K = 32
+
+
+def sdd_group(bs: int) -> int:
+    """Slots per updat work item at block size ``bs`` (SddGroupFor)."""
+    return 2 if bs == 128 else 4
+
+
+def hopper_env() -> bool:
+    """Whether ``JAX_BLOCKSPARSE_HOPPER=1`` opens the Hopper gate."""
+    return os.environ.get(HOPPER_ENV, "").strip() == "1"
+
+
+def built_targets() -> frozenset[str]:
+    """The Hopper targets this extension registered (empty unless built for sm_90a)."""
+    if not _native.has_kernels("cuda"):
+        return frozenset()
+    return frozenset(_native.extension_info().get("sm90_targets", ()))
+
+
+def _cuda_compute_capability() -> str | None:
+    """The first CUDA device's compute capability ("9.0"), or None without a CUDA device."""
+    import jax  # noqa: PLC0415
+
+    try:
+        devices = jax.devices("cuda")
+    except (RuntimeError, ValueError):  # no CUDA backend (cross-lowering)
+        return None
+    cc = getattr(devices[0], "compute_capability", None) if devices else None
+    return str(cc) if cc is not None else None
+
+
+def select_target(target: str, verified: frozenset[str]) -> str:
+    """The FFI target the "cuda" lowering calls for ``target``: its sm_90 variant when the
+    Hopper gate is open (see the module docstring), else ``target`` itself."""
+    sm90 = SM90_TARGETS.get(target)
+    if sm90 is None or sm90 not in built_targets():
+        return target
+    env = hopper_env()
+    if not (env or sm90 in verified):
+        return target
+    cc = _cuda_compute_capability()
+    if cc is None:  # cross-lowering without a GPU: only the explicit request counts
+        return sm90 if env else target
+    return sm90 if cc.split(".")[0] == "9" else target
+
+
+def updat_workspace_bytes(dtype, n: int, capacity: int, bs: int, num_sms: int = PLAN_SMS) -> int:
+    """Bytes of the updat_sm90 workspace: float32 partials [splits, capacity, bs, bs] when the
+    plan splits the N reduction (MakeSddPlan), else 0. ``n``: rows of x/dy (leading dims)."""
+    if np.dtype(dtype) not in SM90_DTYPES or bs not in SDD_BLOCK_SIZES or capacity <= 0 or n <= 0:
+        return 0
+    group = sdd_group(bs)
+    slot_groups = math.ceil(capacity / group)
+    k_tiles = max(1, math.ceil(n / SDD_TILE_K))
+    target = 2 * num_sms
+    want = 1 if slot_groups >= target else math.ceil(target / slot_groups)
+    splits = min(want, k_tiles)
+    tiles_per_split = max(1, k_tiles // splits)
+    splits = math.ceil(k_tiles / tiles_per_split)
+    return splits * capacity * bs * bs * 4 if splits > 1 else 0

@@ -1,0 +1,134 @@
+"""Hopper (sm_90a) targets against float64 numpy oracles, on an sm_90 GPU.
+
+Runs the cases of tests/gpu/test_bsmm_kernels.py (every op at blocks 64/128, fprop and
+bprop at the packed blocks 8/16/32; the adversarial layouts:
+empty, single, full, empty rows/columns, a long column, padding with garbage tables;
+odd row counts; f32 outputs) with the Hopper gate open (JAX_BLOCKSPARSE_HOPPER=1), and
+checks that the lowering really called the *_sm90 targets. Split and unsplit updat
+reductions are both reached (few slots split N; a large N with many slots does not).
+Skips without a GPU (tests/gpu/conftest.py) and on a GPU that is not compute 9.x.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_blocksparse as jbs
+from jax_blocksparse.ops import _sm90
+
+from .test_bsmm_kernels import LAYOUT_KINDS, OPS, _check, _layout, _run
+
+SM90_BLOCKS = (64, 128)
+PACKED_BLOCKS = (8, 16, 32)  # DSD only: block-diagonal packing, 64 / bs outputs per tile
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+@pytest.fixture(autouse=True)
+def _hopper(monkeypatch):
+    cc = _sm90._cuda_compute_capability()
+    if cc is None or cc.split(".")[0] != "9":
+        pytest.skip(f"needs a compute capability 9.x GPU (have {cc})")
+    if not _sm90.built_targets():
+        pytest.fail("sm_90 GPU present but the extension was built without sm_90a")
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+
+
+def _lowers_to_sm90(op, layout, dtype):
+    c, k = layout.shape
+    bs = layout.block_size
+    x = jnp.zeros((8, k if op == "bprop" else c), dtype)
+    if op == "updat":
+        fun = lambda x: jbs.bsmm_updat(x, jnp.zeros((8, k), dtype), layout)  # noqa: E731
+    else:
+        w = jnp.zeros((layout.capacity, bs, bs), dtype)
+        fun = lambda x: jbs.bsmm(x, w, layout, transpose=op == "bprop")  # noqa: E731
+    with jbs.config.implementation("kernels"):
+        text = jax.jit(fun).lower(x).as_text()
+    return f"@jbs_bsmm_{op}_sm90(" in text
+
+
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("bs", SM90_BLOCKS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_layouts(dtype, bs, op, kind):
+    mask, layout = _layout(kind, bs)
+    assert _lowers_to_sm90(op, layout, DTYPES[dtype])
+    got, want, length = _run(op, layout, mask, DTYPES[dtype], (129,))
+    _check(got, want, DTYPES[dtype], length)
+
+
+@pytest.mark.parametrize("n", (1, 7, 129, 1000, 5000))
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("bs", SM90_BLOCKS)
+def test_rows(bs, op, n):
+    mask, layout = _layout("random", bs)
+    got, want, length = _run(op, layout, mask, jnp.bfloat16, (n,))
+    _check(got, want, jnp.bfloat16, length)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("bs", SM90_BLOCKS)
+def test_f32_output(bs, op):
+    mask, layout = _layout("padded", bs)
+    got, want, length = _run(op, layout, mask, jnp.bfloat16, (3, 43), out_dtype=jnp.float32)
+    assert got.dtype == jnp.float32
+    _check(got, want, jnp.bfloat16, length, out_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("bs", (16, 64, 128))
+def test_sanitizer_subset(bs, op):
+    # The reduced set tests/gpu/run_sanitizer.sh runs under compute-sanitizer (memcheck,
+    # racecheck): padded layouts (garbage tables, NaN padding blocks), a partial row tile.
+    mask, layout = _layout("padded", bs)
+    got, want, length = _run(op, layout, mask, jnp.bfloat16, (133,))
+    _check(got, want, jnp.bfloat16, length)
+
+
+def test_updat_split_is_deterministic():
+    mask, layout = _layout("single", 128)
+    assert _sm90.updat_workspace_bytes(jnp.bfloat16, 4096, layout.capacity, 128) > 0
+    x = jax.random.normal(jax.random.PRNGKey(0), (4096, layout.shape[0]), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.PRNGKey(1), (4096, layout.shape[1]), jnp.bfloat16)
+    with jbs.config.implementation("kernels"):
+        f = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, layout, out_dtype=jnp.float32))
+        first = np.asarray(f(x, dy))
+        for _ in range(3):
+            np.testing.assert_array_equal(np.asarray(f(x, dy)), first)
+
+
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("op", ("fprop", "bprop"))
+@pytest.mark.parametrize("bs", PACKED_BLOCKS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_packed_small_blocks(dtype, bs, op, kind):
+    mask, layout = _layout(kind, bs)
+    assert _lowers_to_sm90(op, layout, DTYPES[dtype])
+    got, want, length = _run(op, layout, mask, DTYPES[dtype], (129,))
+    _check(got, want, DTYPES[dtype], length)
+
+
+@pytest.mark.parametrize("n", (1, 200, 1000))
+@pytest.mark.parametrize("bs", PACKED_BLOCKS)
+def test_packed_rows_and_f32_output(bs, n):
+    mask, layout = _layout("padded", bs)
+    for op in ("fprop", "bprop"):
+        got, want, length = _run(op, layout, mask, jnp.bfloat16, (n,), out_dtype=jnp.float32)
+        _check(got, want, jnp.bfloat16, length, out_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("bs", (16, 32))
+def test_small_block_updat_and_f32_run_the_portable_kernels(bs):
+    # The sm90 targets take every problem; updat below 64 and float32 inputs launch the
+    # Ampere kernels from inside them.
+    mask, layout = _layout("random", bs)
+    assert _lowers_to_sm90("updat", layout, jnp.bfloat16)
+    got, want, length = _run("updat", layout, mask, jnp.bfloat16, (129,))
+    _check(got, want, jnp.bfloat16, length)
+    for op in OPS:
+        got, want, length = _run(op, layout, mask, jnp.float32, (129,))
+        _check(got, want, jnp.float32, length)
