@@ -12,10 +12,16 @@ Choose it per call with the ``impl=`` argument of the ops (:func:`~jax_blockspar
 when the op is traced: the innermost :func:`implementation` context, else the
 environment variable ``JAX_BLOCKSPARSE_IMPL``, else ``"auto"``::
 
-    y = jbs.bsmm(x, w, layout, impl="reference")   # this call only
-
-    with jbs.config.implementation("reference"):   # the default for calls traced inside
-        y = jax.jit(f)(x)
+    >>> import jax, jax.numpy as jnp
+    >>> import jax_blocksparse as jbs
+    >>> layout = jbs.Layout.from_mask(jbs.layouts.random((4, 4), 0.5), block_size=16)
+    >>> x, w = jnp.ones((8, 64)), jnp.ones(layout.w_shape)
+    >>> y = jbs.bsmm(x, w, layout, impl="reference")        # this call only
+    >>> f = jax.jit(lambda x, w: jbs.bsmm(x, w, layout))
+    >>> with jbs.config.implementation("reference"):        # the default for calls traced inside
+    ...     print(jbs.config.get_implementation())
+    ...     y = f(x, w)
+    reference
 
 The choice is stored in the primitives' ``impl`` parameter, so it is part of the
 jaxpr, and the JVP, transpose and batching rules keep it: the gradient of a call

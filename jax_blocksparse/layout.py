@@ -177,9 +177,29 @@ class Layout:
 
     Example::
 
-        mask = jbs.layouts.random((8, 8), density=0.25, seed=0)
-        layout = jbs.Layout.from_mask(mask, block_size=32)   # W is [256, 256]
-        w = jnp.zeros(layout.w_shape)                        # [16, 32, 32]
+        >>> import jax, jax.numpy as jnp
+        >>> import jax_blocksparse as jbs
+        >>> mask = jbs.layouts.random((8, 8), density=0.25, seed=0)
+        >>> layout = jbs.Layout.from_mask(mask, block_size=32)      # W is [256, 256]
+        >>> layout
+        Layout(block_size=32, grid=(8, 8), shape=(256, 256), capacity=16, nnz=16)
+        >>> layout.w_shape                                          # the stored blocks w
+        (16, 32, 32)
+
+    With a fixed ``capacity`` every mask of up to that many blocks gives the same
+    pytree structure, so a jitted function takes a new one without recompiling::
+
+        >>> traces = []
+        >>> @jax.jit
+        ... def f(x, w, layout):
+        ...     traces.append(layout)                               # runs once per trace
+        ...     return jbs.bsmm(x, w, layout)
+        >>> other = jbs.Layout.from_mask(jbs.layouts.random((8, 8), 0.2, seed=1), 32, capacity=16)
+        >>> x, w = jnp.ones((4, 256)), jnp.ones(layout.w_shape)
+        >>> f(x, w, layout).shape, f(x, w, other).shape
+        ((4, 256), (4, 256))
+        >>> len(traces)                                             # traced and compiled once
+        1
     """
 
     __slots__ = ("block_size", "grid", "capacity", "tables", "_device_tables", "_static")

@@ -1,0 +1,142 @@
+"""The documentation builds and covers the public API; its examples are collected.
+
+* The Sphinx build (``docs/``: API reference from the docstrings, user guide) runs with
+  warnings as errors, as ``python -m sphinx -W --keep-going -b html docs OUT``.
+* Every name a public module exports (``__all__``) has an entry in the built reference.
+* The examples themselves run elsewhere in the same ``pytest`` run: pyproject's pytest
+  options collect every docstring example of the package (``--doctest-modules``) and
+  every ``>>>`` example of ``docs/**/*.rst`` (``--doctest-glob=*.rst``); checked here
+  so that dropping those options fails.
+
+Sphinx is in the ``test`` extra. Without it these tests skip, unless
+``JBS_REQUIRE_DOCS=1`` (CI sets it): then they fail.
+"""
+
+import importlib
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+# Module -> the page that documents it, and the exported names documented elsewhere.
+API_PAGES = {
+    "jax_blocksparse": ("api/jax_blocksparse.html", set()),
+    "jax_blocksparse.layouts": ("api/layouts.html", set()),
+    "jax_blocksparse.config": ("api/config.html", set()),
+    "jax_blocksparse.sharding": ("api/sharding.html", set()),
+    "jax_blocksparse.nn": ("api/nn.html", set()),
+    "jax_blocksparse.nnx": ("api/nnx.html", set()),
+    # StaticMask is documented where jax_blocksparse.nn re-exports it.
+    "jax_blocksparse.layers.dense": ("api/layers.html", {"StaticMask"}),
+    "jax_blocksparse.layers.conv": ("api/layers.html", set()),
+    "jax_blocksparse.layers.parallel": ("api/layers.html", set()),
+    "jax_blocksparse.layers.recurrent": ("api/layers.html", set()),
+    "jax_blocksparse.ops.recurrence": ("api/ops.html", set()),
+    "jax_blocksparse.ops.probe": ("api/ops.html", set()),
+    # Re-exports documented where they are defined: jax_blocksparse.mixed_precision
+    # (loss scaling) and jax_blocksparse.ops.probe.
+    "jax_blocksparse.training": ("api/training.html", {"LossScaleState", "all_finite", "dynamic_loss_scaling",
+                                                       "loss_scale", "scale_loss", "ProbedLayout",
+                                                       "probe_product", "unwrap"}),
+    "jax_blocksparse.mixed_precision": ("api/mixed_precision.html", set()),
+    "jax_blocksparse.attention": ("api/attention.html", set()),
+}
+
+
+def _exports(module) -> list:
+    """``module.__all__``, else its public functions and classes (those autodoc documents);
+    submodules left out (each has a page of its own, see test_every_public_module_has_a_page)."""
+    if hasattr(module, "__all__"):
+        names = list(module.__all__)
+    else:
+        names = [name for name, value in vars(module).items() if not name.startswith("_") and callable(value)
+                 and getattr(value, "__module__", None) == module.__name__]
+    return [name for name in names if not isinstance(getattr(module, name, None), types.ModuleType)]
+
+
+def _require_sphinx():
+    if importlib.util.find_spec("sphinx") is not None:
+        return
+    reason = 'sphinx is not installed (pip install -e ".[test]" installs it)'
+    if os.environ.get("JBS_REQUIRE_DOCS") == "1":
+        pytest.fail(f"JBS_REQUIRE_DOCS=1 but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def html(tmp_path_factory):
+    """Builds the HTML docs once (warnings are errors); returns the output directory."""
+    _require_sphinx()
+    out = tmp_path_factory.mktemp("docs")
+    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+               "-d", str(out / "doctrees"), str(DOCS), str(out / "html")]
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # autodoc imports jax; a GPU may be shared
+    build = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                           check=False)
+    assert build.returncode == 0, (
+        f"the docs build failed (exit {build.returncode}); every warning is an error:\n"
+        f"{' '.join(command)}\n{build.stdout[-8000:]}\n{build.stderr[-8000:]}"
+    )
+    return out / "html"
+
+
+def test_docs_build_without_warnings(html):
+    for page in ["index.html", "guide/index.html", "api/index.html"] + sorted({p for p, _ in API_PAGES.values()}):
+        assert (html / page).is_file(), f"the docs build wrote no {page}"
+
+
+@pytest.mark.parametrize("module_name", sorted(API_PAGES))
+def test_every_export_is_documented(html, module_name):
+    page, elsewhere = API_PAGES[module_name]
+    module = importlib.import_module(module_name)
+    text = (html / page).read_text(encoding="utf-8")
+    missing = [name for name in _exports(module) if name not in elsewhere and f'id="{module_name}.{name}"' not in text]
+    assert not missing, f"{page} has no entry for {module_name}.{missing}: add them to docs/{page[:-5]}.rst"
+
+
+def test_every_public_module_has_a_page():
+    import jax_blocksparse as jbs
+
+    modules = [name for name in jbs.__all__ if isinstance(getattr(jbs, name), types.ModuleType)]
+    assert modules, jbs.__all__
+    for name in modules:
+        full = f"jax_blocksparse.{name}"
+        assert any(key == full or key.startswith(full + ".") for key in API_PAGES), (
+            f"{full} is public (in jax_blocksparse.__all__) but has no API page: add docs/api/{name}.rst "
+            f"and an entry in API_PAGES"
+        )
+
+
+def test_examples_are_collected(request):
+    """pytest's own options run the examples: the package's docstrings and the guide's .rst files."""
+    testpaths = request.config.getini("testpaths")
+    assert "jax_blocksparse" in testpaths and "docs" in testpaths, testpaths
+    assert request.config.getoption("doctestmodules"), "pyproject's addopts must hold --doctest-modules"
+    assert "*.rst" in request.config.getoption("doctestglob"), "pyproject's addopts must hold --doctest-glob=*.rst"
+    guide = sorted((DOCS / "guide").glob("*.rst"))
+    assert guide, "docs/guide/ holds no pages"
+    for page in guide:
+        text = page.read_text(encoding="utf-8")
+        # Python in the guide is written as doctest (>>>) blocks, which pytest runs;
+        # a plain code block would go unchecked.
+        assert not re.search(r"^\.\. code-block:: *(python|pycon)\b", text, re.MULTILINE), (
+            f"{page.relative_to(ROOT)}: write Python examples as >>> blocks (they run), not code-block"
+        )
+
+
+def test_scripts_named_in_the_docs_exist():
+    """The scripts and modules the pages name (shell blocks, which cannot run here, and
+    prose) exist: e.g. tests/gpu/check.sh, examples/sparse_training.py."""
+    for page in sorted(DOCS.rglob("*.rst")):
+        text = page.read_text(encoding="utf-8")
+        for path in re.findall(r"(?<![\w/.*-])((?:[\w.-]+/)+[\w.-]+\.(?:sh|py))\b", text):
+            assert (ROOT / path).is_file(), f"{page.relative_to(ROOT)} names {path}, which does not exist"
