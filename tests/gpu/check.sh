@@ -13,7 +13,7 @@
 #
 # Steps, in order. A failing (or timed out) step never stops the ones after it.
 #   step         what                                                   H100 s   limit s
-#   build        python3 build.py --cuda-arch <arch> -j $(nproc)            16       120
+#   build        python3 build.py --cuda-arch <arch> -j $(nproc)            16       240
 #                (arch from nvidia-smi's compute_cap: 9.0 -> sm_90a, 8.x -> sm_8x)
 #   env          python3 -m jax_blocksparse; nvidia-smi, git commit, date,    5        60
 #                tool versions into OUTDIR (meta.txt, nvidia-smi.txt)
@@ -100,6 +100,16 @@ T0="$(now_us)"
 PREV_ENV="XLA_FLAGS=${XLA_FLAGS-<unset>} JAX_PLATFORMS=${JAX_PLATFORMS-<unset>} JAX_BLOCKSPARSE_IMPL=${JAX_BLOCKSPARSE_IMPL-<unset>}"
 unset XLA_FLAGS JAX_PLATFORMS JAX_BLOCKSPARSE_IMPL
 export PYTHONPATH="$REPO"
+# The sm_90a kernels compile against nvidia-cutlass's CuTe headers. The GPU machine has
+# no network: a wheel carried in .whl/ (the device tool's `carry`) is unpacked, without
+# its dependencies (the headers need none), beside the tree.
+if ! python3 -c "import cutlass_library" >/dev/null 2>&1; then
+    CUTLASS_WHEEL="$(ls "$REPO"/.whl/nvidia_cutlass-*.whl 2>/dev/null | head -n 1)"
+    if [ -n "$CUTLASS_WHEEL" ] && [ "$DRY" != 1 ]; then
+        python3 -m pip install -q --no-deps --target "$REPO/.whl/site" "$CUTLASS_WHEEL" >/dev/null 2>&1 || true
+    fi
+    export PYTHONPATH="$REPO:$REPO/.whl/site"
+fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONUNBUFFERED=1
 
@@ -273,7 +283,7 @@ fi
 if wanted build; then
     arch_args=()
     if [ -n "$ARCH" ]; then arch_args=(--cuda-arch "$ARCH"); fi
-    run_step build "$(limit_for 120)" "$OUT/build.log" -- \
+    run_step build "$(limit_for 240)" "$OUT/build.log" -- \
         python3 build.py "${arch_args[@]}" -j "$(nproc)"
 fi
 if wanted env; then
