@@ -191,7 +191,8 @@ def compile_jobs(cxx: str, nvcc: str | None, archs: list[str], includes: list[st
             continue
         defines = [*cpu_defines, *(["-DJBS_WITH_CUDA"] if with_cuda and src.name == "module.cc" else []),
                    *(["-DJBS_WITH_SM90"] if with_sm90 and src.name == "module.cc" else [])]
-        jobs.append((src, _object(src), [cxx, *HOST_FLAGS, *defines, *includes, "-c", str(src), "-o", str(_object(src))]))
+        cmd = [cxx, *HOST_FLAGS, *defines, *includes, "-c", str(src), "-o", str(_object(src))]
+        jobs.append((src, _object(src), cmd))
     if with_cuda:
         gencode = gencode_flags(archs)
         for src in sorted(SRC_DIR.glob("*.cu")):
@@ -213,7 +214,8 @@ def compile_jobs(cxx: str, nvcc: str | None, archs: list[str], includes: list[st
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Build the jax-blocksparse native extension (CPU, and CUDA with nvcc).")
+    parser = argparse.ArgumentParser(
+        description="Build the jax-blocksparse native extension (CPU, and CUDA with nvcc).")
     parser.add_argument(
         "--cuda-arch",
         default=",".join(DEFAULT_ARCHS),
@@ -273,7 +275,7 @@ def main(argv=None) -> int:
     jobs = compile_jobs(cxx, nvcc, archs, includes, cutlass)
     start = time.perf_counter()
     pending = [(s, o, c) for s, o, c in jobs if args.force or args.dry_run or not _up_to_date(o, s, c)]
-    for src, obj, _ in jobs:
+    for _src, obj, _ in jobs:
         if all(obj != p[1] for p in pending):
             print(f"  (up to date: {obj.name})")
     try:

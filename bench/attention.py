@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_blocksparse as jbs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
+from _report import git_commit, write_json  # noqa: E402
+
 from jax_blocksparse.attention import blocksparse_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -163,13 +165,6 @@ def flex_peer(mask, block_size, causal, shape, dtype, repeats):
     return float(np.median(samples)), int(torch.cuda.max_memory_allocated())
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _measure(row, name, fn, args, repeats):
@@ -268,18 +263,13 @@ def run(args) -> dict:
         report["results"].append(row)
         print(line(row), flush=True)
         if args.json:
-            _write(args.json, report)
+            write_json(args.json, report)
     report["complete"] = True
     if args.json:
-        _write(args.json, report)
+        write_json(args.json, report)
     return report
 
 
-def _write(path: Path, report: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(path)
 
 
 def parse_args(argv=None):

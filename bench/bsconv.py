@@ -18,9 +18,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from _report import git_commit
+from bsmm import time_fn
 
 import jax_blocksparse as jbs
-from bsmm import git_commit, time_fn
 
 PRESETS = {
     "cpu": dict(batch=8, spatial=16, channels=256, kernel=3, block_sizes=[32], densities=[1.0, 0.5, 0.25, 0.1],
@@ -58,7 +59,8 @@ def _problems(args, bs, density, dtype, key):
 def run(args):
     device = jax.devices()[0]
     rows = []
-    print(f"{'pass':8} {'dtype':9} {'bs':>4} {'density':>8} {'dense ms':>9} {'sparse ms':>10} {'effic.':>7} {'speedup':>8}")
+    print(f"{'pass':8} {'dtype':9} {'bs':>4} {'density':>8} {'dense ms':>9} {'sparse ms':>10} "
+          f"{'effic.':>7} {'speedup':>8}")
     key = jax.random.key(args.seed)
     for dtype in args.dtypes:
         for bs in args.block_sizes:

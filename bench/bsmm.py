@@ -54,10 +54,7 @@ _T_START = time.perf_counter()  # --deadline counts from here: imports and devic
 
 import argparse
 import datetime
-import json
-import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -66,6 +63,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_blocksparse as jbs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
+from _report import git_commit, write_json  # noqa: E402
 
 OPS = ("fprop", "bprop", "updat")
 PEERS = ("torch_bsr", "jax_bcoo")
@@ -339,16 +339,6 @@ def jax_bcoo_peer(x, W_masked, *, repeats, min_time):
 # ---------------------------------------------------------------------------------
 
 
-def git_commit() -> str:
-    """JBS_COMMIT if set (tests/gpu/check.sh sets it), else git's short HEAD, else "unknown"."""
-    if os.environ.get("JBS_COMMIT"):
-        return os.environ["JBS_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _versions(peers) -> dict:
@@ -470,7 +460,7 @@ def run(args) -> dict:
                     report["results"].append(row)
                     print(_line(row), flush=True)
                     if args.json:
-                        _write(args.json, report)
+                        write_json(args.json, report)
             if stopped:
                 break
         if stopped:
@@ -483,11 +473,6 @@ def run(args) -> dict:
     return report
 
 
-def _write(path: Path, report: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(path)
 
 
 def parse_args(argv=None):
@@ -531,7 +516,7 @@ def main(argv=None):
     args = parse_args(argv)
     report = run(args)
     if args.json:
-        _write(args.json, report)
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     return report
 

@@ -170,7 +170,8 @@ def render(out: Path, steps: list[dict], heads: list[dict], meta: str) -> str:
             fp = h.get("fprop", {})
             lines.append(
                 f"{h['block_size']:>4} {_f(h.get('fprop', {}).get('efficiency'), '6.2f')} "
-                f"{_f(h.get('bprop', {}).get('efficiency'), '6.2f')} {_f(h.get('updat', {}).get('efficiency'), '6.2f')} "
+                f"{_f(h.get('bprop', {}).get('efficiency'), '6.2f')} "
+                f"{_f(h.get('updat', {}).get('efficiency'), '6.2f')} "
                 f"{_f(fp.get('call_efficiency'), '10.2f')} {_f(fp.get('speedup'), '13.2f')} "
                 f"{_f(fp.get('roofline_speedup_bound'), '6.1f')} "
                 f"{_f(fp['sparse_s'] * 1e3 if fp.get('sparse_s') else None, '8.3f')} "

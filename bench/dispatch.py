@@ -22,7 +22,7 @@ import argparse
 import datetime
 import json
 import platform
-import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_blocksparse as jbs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
+from _report import git_commit  # noqa: E402
 
 
 def per_call_us(fn, *args, calls: int, repeats: int = 5) -> float:
@@ -46,13 +49,6 @@ def per_call_us(fn, *args, calls: int, repeats: int = 5) -> float:
     return best * 1e6
 
 
-def _commit() -> str:
-    try:
-        root = Path(__file__).resolve().parents[1]
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def measure(calls: int, block_size: int = 16, grid=(4, 4), rows: int = 8) -> list[dict]:
@@ -103,7 +99,7 @@ def main(argv=None) -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(dict(
             benchmark="dispatch", device=f"{device.platform}:{device.device_kind}", host=platform.node(),
-            cpu_count=__import__("os").cpu_count(), jax=jax.__version__, commit=_commit(),
+            cpu_count=__import__("os").cpu_count(), jax=jax.__version__, commit=git_commit(),
             date=datetime.date.today().isoformat(), calls=args.calls, rows=rows,
         ), indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -62,10 +62,8 @@ _T_START = time.perf_counter()  # --deadline counts from here
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -76,6 +74,10 @@ import numpy as np
 import optax
 
 import jax_blocksparse as jbs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
+from _report import git_commit, write_json  # noqa: E402
+
 from jax_blocksparse.ops import _lowering
 
 MODELS = ("mlp", "lstm")
@@ -348,16 +350,6 @@ class Trainer:
 # ---------------------------------------------------------------------------------
 
 
-def git_commit() -> str:
-    """JBS_COMMIT if set, else git's short HEAD, else "unknown"."""
-    if os.environ.get("JBS_COMMIT"):
-        return os.environ["JBS_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10, check=False)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def device_name(device) -> str:
@@ -429,11 +421,6 @@ def table_line(row) -> str:
             f"{row['first_loss']:>10.4g} ->{row['last_loss']:>10.4g}")
 
 
-def _write(path: Path, report: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def run(args) -> dict:
@@ -500,7 +487,7 @@ def _add_row(report, args, row):
     report["rows"].append(row)
     print(table_line(row), flush=True)
     if args.json:
-        _write(args.json, report)
+        write_json(args.json, report)
 
 
 def _model_density(model) -> float:
@@ -595,7 +582,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     report = run(args)
     if args.json:
-        _write(args.json, report)
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     return report
 

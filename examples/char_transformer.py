@@ -216,7 +216,8 @@ def main(argv=None):
                   f" after {steps if bpc is not None else 0} steps", flush=True)
         results[seq_len] = row
         d, s = row["dense"], row["sparse"]
-        fmt = lambda v, spec: format(v, spec) if v is not None else "skipped"
+        def fmt(v, spec):
+            return format(v, spec) if v is not None else "skipped"
         speed = f"{d['ms'] / s['ms']:.1f}x" if d["ms"] and s["ms"] else "n/a"
         print(f"T={seq_len} dense_bpc={fmt(d['bpc'], '.3f')} sparse_bpc={fmt(s['bpc'], '.3f')} "
               f"dense_ms/step={fmt(d['ms'], '.1f')} sparse_ms/step={fmt(s['ms'], '.1f')} speedup={speed} "

@@ -169,7 +169,8 @@ def train(mode: str, steps: int = 200, batch_size: int = 128, seed: int = 0, num
 
 
 def max_difference(a, b) -> float:
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in pairs)
 
 
 def main(argv=None):

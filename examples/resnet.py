@@ -31,8 +31,9 @@ import argparse
 import gzip
 import pickle
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax

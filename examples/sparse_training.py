@@ -40,7 +40,7 @@ import gzip
 import os
 import struct
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax

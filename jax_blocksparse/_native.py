@@ -17,7 +17,7 @@ import jax
 _PLATFORMS = {"cpu": "cpu", "CUDA": "cuda"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load():
     """Returns (module, registered platforms, None) or (None, frozenset(), reason)."""
     try:

@@ -62,7 +62,7 @@ class LayoutTables(NamedTuple):
     row_order: jax.Array
 
     @classmethod
-    def with_orders(cls, block_rows, block_cols, col_ptr, row_ptr, row_slots) -> "LayoutTables":
+    def with_orders(cls, block_rows, block_cols, col_ptr, row_ptr, row_slots) -> LayoutTables:
         """The tables with both orders derived from the pointers (numpy in, numpy out).
 
         numpy pointers give numpy orders (built on the host); jax ones, jnp orders.
@@ -215,7 +215,7 @@ class Layout:
     # -- construction -------------------------------------------------------------
 
     @classmethod
-    def from_mask(cls, mask, block_size: int, capacity: int | None = None) -> "Layout":
+    def from_mask(cls, mask, block_size: int, capacity: int | None = None) -> Layout:
         """Builds a layout from a block mask.
 
         Args:
@@ -259,7 +259,7 @@ class Layout:
         return cls(block_size, grid, capacity, tables)
 
     @classmethod
-    def dense(cls, grid: tuple[int, int], block_size: int) -> "Layout":
+    def dense(cls, grid: tuple[int, int], block_size: int) -> Layout:
         """A layout with every block present."""
         return cls.from_mask(np.ones(grid, bool), block_size)
 

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_blocksparse as jbs
-from conftest import (
+from helpers import (
     assert_close,
     collectives,
     cpu_mesh,

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jax_blocksparse as jbs
-from conftest import assert_close, rand, xla_optimizations_off
+from helpers import assert_close, rand, xla_optimizations_off
 
 F32 = jnp.float32
 BS = 16
@@ -38,7 +38,8 @@ def oracle(params, x, mask, num_heads, causal=True):
 
     q, k, v = (dense(n, x) for n in ("query", "key", "value"))
     *lead, t, f = q.shape
-    heads = lambda a: a.reshape(*lead, t, num_heads, f // num_heads).swapaxes(-2, -3)
+    def heads(a):
+        return a.reshape(*lead, t, num_heads, f // num_heads).swapaxes(-2, -3)
     q, k, v = heads(q), heads(k), heads(v)
     s = q @ k.swapaxes(-1, -2) / np.sqrt(f // num_heads)
     allowed = np.kron(np.asarray(mask).reshape(-1, *np.shape(mask)[-2:]), np.ones((BS, BS), bool))

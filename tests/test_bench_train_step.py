@@ -40,8 +40,9 @@ def test_quick_run_writes_rows_for_both_models(bench, tmp_path, capsys):
                          "--block-sizes", "32", "--densities", "0.5", "--steps", "2", "--json", str(out)])
     result = json.loads(out.read_text())
     assert result == json.loads(json.dumps(report))
-    assert {"device", "commit", "date", "jax_version", "implementation_path", "on_kernels", "baselines", "sizes", "rows",
-            "complete"} <= set(result)
+    fields = {"device", "commit", "date", "jax_version", "implementation_path", "on_kernels", "baselines", "sizes",
+              "rows", "complete"}
+    assert fields <= set(result)
     assert result["complete"] and result["preset"] == "quick"
     assert result["jax_version"] == jax.__version__
     assert result["sizes"]["lstm"] == dict(hidden=64, input=64, steps=3, batch=4)

@@ -6,10 +6,10 @@ Kept apart from tests/test_matmul.py, whose every test runs under both implement
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_close, make_mask, np_blocks, rand
 from test_matmul import F32, OPS, operands
 
 import jax_blocksparse as jbs
+from helpers import assert_close, make_mask, np_blocks, rand
 
 
 @pytest.fixture(scope="module")

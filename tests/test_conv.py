@@ -1,7 +1,7 @@
 """bsconv / bsconv_transpose against dense lax convolutions, under every transform.
 
 The oracles are ``lax.conv_general_dilated`` and ``lax.conv_transpose`` on the dense
-HWIO kernel, built here from the mask alone (``conftest.dense_of`` per tap), so they
+HWIO kernel, built here from the mask alone (``helpers.dense_of`` per tap), so they
 check ``conv_to_dense`` and the tap-stacked layouts rather than reuse them.
 """
 
@@ -13,7 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from jax import lax
+from jax.test_util import check_grads
+
+import jax_blocksparse as jbs
+from helpers import (
     assert_close,
     dense_of,
     make_mask,
@@ -22,10 +26,6 @@ from conftest import (
     storage_order,
     xla_optimizations_off,
 )
-from jax import lax
-from jax.test_util import check_grads
-
-import jax_blocksparse as jbs
 from jax_blocksparse.ops.conv import stack_taps
 
 F32, BF16 = jnp.float32, jnp.bfloat16

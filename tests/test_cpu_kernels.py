@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, cpu_devices, make_problem, rand, require_kernels
 
 import jax_blocksparse as jbs
+from helpers import assert_close, cpu_devices, make_problem, rand, require_kernels
 from jax_blocksparse.ops import _lowering
 
 TARGETS = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")

@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import require_kernels
 
+from helpers import require_kernels
 from jax_blocksparse import _native
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mask, rand
 
 import jax_blocksparse as jbs
+from helpers import make_mask, rand
 
 MASK = make_mask("random", (3, 4), seed=1)  # W is [24, 32] at block size 8
 LAYOUT = jbs.Layout.from_mask(MASK, 8)

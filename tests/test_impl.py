@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rand, require_kernels
 
 import jax_blocksparse as jbs
+from helpers import rand, require_kernels
 
 PRIMITIVES = ("bsmm_fprop", "bsmm_bprop", "bsmm_updat")
 TARGETS = tuple(f"jbs_{p}" for p in PRIMITIVES)
@@ -44,7 +44,10 @@ def _ops():
     c, k = lay.shape
     conv_w = (lay.capacity, 3, 3, 8, 8)
     return {
-        "bsmm": (lambda: (rand((3, c), seed=1), rand(lay.w_shape, seed=2)), lambda a, b, **kw: jbs.bsmm(a, b, lay, **kw)),
+        "bsmm": (
+            lambda: (rand((3, c), seed=1), rand(lay.w_shape, seed=2)),
+            lambda a, b, **kw: jbs.bsmm(a, b, lay, **kw),
+        ),
         "bsmm_transpose": (
             lambda: (rand((3, k), seed=1), rand(lay.w_shape, seed=2)),
             lambda a, b, **kw: jbs.bsmm(a, b, lay, transpose=True, **kw),

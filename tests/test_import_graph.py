@@ -167,7 +167,7 @@ def test_dependencies_point_down():
     bad = []
     for module, found in IMPORTS.items():
         mine = _level(module)
-        for name, in_function, line in found:
+        for name, _in_function, line in found:
             theirs = _level(name)
             if mine is not None and theirs is not None and theirs > mine:
                 bad.append(f"{module} (level {mine}):{line} imports {name} (level {theirs})")

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import cpu_mesh, rand, require_kernels, xla_optimizations_off
 from flax import nnx
 from jax.extend.core import jaxprs_in_params
 
 import jax_blocksparse as jbs
+from helpers import cpu_mesh, rand, require_kernels, xla_optimizations_off
 from jax_blocksparse.ops.probe import ProbedLayout, dense_grid_blocks
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")

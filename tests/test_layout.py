@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GRIDS, MASK_KINDS, make_mask, np_blocks, rand, storage_order
 
 import jax_blocksparse as jbs
+from helpers import GRIDS, MASK_KINDS, make_mask, np_blocks, rand, storage_order
 
 TABLE_NAMES = ("block_rows", "block_cols", "col_ptr", "row_ptr", "row_slots", "col_order", "row_order")
 

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-from conftest import rand
 
 import jax_blocksparse as jbs
+from helpers import rand
 
 L = jbs.layouts
 

@@ -1,7 +1,7 @@
 """bsmm / bsmm(transpose=True) / bsmm_updat against a dense reference, under every transform.
 
 The oracles here never call the library: they rebuild the dense masked weight from
-the mask (``conftest.dense_of``) and compute x @ W in float32.
+the mask (``helpers.dense_of``) and compute x @ W in float32.
 
 Every test runs twice: on the native CPU kernels (the XLA FFI custom calls, the default
 CPU path when built) and on the pure-JAX reference lowering.
@@ -12,7 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+import jax_blocksparse as jbs
+from helpers import (
     DTYPES,
     GRIDS,
     MASK_KINDS,
@@ -30,10 +34,6 @@ from conftest import (
     shard_map,
     storage_order,
 )
-from jax.sharding import PartitionSpec as P
-from jax.test_util import check_grads
-
-import jax_blocksparse as jbs
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -22,7 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import (
+from flax import nnx
+
+import jax_blocksparse as jbs
+from helpers import (
     assert_close,
     keeps_16bit_roundings,
     make_problem,
@@ -30,9 +33,6 @@ from conftest import (
     rerun_keeping_16bit_roundings,
     xla_optimizations_off,
 )
-from flax import nnx
-
-import jax_blocksparse as jbs
 from jax_blocksparse import training as jst
 
 F32 = np.dtype(jnp.float32)
@@ -318,7 +318,8 @@ def test_bad_float32_dw_raises(framework):
 
 def test_bad_op_arguments_raise():
     layout, x, w, _ = _bsmm_case(HALF["bf16"], False)
-    with pytest.raises(ValueError, match=r"float32_dw=True needs a float32 w .* got w bfloat16 with shape \(\d+, 16, 16\)"):
+    expected = r"float32_dw=True needs a float32 w .* got w bfloat16 with shape \(\d+, 16, 16\)"
+    with pytest.raises(ValueError, match=expected):
         jbs.bsmm(x, w.astype(jnp.bfloat16), layout, float32_dw=True)
     with pytest.raises(TypeError, match="compute_dtype must be float32, bfloat16 or float16, got int32"):
         jbs.bsmm(x, w, layout, compute_dtype=jnp.int32)
@@ -351,7 +352,10 @@ def test_loss_scale_grows_after_n_finite_steps_and_shrinks_on_overflow():
     scales, skipped = [], []
     finite = {"w": jnp.full(3, 4.0)}
     for i in range(12):
-        grads = {"w": jnp.array([1.0, jnp.inf, 0.0])} if i in (7, 8, 9) else jax.tree.map(lambda g: g * state.scale / 8, finite)
+        if i in (7, 8, 9):
+            grads = {"w": jnp.array([1.0, jnp.inf, 0.0])}
+        else:
+            grads = jax.tree.map(lambda g: g * state.scale / 8, finite)
         before = params
         params, state = step(params, state, grads)
         scales.append(float(state.scale))

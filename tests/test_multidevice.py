@@ -20,7 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_blocksparse as jbs
+from helpers import (
     NUM_DEVICES,
     assert_close,
     collectives,
@@ -31,12 +37,6 @@ from conftest import (
     rand,
     shard_map,
 )
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
-import jax_blocksparse as jbs
 from jax_blocksparse import sharding
 from jax_blocksparse.ops import matmul
 from jax_blocksparse.ops._partitioning import mark_partitioned, partitioned
@@ -101,7 +101,8 @@ def _check_jit_batch_sharded(problem, op):
     def loss(a, b):
         return jnp.sum(jnp.sin(fn(a, b, layout)))
 
-    for f, want in ((lambda a, b: fn(a, b, layout), fn(a, b, layout)), (jax.grad(loss, (0, 1)), jax.grad(loss, (0, 1))(a, b))):
+    cases = ((lambda a, b: fn(a, b, layout), fn(a, b, layout)), (jax.grad(loss, (0, 1)), jax.grad(loss, (0, 1))(a, b)))
+    for f, want in cases:
         lowered = jax.jit(f).lower(a_s, b_s)
         assert "CustomSPMDPartitioning" in lowered.as_text()  # the rule is in the program
         found = collectives(lowered.compile().as_text())

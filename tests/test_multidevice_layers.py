@@ -18,12 +18,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import NUM_DEVICES, assert_close, collectives, cpu_devices, cpu_mesh, make_mask, rand, shard_map
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_blocksparse as jbs
+from helpers import NUM_DEVICES, assert_close, collectives, cpu_devices, cpu_mesh, make_mask, rand, shard_map
 
 F32 = jnp.float32
 BS = 8
@@ -147,7 +147,7 @@ def test_layer_data_parallel(name):
         assert collectives(fn.lower(params, arg).compile().as_text())["all-gather"] == [], mode
         results[mode] = fn(params, arg)
 
-    for mode, (got_loss, got) in results.items():
+    for got_loss, got in results.values():
         assert_close(got_loss, want_loss, F32, 64)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert_close(g, w, F32, 64)

@@ -10,7 +10,7 @@ import ast
 import re
 from pathlib import Path
 
-from conftest import require_kernels
+from helpers import require_kernels
 
 STUB = Path(__file__).resolve().parents[1] / "jax_blocksparse" / "_jbs_kernels.pyi"
 

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from conftest import xla_optimizations_off
 
 import jax_blocksparse as jbs
+from helpers import xla_optimizations_off
 from jax_blocksparse import nn as jnn
 from jax_blocksparse import nnx as jnnx
 

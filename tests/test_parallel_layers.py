@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, collectives, cpu_mesh, make_mask, rand, xla_optimizations_off
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jax_blocksparse as jbs
+from helpers import assert_close, collectives, cpu_mesh, make_mask, rand, xla_optimizations_off
 from jax_blocksparse import sharding
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -263,5 +263,6 @@ def test_bad_input(mask, kind):
     layer = _build(kind, mask, mesh, shard_capacity=fullest + 1)
     assert layer.shard_layouts.capacity == fullest + 1
     x = jnp.ones((2, C + BS))
-    with pytest.raises(ValueError, match=rf"{name}: inputs must have shape \[\.\.\., {C}\].*got inputs of shape \(2, 32\)"):
+    expected = rf"{name}: inputs must have shape \[\.\.\., {C}\].*got inputs of shape \(2, 32\)"
+    with pytest.raises(ValueError, match=expected):
         layer.init(jax.random.key(0), x) if kind == "linen" else layer(x)

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_problem, rand
 from jax import lax
 
 import jax_blocksparse as jbs
+from helpers import make_problem, rand
 from jax_blocksparse.ops._checks import canonical_precision
 
 PRIMITIVES = ("bsmm_fprop", "bsmm_bprop", "bsmm_updat")
@@ -107,7 +107,7 @@ def test_reference_lowering_passes_the_precision_to_xla(platform):
 def test_highest_is_exact_float32(impl):
     """At HIGHEST both paths match a float64 product to float32 rounding."""
     if impl == "kernels":
-        from conftest import require_kernels
+        from helpers import require_kernels
 
         require_kernels("cpu")
     layout, x, w = _problem()

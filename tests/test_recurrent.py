@@ -19,10 +19,10 @@ import networkx as nx
 import numpy as np
 import pytest
 from flax import nnx
-from conftest import storage_order
 from jax.extend.core import jaxprs_in_params
 
 import jax_blocksparse as jbs
+from helpers import storage_order
 from jax_blocksparse.nn import BlockSparseLSTM, BlockSparseLSTMCell, BlockSparseMLSTMCell
 
 BS = 8
@@ -137,7 +137,7 @@ def _fused(cell, params, x, carry):
 def _dense_params(cell, params):
     """Float64 numpy params with every block-sparse kernel scattered into its dense matrix.
 
-    Storage order comes from the mask alone (conftest.storage_order), not the layout tables.
+    Storage order comes from the mask alone (helpers.storage_order), not the layout tables.
     """
     out = {}
     for name, v in params.items():
@@ -221,7 +221,7 @@ def _outputs_and_grads(apply, *args):
     return out, grads
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results(case):
     """Oracle outputs and both layers' outputs and gradients for a case (shared by tests)."""
     cell, params, x, carry = _setup(case)

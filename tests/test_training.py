@@ -65,7 +65,7 @@ def _data(seed=0, n=24):
 TRACES = {}  # (kind, key) -> number of traces
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(method, dtype=None):
     """Model, loss and jitted init / train / update steps for a method (cached: compile once)."""
     plan = method.plan(SHAPES, BS)
@@ -98,7 +98,7 @@ def _compiled(method, dtype=None):
     return plan, model, loss_fn, init, train_step, update_step
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dense_grads_fn(method):
     loss_fn = _compiled(method)[2]
     return jax.jit(lambda params, layouts, x, y: jst.dense_grads(loss_fn, params, layouts, x, y))

@@ -18,8 +18,9 @@ import re
 
 import numpy as np
 import pytest
+
 import training_steps as ts
-from conftest import require_kernels, xla_optimizations_off
+from helpers import require_kernels, xla_optimizations_off
 
 CASES = [
     ("mlp", "bfloat16"),

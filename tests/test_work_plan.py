@@ -16,7 +16,7 @@ import collections
 import numpy as np
 import pytest
 
-from conftest import make_mask, require_kernels
+from helpers import make_mask, require_kernels
 from jax_blocksparse import Layout
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -47,7 +47,7 @@ def _check_dsd(items, rows, tile_m, seg_ptr, order, pack):
     m_tiles = max(1, -(-rows // tile_m))
     written = collections.Counter()
     first_lengths = []
-    for m_tile, group, row_begin, row_end, members in items:
+    for m_tile, _group, row_begin, row_end, members in items:
         assert row_begin == m_tile * tile_m and row_end == min(rows, row_begin + tile_m)
         assert 1 <= len(members) <= pack
         lengths = [seg_ptr[out + 1] - seg_ptr[out] for out, _ in members]
@@ -116,7 +116,7 @@ def _check_sdd(plan, capacity, group, n, tile_n, num_sms, bs):
         for slot in range(slot_begin, slot_end):
             ranges[slot].append((split, n_begin, n_end))
     assert sorted(ranges) == list(range(capacity))
-    for slot, rs in ranges.items():
+    for rs in ranges.values():
         rs.sort()
         assert [r[0] for r in rs] == list(range(splits))  # every split once
         assert rs[0][1] == 0 and rs[-1][2] == n  # the splits partition [0, n)

@@ -60,7 +60,8 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -685,7 +686,7 @@ def jaxlib_command_buffer_enum() -> list[str]:
     return []
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def command_buffer_types() -> tuple[str, ...]:
     """Every command type the installed XLA accepts in ``--xla_gpu_enable_command_buffer``.
 

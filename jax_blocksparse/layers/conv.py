@@ -49,7 +49,8 @@ from jax_blocksparse.layout import Layout
 from jax_blocksparse.ops.conv import bsconv, bsconv_transpose
 
 __all__ = [
-    "ConvConfig", "canonicalize_padding", "check_conv", "check_conv_inputs", "conv_apply", "conv_transpose_apply", "hashable", "init_conv_kernel", "kernel_size_tuple",
+    "ConvConfig", "canonicalize_padding", "check_conv", "check_conv_inputs", "conv_apply", "conv_transpose_apply",
+    "hashable", "init_conv_kernel", "kernel_size_tuple",
 ]
 
 

@@ -38,8 +38,8 @@ from jax_blocksparse.ops.probe import linear, unwrap
 
 __all__ = [
     "StaticMask", "apply", "canonicalize_dtype", "check_config", "check_dense", "check_dynamic_layout",
-    "check_float32_dw", "check_inputs", "check_options", "default_kernel_init", "fan_in", "forward", "init_kernel", "layout_for",
-    "promote",
+    "check_float32_dw", "check_inputs", "check_options", "default_kernel_init", "fan_in", "forward", "init_kernel",
+    "layout_for", "promote",
 ]
 
 

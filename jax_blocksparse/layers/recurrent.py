@@ -17,8 +17,9 @@ Example::
     >>> from jax_blocksparse.ops.recurrence import bs_lstm_step
     >>> config = recurrent.cell_config("MyCell", 64, jbs.layouts.barabasi_albert(4, 1, seed=0), 16,
     ...                                multiplicative=False, internal_steps=1)
-    >>> sorted(config.param_shapes(8))
-    ['bias', 'input_kernel', 'input_scale', 'recurrent_kernel', 'recurrent_scale', 'step0_bias', 'step0_kernel', 'step0_scale']
+    >>> sorted(config.param_shapes(8))  # doctest: +NORMALIZE_WHITESPACE
+    ['bias', 'input_kernel', 'input_scale', 'recurrent_kernel', 'recurrent_scale',
+     'step0_bias', 'step0_kernel', 'step0_scale']
     >>> params = {name: recurrent.init_param(config, name, jax.random.key(i), 8, kernel_init=None,
     ...                                      recurrent_kernel_init=None, bias_init=jax.nn.initializers.zeros,
     ...                                      param_dtype=jnp.float32)

@@ -9,11 +9,11 @@ The nnx counterparts are :class:`jax_blocksparse.nnx.BlockSparseLinear` and
 """
 
 from jax_blocksparse.layers.dense import StaticMask
+from jax_blocksparse.nn.attention import BlockSparseSelfAttention
 from jax_blocksparse.nn.conv import BlockSparseConv, BlockSparseConvTranspose
 from jax_blocksparse.nn.dense import BlockSparseDense
 from jax_blocksparse.nn.parallel import ColumnParallelDense
 from jax_blocksparse.nn.recurrent import BlockSparseLSTM, BlockSparseLSTMCell, BlockSparseMLSTMCell
-from jax_blocksparse.nn.attention import BlockSparseSelfAttention
 
 __all__ = ["BlockSparseConv", "BlockSparseConvTranspose", "BlockSparseDense", "StaticMask"]
 __all__ += ["BlockSparseLSTM", "BlockSparseLSTMCell", "BlockSparseMLSTMCell", "ColumnParallelDense"]

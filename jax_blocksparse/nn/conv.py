@@ -13,7 +13,8 @@ passes are :mod:`jax_blocksparse.layers.conv` (shared with :mod:`jax_blocksparse
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax

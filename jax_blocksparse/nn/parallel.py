@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -51,7 +52,7 @@ class ColumnParallelDense(nn.Module):
         >>> import flax.linen as nn
         >>> from jax.sharding import Mesh
         >>> import jax_blocksparse as jbs
-        >>> mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("batch", "model"))
+        >>> mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("batch", "model"))
         >>> mask = jbs.layouts.barabasi_albert(8, 2, seed=0)     # [8, 8] blocks
         >>> layer = jbs.nn.ColumnParallelDense(128, mask, 16, mesh, "model", batch_axis="batch")
         >>> x = jnp.ones((4, 128))

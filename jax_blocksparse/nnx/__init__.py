@@ -7,11 +7,11 @@
 The linen counterpart is :class:`jax_blocksparse.nn.BlockSparseDense`.
 """
 
+from jax_blocksparse.nnx.attention import BlockSparseSelfAttention
 from jax_blocksparse.nnx.conv import BlockSparseConv, BlockSparseConvTranspose
 from jax_blocksparse.nnx.linear import BlockLayout, BlockSparseLinear
 from jax_blocksparse.nnx.parallel import ColumnParallelLinear
 from jax_blocksparse.nnx.recurrent import BlockSparseLSTM, BlockSparseLSTMCell, BlockSparseMLSTMCell
-from jax_blocksparse.nnx.attention import BlockSparseSelfAttention
 
 __all__ = ["BlockLayout", "BlockSparseLinear", "ColumnParallelLinear"]
 __all__ += ["BlockSparseConv", "BlockSparseConvTranspose"]

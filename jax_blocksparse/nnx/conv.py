@@ -8,7 +8,8 @@ Same computation, parameters, defaults and initialisation as the linen layers
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

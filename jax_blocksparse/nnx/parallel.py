@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,7 @@ class ColumnParallelLinear(nnx.Module):
         >>> from flax import nnx
         >>> from jax.sharding import Mesh
         >>> import jax_blocksparse as jbs
-        >>> mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("batch", "model"))
+        >>> mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("batch", "model"))
         >>> mask = jbs.layouts.barabasi_albert(8, 2, seed=0)     # [8, 8] blocks
         >>> layer = jbs.nnx.ColumnParallelLinear(128, 128, mask, 16, mesh, "model",
         ...                                      batch_axis="batch", rngs=nnx.Rngs(0))

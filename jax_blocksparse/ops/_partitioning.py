@@ -39,7 +39,7 @@ the library calls it at every bind.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np

@@ -552,7 +552,8 @@ def _stacked_tables_rows(t: LayoutTables, taps: int, capacity: int, xp) -> Layou
     c, tap = r // taps, r % taps
     src = xp.clip(t.row_ptr[c] + i - row_ptr[r], 0, max(capacity - 1, 0))
     row_slots = xp.where(i < taps * nnz, t.row_slots[src] * taps + tap, 0)
-    return LayoutTables.with_orders(*(a.astype(np.int32) for a in (block_rows, block_cols, col_ptr, row_ptr, row_slots)))
+    tables = (block_rows, block_cols, col_ptr, row_ptr, row_slots)
+    return LayoutTables.with_orders(*(a.astype(np.int32) for a in tables))
 
 
 def _stacked_tables_cols(t: LayoutTables, taps: int, capacity: int, xp):
@@ -582,7 +583,8 @@ def _stacked_tables_cols(t: LayoutTables, taps: int, capacity: int, xp):
     ks = t.block_cols[s]
     stacked = taps * t.col_ptr[ks][:, None] + j * count[ks][:, None] + (s - t.col_ptr[ks])[:, None]
     row_slots = xp.where((xp.arange(capacity) < nnz)[:, None], stacked, 0).reshape(-1)
-    tables = LayoutTables.with_orders(*(a.astype(np.int32) for a in (block_rows, block_cols, col_ptr, row_ptr, row_slots)))
+    tables = (block_rows, block_cols, col_ptr, row_ptr, row_slots)
+    tables = LayoutTables.with_orders(*(a.astype(np.int32) for a in tables))
     return tables, source.astype(np.int32)
 
 

@@ -89,7 +89,6 @@ from jax_blocksparse.ops._checks import (
 from jax_blocksparse.ops._lowering import register_lowerings
 from jax_blocksparse.ops._partitioning import mark_partitioned
 
-
 # ---------------------------------------------------------------------------------
 # Public functions
 # ---------------------------------------------------------------------------------
@@ -245,7 +244,10 @@ def bsmm_reference(
     if transpose:
         W = W.T
     product = jnp.matmul(
-        x.astype(compute), W.astype(compute), precision=canonical_precision(precision), preferred_element_type=jnp.float32
+        x.astype(compute),
+        W.astype(compute),
+        precision=canonical_precision(precision),
+        preferred_element_type=jnp.float32,
     )
     return product.astype(out_dtype)
 
@@ -648,7 +650,7 @@ def _transpose_rule(prim):
 # Registration
 # ---------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_bind(prim, params: tuple):
     return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
 

@@ -45,6 +45,13 @@ A linen training loop::
             print(jst.format_log(log))
 """
 
+from jax_blocksparse.mixed_precision import (
+    LossScaleState,
+    all_finite,
+    dynamic_loss_scaling,
+    loss_scale,
+    scale_loss,
+)
 from jax_blocksparse.training._paths import is_layout, named_layouts
 from jax_blocksparse.training.budgets import (
     DISTRIBUTIONS,
@@ -55,13 +62,6 @@ from jax_blocksparse.training.budgets import (
     uniform_densities,
 )
 from jax_blocksparse.training.log import LayoutChangeLog, format_log, log_rows
-from jax_blocksparse.mixed_precision import (
-    LossScaleState,
-    all_finite,
-    dynamic_loss_scaling,
-    loss_scale,
-    scale_loss,
-)
 from jax_blocksparse.training.methods import (
     METHODS,
     SET,

@@ -8,7 +8,7 @@ does that for a list of logs, and :func:`format_log` prints them as a table.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import jax
 import numpy as np

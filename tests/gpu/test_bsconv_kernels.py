@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
-from conftest import assert_close, make_mask, rand
+from helpers import assert_close, make_mask, rand
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 # (spatial shape, kernel size, strides, padding, dilation)

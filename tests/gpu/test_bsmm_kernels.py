@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
+from helpers import make_mask, tolerance
 from jax_blocksparse.layout import Layout, LayoutTables
-from conftest import make_mask, tolerance
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}

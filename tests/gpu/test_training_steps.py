@@ -38,9 +38,9 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import training_steps as ts
 
 import jax_blocksparse as jbs
+import training_steps as ts
 
 # The recurrent models compile longest: first, so that `-n 8` starts them early.
 ORDER = ("rnn_cells", "lstm_fused", "rigl", "conv", "mlp", "mlp_nnx")
