@@ -232,3 +232,24 @@ def test_importing_the_layers_loads_no_training_and_no_optax():
     # flax.nnx imports optax itself (nnx.Optimizer); the layers add nothing of it.
     flax_nnx = _loaded_after("from flax import nnx")
     assert {m for m in both if _under(m, "optax")} <= {m for m in flax_nnx if _under(m, "optax")}
+
+
+def test_importing_every_submodule_keeps_the_exported_functions():
+    """A package attribute shared with a submodule's name (training.loss_scale the
+    function, training/loss_scale.py the module) must stay the function after every
+    submodule is imported, as doctest collection and Sphinx do."""
+    import importlib
+    import pkgutil
+
+    import jax_blocksparse
+
+    for info in pkgutil.walk_packages(jax_blocksparse.__path__, "jax_blocksparse."):
+        if not info.name.split(".")[-1].startswith("_jbs"):
+            importlib.import_module(info.name)
+    for package in ("jax_blocksparse", "jax_blocksparse.training", "jax_blocksparse.ops", "jax_blocksparse.nn",
+                    "jax_blocksparse.nnx", "jax_blocksparse.layers"):
+        module = importlib.import_module(package)
+        clobbered = [n for n in getattr(module, "__all__", ()) if type(getattr(module, n, None)).__name__ == "module"
+                     and n not in ("attention", "config", "layers", "layouts", "mixed_precision", "nn", "nnx",
+                                   "sharding", "training")]
+        assert not clobbered, f"{package}: {clobbered} became modules"

@@ -45,7 +45,11 @@ A linen training loop::
             print(jst.format_log(log))
 """
 
-from jax_blocksparse.mixed_precision import (
+# Imported through the compatibility submodule training.loss_scale, so that the
+# submodule is loaded before the function `loss_scale` is bound here: a later
+# `import jax_blocksparse.training.loss_scale` would otherwise rebind the attribute
+# to the module.
+from jax_blocksparse.training.loss_scale import (
     LossScaleState,
     all_finite,
     dynamic_loss_scaling,
