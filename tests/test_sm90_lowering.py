@@ -5,6 +5,9 @@ rules (tests/test_cuda_lowering.py). With the Hopper gate open (JAX_BLOCKSPARSE_
 see jax_blocksparse/ops/_sm90.py) the text must call ``jbs_bsmm_*_sm90`` with the
 operands of the portable targets, updat_sm90 with its uint8 workspace result; with the
 gate closed, the portable targets only. The workspace size mirrors the C++ work plan.
+Float32 at DEFAULT/HIGH precision calls the sm_90 targets with ``tf32 = true`` and the
+K-major operands TF32 wgmma needs (fprop: w's blocks transposed; updat: x^T, dy^T);
+HIGHEST with ``tf32 = false`` and the operands as they are.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import require_cuda_extension
 
 import jax_blocksparse as jbs
+from helpers import require_cuda_extension
 from jax_blocksparse.ops import _lowering, _sm90
 
 BASE = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
@@ -44,15 +47,15 @@ def _layout():
     return jbs.Layout.from_mask(mask, BLOCK, capacity=6), int(mask.sum())
 
 
-def _lower(op, dtype=jnp.bfloat16):
+def _lower(op, dtype=jnp.bfloat16, precision=None, n=N):
     lay, _ = _layout()
-    x = jnp.zeros((N, C), dtype)
-    dy = jnp.zeros((N, K), dtype)
+    x = jnp.zeros((n, C), dtype)
+    dy = jnp.zeros((n, K), dtype)
     w = jnp.zeros((lay.capacity, BLOCK, BLOCK), dtype)
     fun = {
-        "fprop": lambda x, w, dy: jbs.bsmm(x, w, lay),
-        "bprop": lambda x, w, dy: jbs.bsmm(dy, w, lay, transpose=True),
-        "updat": lambda x, w, dy: jbs.bsmm_updat(x, dy, lay),
+        "fprop": lambda x, w, dy: jbs.bsmm(x, w, lay, precision=precision),
+        "bprop": lambda x, w, dy: jbs.bsmm(dy, w, lay, transpose=True, precision=precision),
+        "updat": lambda x, w, dy: jbs.bsmm_updat(x, dy, lay, precision=precision),
     }[op]
     with jbs.config.implementation("kernels"):
         return jax.jit(fun).trace(x, w, dy).lower(lowering_platforms=("cuda",)).as_text()
@@ -150,4 +153,177 @@ def test_workspace_mirrors_the_work_plan(bs, n, capacity):
         pytest.skip("extension without the work-plan bindings")
     plan = module.work_plan_sdd(capacity, _sm90.sdd_group(bs), n, _sm90.SDD_TILE_K, _sm90.PLAN_SMS, bs)
     assert _sm90.updat_workspace_bytes(jnp.bfloat16, n, capacity, bs) == plan["workspace_elems"] * 4
-    assert _sm90.updat_workspace_bytes(jnp.float32, n, capacity, bs) == 0  # f32 runs the portable kernels
+    assert _sm90.updat_workspace_bytes(jnp.float32, n, capacity, bs) == 0  # exact f32 runs the portable kernels
+    # TF32: same plan over the rows of x^T / dy^T, which the lowering pads to a multiple of 4.
+    padded = n + (-n % _sm90.TF32_ROW_MULTIPLE)
+    assert _sm90.updat_workspace_bytes(jnp.float32, padded, capacity, bs, tf32=True) == (
+        _sm90.updat_workspace_bytes(jnp.bfloat16, padded, capacity, bs)
+    )
+    if n % 4:
+        assert _sm90.updat_workspace_bytes(jnp.float32, n, capacity, bs, tf32=True) == 0
+    assert _sm90.updat_workspace_bytes(jnp.bfloat16, padded, capacity, bs, tf32=True) == 0
+
+
+# ---------------------------------------------------------------------------------
+# float32: TF32 tensor cores below HIGHEST
+# ---------------------------------------------------------------------------------
+
+
+def _call_line(text, target):
+    lines = [l for l in text.splitlines() if f"@{target}(" in l]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def _tf32_attr(line):
+    m = re.search(r"tf32 = (true|false)", line)
+    assert m, line
+    return m.group(1) == "true"
+
+
+def _defs(text, target):
+    """SSA name -> its defining line, in the function that calls ``target`` (names repeat
+    across the private functions of the lowering)."""
+    out = {}
+    for l in text.splitlines():
+        if "func.func" in l:
+            out = {}
+        m = re.match(r"\s*(%[\w#]+)(?::\d+)? = ", l)
+        if m:
+            out[m.group(1)] = l
+        if f"@{target}(" in l:
+            return out
+    raise AssertionError(f"no call of {target}")
+
+
+@pytest.mark.parametrize("precision", [None, "default", "high", "tensorfloat32", "bfloat16"])
+def test_f32_default_fprop_is_tf32_with_transposed_w(monkeypatch, precision):
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+    # conftest runs every test under default_matmul_precision("highest"): None reads XLA's default here.
+    with jax.default_matmul_precision(None):
+        text = _lower("fprop", jnp.float32, precision)
+    line = _call_line(text, "jbs_bsmm_fprop_sm90")
+    assert _tf32_attr(line)
+    x_arg, w_arg = (v.strip() for v in _operands(text, "jbs_bsmm_fprop_sm90")[0][:2])
+    # w reaches the kernel with each block transposed: w^T = transpose(w, [0, 2, 1]).
+    w_def = _defs(text, "jbs_bsmm_fprop_sm90")[w_arg]
+    assert "stablehlo.transpose" in w_def and "dims = [0, 2, 1]" in w_def, w_def
+    assert "tensor<6x64x64xf32>" in w_def
+    assert x_arg.startswith("%arg"), x_arg  # x unchanged
+
+
+def test_f32_default_bprop_is_tf32_with_operands_unchanged(monkeypatch):
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+    text = _lower("bprop", jnp.float32, "default")
+    assert _tf32_attr(_call_line(text, "jbs_bsmm_bprop_sm90"))
+    g_arg, w_arg = (v.strip() for v in _operands(text, "jbs_bsmm_bprop_sm90")[0][:2])
+    assert g_arg.startswith("%arg") and w_arg.startswith("%arg")  # already K-major
+    assert "stablehlo.transpose" not in text
+
+
+@pytest.mark.parametrize("n", [N, 42, 1], ids=["n40", "n42-padded", "n1-padded"])
+def test_f32_default_updat_is_tf32_with_transposed_operands(monkeypatch, n):
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+    text = _lower("updat", jnp.float32, "default", n=n)
+    line = _call_line(text, "jbs_bsmm_updat_sm90")
+    assert _tf32_attr(line)
+    padded = n + (-n % 4)
+    # x^T [C, n] and dy^T [K, n], n padded with zero rows to a multiple of 4.
+    assert f"(tensor<{C}x{padded}xf32>, tensor<{K}x{padded}xf32>," in line, line
+    defs = _defs(text, "jbs_bsmm_updat_sm90")
+    for arg, cols in zip(_operands(text, "jbs_bsmm_updat_sm90")[0][:2], (C, K)):
+        d = defs[arg.strip()]
+        assert "stablehlo.transpose" in d and "dims = [1, 0]" in d, d
+        assert f"tensor<{padded}x{cols}xf32>" in d
+    assert ("stablehlo.pad" in text) == (padded != n)
+    lay, _ = _layout()
+    ws = _sm90.updat_workspace_bytes(jnp.float32, padded, lay.capacity, BLOCK, tf32=True)
+    assert f"tensor<{ws}xui8>" in line, line
+
+
+@pytest.mark.parametrize("op", ["fprop", "bprop", "updat"])
+def test_f32_highest_is_exact_with_operands_unchanged(monkeypatch, op):
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+    text = _lower(op, jnp.float32, "highest")
+    line = _call_line(text, f"jbs_bsmm_{op}_sm90")
+    assert not _tf32_attr(line)
+    assert "stablehlo.transpose" not in text and "stablehlo.pad" not in text
+    for arg in _operands(text, f"jbs_bsmm_{op}_sm90")[0][:2]:
+        assert arg.strip().startswith("%arg"), line
+    if op == "updat":
+        assert f"(tensor<{N}x{C}xf32>, tensor<{N}x{K}xf32>," in line
+        assert "tensor<0xui8>" in line  # the exact kernel needs no workspace
+
+
+def test_f32_default_matmul_precision_context(monkeypatch):
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+    with jax.default_matmul_precision("highest"):
+        assert not _tf32_attr(_call_line(_lower("fprop", jnp.float32), "jbs_bsmm_fprop_sm90"))
+    with jax.default_matmul_precision("tensorfloat32"):
+        assert _tf32_attr(_call_line(_lower("fprop", jnp.float32), "jbs_bsmm_fprop_sm90"))
+
+
+@pytest.mark.parametrize("op", ["fprop", "bprop", "updat"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_16bit_never_tf32(monkeypatch, op, dtype):
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+    text = _lower(op, dtype)
+    assert not _tf32_attr(_call_line(text, f"jbs_bsmm_{op}_sm90"))
+    assert "stablehlo.transpose" not in text
+
+
+@pytest.mark.parametrize("op", ["fprop", "bprop", "updat"])
+def test_f32_small_blocks_stay_exact(monkeypatch, op):
+    # Blocks 8/16/32 in float32 keep the exact kernels (no TF32 wgmma variant for them).
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+    bs = 32
+    lay = jbs.Layout.from_mask(np.eye(4, 6, dtype=bool), bs)
+    x, dy = jnp.zeros((N, 4 * bs), jnp.float32), jnp.zeros((N, 6 * bs), jnp.float32)
+    w = jnp.zeros((lay.capacity, bs, bs), jnp.float32)
+    fun = {
+        "fprop": lambda x, w, dy: jbs.bsmm(x, w, lay),
+        "bprop": lambda x, w, dy: jbs.bsmm(dy, w, lay, transpose=True),
+        "updat": lambda x, w, dy: jbs.bsmm_updat(x, dy, lay),
+    }[op]
+    with jbs.config.implementation("kernels"):
+        text = jax.jit(fun).trace(x, w, dy).lower(lowering_platforms=("cuda",)).as_text()
+    assert not _tf32_attr(_call_line(text, f"jbs_bsmm_{op}_sm90"))
+    assert "stablehlo.transpose" not in text
+
+
+def test_portable_targets_take_no_attribute(monkeypatch):
+    # The Ampere targets are unchanged: no tf32 attribute, whatever the precision.
+    for op in ("fprop", "updat"):
+        line = _call_line(_lower(op, jnp.float32, "default"), f"jbs_bsmm_{op}")
+        assert "tf32" not in line, line
+
+
+def test_use_tf32_rule():
+    from jax import lax
+
+    f32, bf16 = np.dtype(np.float32), jnp.bfloat16
+    for prec in (None, lax.Precision.DEFAULT, lax.Precision.HIGH):
+        assert _sm90.use_tf32(f32, 64, prec) and _sm90.use_tf32(f32, 128, prec)
+        for bs in (8, 16, 32):
+            assert not _sm90.use_tf32(f32, bs, prec)
+        assert not _sm90.use_tf32(bf16, 64, prec)
+    assert not _sm90.use_tf32(f32, 64, lax.Precision.HIGHEST)
+
+
+def test_tf32_operands_values():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 4, 4)).astype(np.float32)
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)  # n = 6 -> padded to 8
+    dy = rng.standard_normal((2, 3, 12)).astype(np.float32)
+    a, b = _sm90.tf32_operands("jbs_bsmm_fprop", x, w)
+    assert a is x and np.array_equal(np.asarray(b), w.transpose(0, 2, 1))
+    a, b = _sm90.tf32_operands("jbs_bsmm_bprop", x, w)
+    assert a is x and b is w
+    xt, dyt = (np.asarray(v) for v in _sm90.tf32_operands("jbs_bsmm_updat", x, dy))
+    assert xt.shape == (8, 8) and dyt.shape == (12, 8)
+    assert np.array_equal(xt[:, :6], x.reshape(6, 8).T) and not xt[:, 6:].any()
+    assert np.array_equal(dyt[:, :6], dy.reshape(6, 12).T) and not dyt[:, 6:].any()
+    # x^T dy over the padded rows is the product over the real ones.
+    np.testing.assert_allclose(xt @ dyt.T, x.reshape(6, 8).T @ dy.reshape(6, 12), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown target"):
+        _sm90.tf32_operands("jbs_bsmm_nope", x, w)

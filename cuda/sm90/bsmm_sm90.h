@@ -4,9 +4,11 @@
 // The problems are the ones of the Ampere kernels (bsmm_problem.h): DSD for fprop and
 // bprop, SDD for updat. The sm_90a kernels (bsmm_sm90_dsd.cuh, bsmm_sm90_dsd_packed.cuh,
 // bsmm_sm90_sdd.cuh) take 16-bit inputs (float16, bfloat16): DSD at every block size,
-// SDD at blocks 64 and 128; every other problem (float32 inputs, SDD at blocks 8/16/32)
-// runs the Ampere kernels (bsmm_kernels.h), which also run on Hopper. Sm90RunsDsd() /
-// Sm90RunsSdd() say which one a problem gets.
+// SDD at blocks 64 and 128. Both also run float32 inputs on TF32 tensor cores at blocks
+// 64 and 128 when the caller asks for TF32 (LaunchDsdTF32, LaunchSddTF32). Every other problem (exact
+// float32, SDD at blocks 8/16/32) runs the Ampere kernels (bsmm_kernels.h),
+// which also run on Hopper. Sm90Runs{Dsd,Sdd}{,TF32}() say which one a
+// problem gets.
 //
 // Like the Ampere launchers: a launch makes no CUDA call but the kernel launches and
 // cudaGetLastError (TMA descriptors are encoded on the host, a pure host computation
@@ -46,12 +48,29 @@ bool Sm90RunsSdd(DType in, const SddParams& p);
 // DSD (fprop; bprop with transpose_w). out_f32: float32 output, else the input dtype.
 cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
 
+// DSD on TF32 tensor cores (float32 inputs at DEFAULT/HIGH precision, float32 output),
+// blocks 64 and 128, no zero-sized dimension. TF32 GMMA reads B K-major only, so w is
+// read as bprop reads it, w[s] viewed [n, k]: bprop passes w, fprop passes w with its
+// blocks transposed (the lowering's jnp.swapaxes(w, -1, -2)); the tables of `p` say
+// which product it is. Inputs are rounded towards zero to TF32 (10 mantissa bits) by the
+// tensor cores; accumulation is float32.
+bool Sm90RunsDsdTF32(DType in, const DsdParams& p);
+cudaError_t LaunchDsdTF32(const DsdParams& p, const Launch& launch);
+
 // Bytes of float32 partial sums the updat of `p` needs on a device with `num_sms` SMs
-// (0 when the N reduction is not split). Depends on shapes only, never on the tables.
-size_t SddWorkspaceBytes(DType in, const SddParams& p, int num_sms);
+// (0 when the N reduction is not split), for the 16-bit kernel or (tf32) the TF32 one.
+// Depends on shapes only, never on the tables.
+size_t SddWorkspaceBytes(DType in, const SddParams& p, int num_sms, bool tf32 = false);
 
 // SDD (updat).
 cudaError_t LaunchSdd(DType in, bool out_f32, const SddParams& p, const Launch& launch);
+
+// SDD on TF32 tensor cores (float32 inputs at DEFAULT/HIGH precision, float32 output),
+// blocks 64 and 128, n a positive multiple of 4, no zero-sized dimension. TF32 GMMA
+// reads both operands K-major only, so p.x and p.dy hold x^T [cb * bs, n] and dy^T
+// [kb * bs, n] (row-major; p.n, p.cb, p.kb are those of the product, as for LaunchSdd).
+bool Sm90RunsSddTF32(DType in, const SddParams& p);
+cudaError_t LaunchSddTF32(const SddParams& p, const Launch& launch);
 
 // Per-dtype launchers (one translation unit each).
 cudaError_t LaunchDsdBF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);

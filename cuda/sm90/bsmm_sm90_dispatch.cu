@@ -17,8 +17,18 @@ bool Sm90RunsDsd(DType in, const DsdParams& p) {
   return Is16Bit(in) && block && p.n > 0 && p.nin > 0 && p.nseg > 0 && p.cap > 0;
 }
 
+bool Sm90RunsDsdTF32(DType in, const DsdParams& p) {
+  return in == DType::kF32 && (p.bs == 64 || p.bs == 128) && p.n > 0 && p.nin > 0 && p.nseg > 0 && p.cap > 0;
+}
+
 bool Sm90RunsSdd(DType in, const SddParams& p) {
   return Is16Bit(in) && (p.bs == 64 || p.bs == 128) && p.n > 0 && p.cb > 0 && p.kb > 0 && p.cap > 0;
+}
+
+bool Sm90RunsSddTF32(DType in, const SddParams& p) {
+  // n % 4: the rows of x^T / dy^T are TMA tensors, whose strides are multiples of 16 bytes.
+  return in == DType::kF32 && (p.bs == 64 || p.bs == 128) && p.n > 0 && p.n % 4 == 0 && p.cb > 0 && p.kb > 0 &&
+         p.cap > 0;
 }
 
 cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch) {
@@ -31,8 +41,9 @@ cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams&
                            : LaunchDsdBF16(out_f32, transpose_w, p, launch);
 }
 
-size_t SddWorkspaceBytes(DType in, const SddParams& p, int num_sms) {
-  if (!Sm90RunsSdd(in, p)) return 0;
+size_t SddWorkspaceBytes(DType in, const SddParams& p, int num_sms, bool tf32) {
+  if (!(tf32 ? Sm90RunsSddTF32(in, p) : Sm90RunsSdd(in, p))) return 0;
+  // The TF32 kernel has the same slot groups and k-step (SddGroupFor, kSddTileK): same plan.
   const plan::SddPlan pl = plan::MakeSddPlan(p.cap, SddGroupFor(p.bs), p.n, kSddTileK, num_sms > 0 ? num_sms : 1);
   return static_cast<size_t>(plan::SddWorkspaceElems(pl, p.bs)) * sizeof(float);
 }
@@ -50,6 +61,10 @@ cudaError_t PrepareKernelsSm90() {
     dsd.bs = bs;
     SddParams sdd{};
     sdd.bs = bs;
+    if (bs >= 64) {  // float32 on TF32 tensor cores
+      if (cudaError_t err = LaunchDsdTF32(dsd, prepare); err != cudaSuccess) return err;
+      if (cudaError_t err = LaunchSddTF32(sdd, prepare); err != cudaSuccess) return err;
+    }
     for (DType in : {DType::kF16, DType::kBF16}) {
       for (bool out_f32 : {false, true}) {
         for (bool transpose_w : {false, true}) {

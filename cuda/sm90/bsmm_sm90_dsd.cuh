@@ -1,13 +1,15 @@
 // sm_90a DSD kernel (fprop, and bprop over the transposed tables): dense x block-sparse
-// -> dense, for 16-bit inputs and blocks of 64 or 128.
+// -> dense, for 16-bit inputs and, on TF32 tensor cores, float32 inputs (T =
+// cutlass::tfloat32_t over float32 memory), for blocks of 64 or 128.
 //
 // Persistent and warp-specialized. The grid is about one CTA per SM; each CTA walks the
 // items of the work plan (bsmm_work_plan.h: one item = 128 rows x one output block,
 // longest outputs first). Per CTA, 384 threads:
 //   warpgroup 0   producer: one elected thread reads the layout tables and issues, per
-//                 k-step of 64, two TMA loads into the next free pipeline stage: the
-//                 128 x 64 box of `a` at (m_tile, input block column) and the 64 x BS
-//                 (fprop) / BS x 64 (bprop) box of w viewed as [cap * BS, BS] at the
+//                 k-step of 64 (32 for TF32: 128 bytes either way), two TMA loads into
+//                 the next free pipeline stage: the 128 x 64 box of `a` at (m_tile,
+//                 input block column) and the 64 x BS (fprop) / BS x 64 (bprop) box of
+//                 w viewed as [cap * BS, BS] at the
 //                 slot's rows. Rows past n are zero-filled by the TMA unit.
 //   warpgroups 1-2 consumers: each owns 64 of the 128 rows and runs SM90 GMMA
 //                 (64 x BS x 16, float32 accumulators) straight from shared memory,
@@ -20,7 +22,13 @@
 //
 // Operand majors: a is K-major (rows of x/g are contiguous in k). For fprop the B
 // operand W(s) = w[s] is [k, n] with n contiguous (MN-major, allowed for 16-bit GMMA);
-// for bprop W(s) = w[s]^T, so B is K-major.
+// for bprop W(s) = w[s]^T, so B is K-major. TRANS_W_ only chooses how B is read
+// (K-major from w[s] viewed as [n, k]); the tables come from DsdParams. TF32 GMMA
+// (float32 inputs at DEFAULT/HIGH precision) needs a K-major B, so its fprop reads the
+// blocks of w^T (the lowering passes jnp.swapaxes(w, -1, -2)) with TRANS_W_ = true over
+// the fprop tables, exactly as bprop reads w. A k-step is then 32 elements (128 bytes)
+// and each GMMA is 64 x BS x 8; the tensor cores use the top 19 bits of each float32
+// (TF32), accumulating in float32.
 #ifndef JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_DSD_CUH_
 #define JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_DSD_CUH_
 
@@ -37,7 +45,11 @@ struct DsdConfig {
   static constexpr int kBs = BS_;
   static constexpr bool kTransW = TRANS_W_;
   static constexpr int kTileM = 128;
-  static constexpr int kTileK = 64;  // 128 bytes of k: one 128-byte swizzle atom row
+  // 128 bytes of k, one 128-byte swizzle atom row: 64 16-bit elements, 32 tf32 ones.
+  static constexpr int kTileK = 128 / static_cast<int>(sizeof(T));
+  // TF32 GMMA reads both operands K-major only (no transposing smem descriptor for
+  // 32-bit types): the w operand must then be given with its blocks K-major.
+  static_assert(!cute::is_same_v<T, cutlass::tfloat32_t> || TRANS_W_, "TF32 needs a K-major B (transposed w blocks)");
   static constexpr int kStages = 4;
   static constexpr int kConsumers = 2;  // warpgroups, 64 rows each
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
@@ -70,6 +82,7 @@ struct DsdConfig {
     typename Pipeline::SharedStorage pipe;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 CTA may have");
   static constexpr uint32_t kStageBytes = (kTileM * kTileK + kBs * kTileK) * sizeof(T);
 
   // Global views the TMA descriptors are built from (shapes int32, strides int64).
@@ -303,6 +316,20 @@ cudaError_t LaunchDsdConfig(const DsdParams& p, const Launch& launch) {
   const int grid = plan::PersistentGrid(plan::DsdNumItems(args.plan), launch.num_sms > 0 ? launch.num_sms : 1, 1);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, launch.stream>>>(args);
   return cudaGetLastError();
+}
+
+// float32 inputs on TF32 GMMA, float32 output, B read K-major (bprop's w, or fprop's
+// w given transposed): blocks 64 and 128.
+inline cudaError_t DispatchDsdTF32(const DsdParams& p, const Launch& launch) {
+  using T = cutlass::tfloat32_t;  // same bits as float32
+  switch (p.bs) {
+    case 64:
+      return LaunchDsdConfig<DsdConfig<T, float, 64, true>>(p, launch);
+    case 128:
+      return LaunchDsdConfig<DsdConfig<T, float, 128, true>>(p, launch);
+    default:
+      return cudaErrorInvalidValue;  // 8, 16, 32: the exact float32 kernels
+  }
 }
 
 // Dispatch over the block size (64, 128) and the direction for one dtype pair.

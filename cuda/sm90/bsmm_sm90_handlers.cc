@@ -9,8 +9,17 @@
 //
 // The targets require a device of compute capability 9.x (the kernels are sm_90a
 // SASS only) and return an FFI error elsewhere. Problems the sm_90a kernels do not
-// cover (float32 inputs; updat at blocks 8/16/32; zero-sized dimensions) run the Ampere
+// cover (exact float32; updat at blocks 8/16/32; zero-sized dimensions) run the Ampere
 // kernels, which Hopper runs too.
+//
+// Every sm90 target takes one attribute, `tf32` (bool): float32 inputs run on TF32
+// tensor cores (ops/_lowering.py sets it for float32 at DEFAULT/HIGH precision and blocks
+// 64/128, as jnp.dot on GPU; HIGHEST gives false: the exact float32 kernels). TF32 GMMA
+// reads both operands K-major only, so with tf32 some operands come transposed:
+//   fprop: w holds the blocks transposed (w[s]^T), x as usual;
+//   bprop: as usual (w[s] viewed [n, k] is already K-major);
+//   updat: x^T [C, n] and dy^T [K, n] (rank 2, n padded with zero rows to a multiple
+//          of 4), instead of x [N..., C] and dy [N..., K].
 //
 // Stages, as for the Ampere targets (bsmm_cuda_handlers.cc): initialize (never
 // captured) reads the device's compute capability and SM count and prepares both
@@ -122,6 +131,29 @@ ffi::Error RequireDevice(const char* op, cudaStream_t stream, DeviceInfo* info) 
   return ffi::Error::Success();
 }
 
+// A rank-2 buffer [r, c] seen as [c, r] (same data): lets the shared checks read the
+// transposed operands of a tf32 updat as the [n, C] / [n, K] products they describe.
+class TransposedView {
+ public:
+  explicit TransposedView(const ffi::AnyBuffer& b) {
+    dims_[0] = b.dimensions()[1];
+    dims_[1] = b.dimensions()[0];
+    buf_.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+    buf_.extension_start = nullptr;
+    buf_.dtype = static_cast<XLA_FFI_DataType>(b.element_type());
+    buf_.data = b.untyped_data();
+    buf_.rank = 2;
+    buf_.dims = dims_;
+  }
+  TransposedView(const TransposedView&) = delete;  // buf_ points into this object
+  TransposedView& operator=(const TransposedView&) = delete;
+  ffi::AnyBuffer buffer() const { return ffi::AnyBuffer(&buf_); }
+
+ private:
+  int64_t dims_[2];
+  XLA_FFI_Buffer buf_;
+};
+
 ffi::Error LaunchError(const char* op, cudaError_t err, const Operands& shapes) {
   return ffi::Error::Internal(std::string(op) + ": kernel launch failed (" + cudaGetErrorString(err) + ") for " +
                               shapes.str());
@@ -130,7 +162,7 @@ ffi::Error LaunchError(const char* op, cudaError_t err, const Operands& shapes) 
 ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer w,
                    ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr,
                    ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots, ffi::AnyBuffer order,
-                   ffi::Result<ffi::AnyBuffer> out) {
+                   ffi::Result<ffi::AnyBuffer> out, bool tf32) {
   KernelDtypes dt;
   DsdParams p;
   if (ffi::Error e = CheckDsd(op, transpose, a, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order,
@@ -138,16 +170,28 @@ ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::Any
       e.failure()) {
     return e;
   }
+  // With tf32, fprop's w holds transposed blocks: only the TF32 kernel reads them right.
+  if (tf32 && (dt.in != DType::kF32 || (p.bs != 64 && p.bs != 128))) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true needs float32 inputs and blocks of 64 or 128, got " +
+                                       DescribeDsd(a, w, *out).str());
+  }
   DeviceInfo info;
   if (ffi::Error e = RequireDevice(op, stream, &info); e.failure()) return e;
   if (IsEmpty(p)) return ffi::Error::Success();
   cudaError_t err;
-  if (Sm90RunsDsd(dt.in, p)) {
+  if (tf32 && Sm90RunsDsdTF32(dt.in, p)) {
+    Launch launch;
+    launch.stream = stream;
+    launch.num_sms = info.num_sms;
+    err = LaunchDsdTF32(p, launch);
+  } else if (Sm90RunsDsd(dt.in, p)) {
     Launch launch;
     launch.stream = stream;
     launch.num_sms = info.num_sms;
     err = LaunchDsd(dt.in, dt.out_f32, transpose, p, launch);
   } else {
+    // Also a tf32 problem with no input block or no slot: its output is all zeros, so
+    // the orientation of w's blocks does not matter.
     err = jbs::LaunchDsd(dt.in, dt.out_f32, transpose, p, jbs::Launch{stream});
   }
   if (err == cudaSuccess) err = cudaGetLastError();
@@ -157,27 +201,45 @@ ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::Any
 
 ffi::Error FpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
                      ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
-                     ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> y) {
+                     ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> y, bool tf32) {
   return DsdImpl("jbs_bsmm_fprop_sm90", false, stream, x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
-                 order, y);
+                 order, y, tf32);
 }
 
 ffi::Error BpropImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
                      ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
-                     ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> dx) {
+                     ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> dx, bool tf32) {
   return DsdImpl("jbs_bsmm_bprop_sm90", true, stream, g, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
-                 order, dx);
+                 order, dx, tf32);
 }
 
 ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer block_rows,
                      ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
                      ffi::AnyBuffer row_slots, ffi::Result<ffi::AnyBuffer> dw,
-                     ffi::Result<ffi::AnyBuffer> workspace) {
+                     ffi::Result<ffi::AnyBuffer> workspace, bool tf32) {
   const char* op = "jbs_bsmm_updat_sm90";
   KernelDtypes dt;
   SddParams p;
-  if (ffi::Error e = CheckSdd(op, x, dy, block_rows, block_cols, col_ptr, row_ptr, row_slots, *dw, &dt, &p);
-      e.failure()) {
+  if (tf32) {
+    if (x.dimensions().size() != 2 || dy.dimensions().size() != 2) {
+      return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true takes x^T [C, n] and dy^T [K, n] (rank 2), got " +
+                                         DescribeSdd(x, dy, *dw).str());
+    }
+    // The checks (and the problem they fill) see the [n, C] / [n, K] products; the data
+    // pointers stay those of x^T and dy^T, which the TF32 kernel reads K-major.
+    TransposedView xv(x), dyv(dy);
+    if (ffi::Error e = CheckSdd(op, xv.buffer(), dyv.buffer(), block_rows, block_cols, col_ptr, row_ptr, row_slots,
+                                *dw, &dt, &p);
+        e.failure()) {
+      return e;
+    }
+    if (dt.in != DType::kF32 || (p.bs != 64 && p.bs != 128) || p.n % 4 != 0) {
+      return ffi::Error::InvalidArgument(std::string(op) +
+                                         ": tf32=true needs float32 inputs, blocks of 64 or 128 and n a multiple of "
+                                         "4, got " + DescribeSdd(x, dy, *dw).str() + " (x^T, dy^T)");
+    }
+  } else if (ffi::Error e = CheckSdd(op, x, dy, block_rows, block_cols, col_ptr, row_ptr, row_slots, *dw, &dt, &p);
+             e.failure()) {
     return e;
   }
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1) {
@@ -188,7 +250,7 @@ ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   if (ffi::Error e = RequireDevice(op, stream, &info); e.failure()) return e;
   if (IsEmpty(p)) return ffi::Error::Success();
   cudaError_t err;
-  if (Sm90RunsSdd(dt.in, p)) {
+  if (tf32 ? Sm90RunsSddTF32(dt.in, p) : Sm90RunsSdd(dt.in, p)) {
     Launch launch;
     launch.stream = stream;
     launch.num_sms = info.num_sms;
@@ -196,16 +258,18 @@ ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
     // free, monotone search: fewer SMs never need more splits).
     const size_t have = workspace->size_bytes();
     int plan_sms = info.num_sms < kPlanSms ? info.num_sms : kPlanSms;
-    while (plan_sms > 1 && SddWorkspaceBytes(dt.in, p, plan_sms) > have) plan_sms /= 2;
-    if (SddWorkspaceBytes(dt.in, p, plan_sms) > have) {
+    while (plan_sms > 1 && SddWorkspaceBytes(dt.in, p, plan_sms, tf32) > have) plan_sms /= 2;
+    if (SddWorkspaceBytes(dt.in, p, plan_sms, tf32) > have) {
       return ffi::Error::InvalidArgument(std::string(op) + ": workspace of " + std::to_string(have) +
                                          " bytes is too small (needs " +
-                                         std::to_string(SddWorkspaceBytes(dt.in, p, plan_sms)) + ")");
+                                         std::to_string(SddWorkspaceBytes(dt.in, p, plan_sms, tf32)) + ")");
     }
     launch.plan_sms = plan_sms;
     launch.workspace = workspace->untyped_data();
-    err = LaunchSdd(dt.in, dt.out_f32, p, launch);
+    err = tf32 ? LaunchSddTF32(p, launch) : LaunchSdd(dt.in, dt.out_f32, p, launch);
   } else {
+    // Also a tf32 problem with no input or output block column (n > 0, multiple of 4):
+    // every slot is out of range, so dw is all zeros whatever the operands' orientation.
     err = jbs::LaunchSdd(dt.in, dt.out_f32, p, jbs::Launch{stream});
   }
   if (err == cudaSuccess) err = cudaGetLastError();
@@ -222,9 +286,13 @@ ffi::Error InitializeImpl(cudaStream_t stream) { return PrepareStreamDevice("jbs
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmInitializeSm90, jbs::sm90::InitializeImpl,
                               ffi::Ffi::BindInitialize().Ctx<ffi::PlatformStream<cudaStream_t>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmFpropSm90, jbs::sm90::FpropImpl,
-                              jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>(), {ffi::Traits::kCmdBufferCompatible});
+                              jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>().Attr<bool>("tf32"),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmBpropSm90, jbs::sm90::BpropImpl,
-                              jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>(), {ffi::Traits::kCmdBufferCompatible});
+                              jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>().Attr<bool>("tf32"),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmUpdatSm90, jbs::sm90::UpdatImpl,
-                              jbs::BindSdd<ffi::PlatformStream<cudaStream_t>>().Ret<ffi::AnyBuffer>(),  // workspace
+                              jbs::BindSdd<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<bool>("tf32"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,5 +1,5 @@
 // sm_90a SDD kernel (updat): dw[s] = x[:, rows(s)]^T @ dy[:, cols(s)], for 16-bit inputs
-// and blocks of 64 or 128.
+// and, on TF32 tensor cores, float32 inputs; blocks of 64 or 128.
 //
 // Persistent and warp-specialized like the DSD kernel (bsmm_sm90_dsd.cuh). An item of
 // the work plan (bsmm_work_plan.h) is a group of G consecutive slots and a range of the
@@ -10,6 +10,12 @@
 // shares one dy tile: it is read from global memory once for all of them). Both
 // operands are MN-major in shared memory (x^T and dy, n contiguous), which 16-bit GMMA
 // reads directly.
+// TF32 (T = cutlass::tfloat32_t over float32 memory): TF32 GMMA reads K-major operands
+// only, so the lowering passes x^T [C, n] and dy^T [K, n] (row-major, n contiguous, n
+// padded with zero rows to a multiple of 4 for TMA's 16-byte strides) and the kernel
+// reads both K-major with the same boxes, plan and epilogue. A k-step is still 32 rows
+// of n (128 bytes of float32, one 128-byte swizzle row). Fewer stages fit in shared
+// memory: 2 at BS 128, 3 at BS 64 (SddConfig::kStages).
 //   warpgroup 0          producer (one elected thread)
 //   warpgroups 1..BS/64  consumers, 64 rows of every slot's tile each
 // When the plan splits N (fewer slot groups than two per SM), split s stores float32
@@ -39,7 +45,10 @@ struct SddConfig {
   static constexpr int kBs = BS_;
   static constexpr int kGroup = SddShape<BS_>::kGroup;
   static constexpr int kTileK = SddShape<BS_>::kTileK;
-  static constexpr int kStages = 4;
+  // TF32: operands K-major (x^T, dy^T given by the lowering), twice the bytes per tile.
+  static constexpr bool kKMajor = cute::is_same_v<T_, cutlass::tfloat32_t>;
+  // Shared memory (<= 227 KB): 16-bit 4 stages; TF32 2 (BS 128: 192 KB) or 3 (BS 64: 208 KB).
+  static constexpr int kStages = !kKMajor ? 4 : (BS_ == 128 ? 2 : 3);
   static constexpr int kConsumers = kBs / 64;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
 
@@ -47,14 +56,14 @@ struct SddConfig {
   using TileK = cute::Int<kTileK>;
   using Buffers = cute::Int<kGroup * kStages>;  // buffer stage * G + g
 
-  using SmemLayoutA =
-      decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<T>{}, cute::make_shape(TileB{}, TileK{}, Buffers{})));
+  using SmemAtom = cute::conditional_t<kKMajor, cute::GMMA::Layout_K_SW128_Atom<T>, cute::GMMA::Layout_MN_SW128_Atom<T>>;
+  using SmemLayoutA = decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(TileB{}, TileK{}, Buffers{})));
   using SmemLayoutB = SmemLayoutA;
   using SmemLayoutC = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<OutT>{}, cute::make_shape(TileB{}, TileB{})));
   using SmemLayoutW = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{}, cute::make_shape(TileB{}, TileB{})));
 
-  using MmaOp = decltype(cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, TileB, TileK>,
-                                                    cute::GMMA::Major::MN, cute::GMMA::Major::MN>());
+  static constexpr cute::GMMA::Major kMajor = kKMajor ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
+  using MmaOp = decltype(cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, TileB, TileK>, kMajor, kMajor>());
   using TiledMma = decltype(cute::make_tiled_mma(MmaOp{}, cute::Layout<cute::Shape<cute::Int<kConsumers>, cute::_1, cute::_1>>{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -66,12 +75,19 @@ struct SddConfig {
     typename Pipeline::SharedStorage pipe;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 CTA may have");
   static constexpr uint32_t kTileBytes = kBs * kTileK * sizeof(T);
 
   // x [n, cb * BS] as (M = cb * BS, K = n); dy [n, kb * BS] as (N = kb * BS, K = n).
+  // TF32: x^T [cb * BS, n] and dy^T [kb * BS, n], the same (M|N, K) views K-major.
   static auto GlobalOperand(const T* ptr, int cols, int n) {
-    return cute::make_tensor(cute::make_gmem_ptr(ptr), cute::make_shape(cols, n),
-                             cute::make_stride(cute::_1{}, static_cast<int64_t>(cols)));
+    if constexpr (kKMajor) {
+      return cute::make_tensor(cute::make_gmem_ptr(ptr), cute::make_shape(cols, n),
+                               cute::make_stride(static_cast<int64_t>(n), cute::_1{}));
+    } else {
+      return cute::make_tensor(cute::make_gmem_ptr(ptr), cute::make_shape(cols, n),
+                               cute::make_stride(cute::_1{}, static_cast<int64_t>(cols)));
+    }
   }
   // dw [cap, BS, BS] (or the workspace [splits * cap, BS, BS]) as rows x BS.
   template <typename E>
@@ -389,6 +405,17 @@ cudaError_t LaunchSddConfig(const SddParams& p, const Launch& launch) {
   reduce<<<blocks > 0 ? blocks : 1, kReduceThreads, 0, launch.stream>>>(ws, static_cast<OutT*>(p.dw), p.nnz, pl.splits,
                                                                          p.cap, Cfg::kBs * Cfg::kBs);
   return cudaGetLastError();
+}
+
+// float32 inputs on TF32 GMMA (x and dy given transposed, see the top of this file),
+// float32 output.
+inline cudaError_t DispatchSddTF32(const SddParams& p, const Launch& launch) {
+  using T = cutlass::tfloat32_t;  // same bits as float32
+  switch (p.bs) {
+    case 64: return LaunchSddConfig<SddConfig<T, float, 64>>(p, launch);
+    case 128: return LaunchSddConfig<SddConfig<T, float, 128>>(p, launch);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 template <typename T, typename OutT>

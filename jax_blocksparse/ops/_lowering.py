@@ -32,7 +32,7 @@ casting a float32 result.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -106,30 +106,37 @@ _KERNEL_OPERANDS: dict[str, Callable] = {
 _KERNEL_OUT_DTYPES = (np.dtype(np.float32),)
 
 
-def _kernel_call(target: str, out_shape, out_dtype, *operands):
-    """jnp function: the FFI custom call on the target's operands, the cast to ``out_dtype``."""
+def _kernel_call(target: str, out_shape, out_dtype, *operands, precision=None):
+    """jnp function: the FFI custom call on the target's operands, the cast to ``out_dtype``.
+
+    The sm_90 targets also take the ``tf32`` attribute (float32 on TF32 tensor cores at
+    ``precision`` None/DEFAULT/HIGH, with some operands transposed: ops/_sm90.py)."""
     out_dtype = np.dtype(out_dtype)
     in_dtype = np.dtype(operands[0].dtype)
     kernel_dtype = out_dtype if out_dtype in (in_dtype, *_KERNEL_OUT_DTYPES) else np.dtype(np.float32)
     a, b, *tables = operands
     result = jax.ShapeDtypeStruct(tuple(out_shape), kernel_dtype)
-    if target == "jbs_bsmm_updat_sm90":  # + its split-reduction workspace (ops/_sm90.py)
-        n = int(np.prod(a.shape[:-1], dtype=np.int64))
-        ws = _sm90.updat_workspace_bytes(in_dtype, n, out_shape[0], out_shape[-1])
-        call = jax.ffi.ffi_call(target, (result, jax.ShapeDtypeStruct((ws,), np.uint8)))
-        out = call(*_KERNEL_OPERANDS[_sm90.BASE_TARGETS[target]](a, b, LayoutTables(*tables)))[0]
-        return out.astype(out_dtype)
-    call = jax.ffi.ffi_call(target, result)
     base = _sm90.BASE_TARGETS.get(target, target)
-    return call(*_KERNEL_OPERANDS[base](a, b, LayoutTables(*tables))).astype(out_dtype)
+    if base == target:  # a portable target
+        return jax.ffi.ffi_call(target, result)(*_KERNEL_OPERANDS[base](a, b, LayoutTables(*tables))).astype(out_dtype)
+    tf32 = _sm90.use_tf32(in_dtype, out_shape[-1] if base == "jbs_bsmm_updat" else b.shape[-1], precision)
+    if tf32:
+        a, b = _sm90.tf32_operands(base, a, b)
+    args = _KERNEL_OPERANDS[base](a, b, LayoutTables(*tables))
+    if target == "jbs_bsmm_updat_sm90":  # + its split-reduction workspace (ops/_sm90.py)
+        n = a.shape[-1] if tf32 else int(np.prod(a.shape[:-1], dtype=np.int64))
+        ws = _sm90.updat_workspace_bytes(in_dtype, n, out_shape[0], out_shape[-1], tf32=tf32)
+        call = jax.ffi.ffi_call(target, (result, jax.ShapeDtypeStruct((ws,), np.uint8)))
+        return call(*args, tf32=np.bool_(tf32))[0].astype(out_dtype)
+    return jax.ffi.ffi_call(target, result)(*args, tf32=np.bool_(tf32)).astype(out_dtype)
 
 
 def _kernel_rule(target: str):
-    def rule(ctx, *operands, platform: str = "cpu"):
+    def rule(ctx, *operands, platform: str = "cpu", precision=None):
         (aval_out,) = ctx.avals_out
         # On "cuda", the Hopper variant of the target when its gate is open (ops/_sm90.py).
         name = _sm90.select_target(target, VERIFIED_CUDA_TARGETS) if platform == "cuda" else target
-        fun = functools.partial(_kernel_call, name, aval_out.shape, aval_out.dtype)
+        fun = functools.partial(_kernel_call, name, aval_out.shape, aval_out.dtype, precision=precision)
         return mlir.lower_fun(fun, multiple_results=False)(ctx, *operands)
 
     return rule
@@ -160,7 +167,8 @@ def register_lowerings(
 
         def rule(ctx, *operands, impl, _platform=platform, _fallback=fallback, **params):
             if kernels_selected(_platform, impl, target):
-                return kernel_rule(ctx, *operands, platform=_platform)
+                # precision: the Hopper targets run float32 on TF32 below HIGHEST (ops/_sm90.py).
+                return kernel_rule(ctx, *operands, platform=_platform, precision=params.get("precision"))
             return _fallback(ctx, *operands, impl=impl, **params)
 
         mlir.register_lowering(primitive, partitioned(primitive, rule), platform=platform)

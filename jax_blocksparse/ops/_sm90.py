@@ -3,12 +3,24 @@
 The extension built for sm_90a registers, for CUDA, ``jbs_bsmm_{fprop,bprop,updat}_sm90``
 (cuda/sm90/): persistent, warp-specialized kernels with TMA loads, wgmma and TMA stores,
 for 16-bit inputs (fprop/bprop at every block size, small blocks packed 64 / bs outputs
-per tile; updat at blocks 64 and 128). The other problems (float32 inputs, updat at
-blocks 8/16/32) run the portable kernels from inside the same targets. They take the
-operands of the portable targets; ``jbs_bsmm_updat_sm90`` returns a second
-result, a uint8 workspace for the float32 partial sums of a split N reduction, sized here
-(:func:`updat_workspace_bytes`, a mirror of ``SddWorkspaceBytes`` and the work plan of
-cuda/bsmm_work_plan.h).
+per tile; updat at blocks 64 and 128) and for float32 inputs on TF32 tensor cores (all
+three at blocks 64 and 128, see below). The other problems (exact float32, float32 at
+blocks 8/16/32, updat at blocks 8/16/32) run the portable kernels from inside the same
+targets. They take the operands of the portable targets; ``jbs_bsmm_updat_sm90``
+returns a second result, a uint8 workspace for the float32 partial sums of a split N
+reduction, sized here (:func:`updat_workspace_bytes`, a mirror of ``SddWorkspaceBytes``
+and the work plan of cuda/bsmm_work_plan.h).
+
+Float32 precision (:func:`use_tf32`): every sm_90 target takes a bool attribute
+``tf32``. It is true for float32 inputs at blocks 64 and 128 when the primitive's
+``precision`` is None, DEFAULT or HIGH: the products then run on TF32 tensor cores
+(10-bit mantissa inputs, float32 accumulation), as ``jnp.dot`` does on the GPU. HIGHEST
+gives false: the exact float32 kernels. TF32 wgmma reads both operands K-major only, so
+with ``tf32`` the lowering passes some operands transposed (:func:`tf32_operands`):
+fprop's w as ``jnp.swapaxes(w, -1, -2)`` (each block transposed), updat's x and dy as
+x^T [C, n] and dy^T [K, n] with n padded by zero rows to a multiple of 4 (TMA strides
+are multiples of 16 bytes; zero rows add nothing to the sum over n). bprop's operands
+are K-major as they are. Blocks 8/16/32 in float32 keep the exact kernels.
 
 The Hopper gate (:func:`select_target`): the lowering for "cuda" picks the sm_90 target
 only when the extension has it, the gate is open, and the target GPU is sm_90:
@@ -48,6 +60,45 @@ PLAN_SMS = 132
 SDD_BLOCK_SIZES = (64, 128)
 SM90_DTYPES = (np.dtype(np.float16), np.dtype("bfloat16"))
 SDD_TILE_K = 32
+# Float32 on TF32 tensor cores: block sizes, and the multiple of rows the transposed updat
+# operands are padded to (Sm90RunsDsdTF32 / Sm90RunsSddTF32).
+TF32_BLOCK_SIZES = (64, 128)
+TF32_ROW_MULTIPLE = 4
+
+
+def use_tf32(dtype, bs: int, precision) -> bool:
+    """Whether an sm_90 target runs a product of ``dtype`` inputs at block size ``bs`` on
+    TF32 tensor cores: float32 at ``precision`` None, DEFAULT or HIGH (a
+    :class:`jax.lax.Precision` or None, as the primitives carry it), blocks 64 and 128."""
+    from jax import lax  # noqa: PLC0415
+
+    return (
+        np.dtype(dtype) == np.dtype(np.float32)
+        and bs in TF32_BLOCK_SIZES
+        and precision in (None, lax.Precision.DEFAULT, lax.Precision.HIGH)
+    )
+
+
+def tf32_operands(base_target: str, a, b):
+    """The two float operands of ``base_target`` (a portable target name) as its sm_90
+    target takes them with ``tf32=True``: fprop (x, w^T per block), bprop (g, w),
+    updat (x^T [C, n], dy^T [K, n], n padded with zero rows to a multiple of 4)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    if base_target == "jbs_bsmm_fprop":
+        return a, jnp.swapaxes(b, -1, -2)
+    if base_target == "jbs_bsmm_bprop":
+        return a, b
+    if base_target == "jbs_bsmm_updat":
+        n = int(np.prod(a.shape[:-1], dtype=np.int64))
+        pad = -n % TF32_ROW_MULTIPLE
+
+        def t(v):
+            v = v.reshape(n, v.shape[-1])
+            return jnp.pad(v, ((0, pad), (0, 0))).T if pad else v.T
+
+        return t(a), t(b)
+    raise ValueError(f"tf32_operands: unknown target {base_target!r}")
 
 
 def sdd_group(bs: int) -> int:
@@ -94,10 +145,17 @@ def select_target(target: str, verified: frozenset[str]) -> str:
     return sm90 if cc.split(".")[0] == "9" else target
 
 
-def updat_workspace_bytes(dtype, n: int, capacity: int, bs: int, num_sms: int = PLAN_SMS) -> int:
+def updat_workspace_bytes(dtype, n: int, capacity: int, bs: int, num_sms: int = PLAN_SMS, tf32: bool = False) -> int:
     """Bytes of the updat_sm90 workspace: float32 partials [splits, capacity, bs, bs] when the
-    plan splits the N reduction (MakeSddPlan), else 0. ``n``: rows of x/dy (leading dims)."""
-    if np.dtype(dtype) not in SM90_DTYPES or bs not in SDD_BLOCK_SIZES or capacity <= 0 or n <= 0:
+    plan splits the N reduction (MakeSddPlan), else 0. ``n``: rows of x/dy (leading dims;
+    with ``tf32``, float32 operands, the padded rows of x^T/dy^T: the TF32 kernel has the
+    same plan)."""
+    if tf32:
+        if np.dtype(dtype) != np.dtype(np.float32) or n % TF32_ROW_MULTIPLE:
+            return 0
+    elif np.dtype(dtype) not in SM90_DTYPES:
+        return 0
+    if bs not in SDD_BLOCK_SIZES or capacity <= 0 or n <= 0:
         return 0
     group = sdd_group(bs)
     slot_groups = math.ceil(capacity / group)

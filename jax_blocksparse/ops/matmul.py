@@ -47,8 +47,11 @@ the op is traced (None reads :func:`jax.default_matmul_precision`) and kept as t
 primitives' ``precision`` parameter, which the JVP, transpose and batching rules pass
 on, so a gradient's products run at the forward's precision. The reference lowering
 gives it to XLA's dot: on GPU, float32 at DEFAULT may use TF32 tensor cores, as
-``jnp.dot`` does, and HIGHEST is exact float32. The native kernels compute float32
-exactly at every precision (DEFAULT allows TF32; it does not require it).
+``jnp.dot`` does, and HIGHEST is exact float32. The CPU and Ampere CUDA kernels compute
+float32 exactly at every precision (DEFAULT allows TF32; it does not require it). The
+Hopper kernels (behind ``JAX_BLOCKSPARSE_HOPPER=1``, see :mod:`jax_blocksparse.ops._sm90`)
+run float32 at DEFAULT and HIGH on TF32 tensor cores for blocks 64 and 128, as ``jnp.dot``
+does there, and exactly at HIGHEST.
 
 Implementation
 --------------

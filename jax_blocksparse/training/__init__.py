@@ -45,17 +45,10 @@ A linen training loop::
             print(jst.format_log(log))
 """
 
-# Imported through the compatibility submodule training.loss_scale, so that the
-# submodule is loaded before the function `loss_scale` is bound here: a later
+# Loss scaling comes through the compatibility submodule training.loss_scale, so that
+# the submodule is loaded before the function `loss_scale` is bound here: a later
 # `import jax_blocksparse.training.loss_scale` would otherwise rebind the attribute
 # to the module.
-from jax_blocksparse.training.loss_scale import (
-    LossScaleState,
-    all_finite,
-    dynamic_loss_scaling,
-    loss_scale,
-    scale_loss,
-)
 from jax_blocksparse.training._paths import is_layout, named_layouts
 from jax_blocksparse.training.budgets import (
     DISTRIBUTIONS,
@@ -66,6 +59,13 @@ from jax_blocksparse.training.budgets import (
     uniform_densities,
 )
 from jax_blocksparse.training.log import LayoutChangeLog, format_log, log_rows
+from jax_blocksparse.training.loss_scale import (
+    LossScaleState,
+    all_finite,
+    dynamic_loss_scaling,
+    loss_scale,
+    scale_loss,
+)
 from jax_blocksparse.training.methods import (
     METHODS,
     SET,

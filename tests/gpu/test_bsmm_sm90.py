@@ -4,7 +4,9 @@ Runs the cases of tests/gpu/test_bsmm_kernels.py (every op at blocks 64/128, fpr
 bprop at the packed blocks 8/16/32; the adversarial layouts:
 empty, single, full, empty rows/columns, a long column, padding with garbage tables;
 odd row counts; f32 outputs) with the Hopper gate open (JAX_BLOCKSPARSE_HOPPER=1), and
-checks that the lowering really called the *_sm90 targets. Split and unsplit updat
+checks that the lowering really called the *_sm90 targets. Float32 inputs at blocks
+64/128: TF32 tensor cores at DEFAULT/HIGH (within TF32 tolerance, and measurably less
+exact than float32, so the TF32 kernels really ran), exact at HIGHEST. Split and unsplit updat
 reductions are both reached (few slots split N; a large N with many slots does not).
 Skips without a GPU (tests/gpu/conftest.py) and on a GPU that is not compute 9.x.
 """
@@ -132,3 +134,113 @@ def test_small_block_updat_and_f32_run_the_portable_kernels(bs):
     for op in OPS:
         got, want, length = _run(op, layout, mask, jnp.float32, (129,))
         _check(got, want, jnp.float32, length)
+
+
+# ---------------------------------------------------------------------------------
+# float32 on TF32 tensor cores (precision DEFAULT/HIGH) and exact float32 (HIGHEST)
+# ---------------------------------------------------------------------------------
+
+# TF32 keeps 10 mantissa bits of each input (the tensor cores may truncate): products
+# are off by up to ~2^-9 relative, and a sum of L random terms by about that times the
+# output scale. Against the float64 oracle, relative to the largest |output|:
+TF32_TOL = 5e-3
+# Above exact float32 (about 1e-6 here): the error level that shows TF32 really ran.
+TF32_MIN_ERR = 1e-5
+
+
+def _run_f32(op, layout, mask, lead, precision, seed=0):
+    """(result, float64 oracle) of ``op`` on float32 inputs at ``precision``, and the
+    StableHLO of the call (to check the target and its tf32 attribute)."""
+    from .test_bsmm_kernels import _blocks, _dense, _f64, _rand, _weights
+
+    bs = layout.block_size
+    c, k = layout.shape
+    if op == "updat":
+        x, dy = _rand((*lead, c), jnp.float32, seed), _rand((*lead, k), jnp.float32, seed + 1)
+        fun = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, layout, precision=precision))
+        args = (x, dy)
+        want = _blocks(_f64(x).reshape(-1, c).T @ _f64(dy).reshape(-1, k), mask, bs, layout.capacity)
+    else:
+        transpose = op == "bprop"
+        w = _weights(layout, jnp.float32, seed + 2)
+        x = _rand((*lead, k if transpose else c), jnp.float32, seed)
+        fun = jax.jit(lambda x, w: jbs.bsmm(x, w, layout, transpose=transpose, precision=precision))
+        args = (x, w)
+        W = _dense(w, mask, bs)
+        want = _f64(x) @ (W.T if transpose else W)
+    with jbs.config.implementation("kernels"):
+        text = fun.lower(*args).as_text()
+        got = fun(*args)
+    assert got.dtype == jnp.float32
+    return _f64(got), want, text
+
+
+def _tf32_flag(text, op):
+    lines = [l for l in text.splitlines() if f"@jbs_bsmm_{op}_sm90(" in l]
+    assert len(lines) == 1, f"expected one call of jbs_bsmm_{op}_sm90 in:\n{text}"
+    assert "tf32 = " in lines[0], lines[0]
+    return "tf32 = true" in lines[0]
+
+
+def _rel_err(got, want):
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.isfinite(got).all(), "non-finite output (padding leaked, or uninitialised memory)"
+    scale = np.abs(want).max() if want.size else 0.0
+    return float(np.abs(got - want).max() / scale) if scale > 0 else float(np.abs(got).max())
+
+
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("bs", SM90_BLOCKS)
+def test_tf32_layouts(bs, op, kind):
+    mask, layout = _layout(kind, bs)
+    got, want, text = _run_f32(op, layout, mask, (129,), "default")
+    assert _tf32_flag(text, op)
+    assert _rel_err(got, want) <= TF32_TOL
+
+
+@pytest.mark.parametrize("n", (1, 7, 129, 1000, 5000))
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("bs", SM90_BLOCKS)
+def test_tf32_rows(bs, op, n):
+    # Odd n: updat pads x^T / dy^T to a multiple of 4; small n splits the updat reduction.
+    mask, layout = _layout("random", bs)
+    got, want, text = _run_f32(op, layout, mask, (n,), "high")
+    assert _tf32_flag(text, op)
+    assert _rel_err(got, want) <= TF32_TOL
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("bs", SM90_BLOCKS)
+def test_tf32_really_runs_and_highest_is_exact(bs, op):
+    mask, layout = _layout("random", bs)
+    got, want, text = _run_f32(op, layout, mask, (3, 43), "default")
+    assert _tf32_flag(text, op)
+    err = _rel_err(got, want)
+    assert TF32_MIN_ERR < err <= TF32_TOL, err  # TF32, not exact float32
+    got, want, text = _run_f32(op, layout, mask, (3, 43), "highest")
+    assert not _tf32_flag(text, op)
+    length = 129 if op == "updat" else layout.shape[1 if op == "bprop" else 0]
+    _check(got, want, jnp.float32, length)
+
+
+def test_tf32_updat_split_is_deterministic():
+    mask, layout = _layout("single", 128)
+    assert _sm90.updat_workspace_bytes(jnp.float32, 4096, layout.capacity, 128, tf32=True) > 0
+    x = jax.random.normal(jax.random.PRNGKey(0), (4096, layout.shape[0]), jnp.float32)
+    dy = jax.random.normal(jax.random.PRNGKey(1), (4096, layout.shape[1]), jnp.float32)
+    with jbs.config.implementation("kernels"):
+        f = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, layout, precision="default"))
+        first = np.asarray(f(x, dy))
+        for _ in range(3):
+            np.testing.assert_array_equal(np.asarray(f(x, dy)), first)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("bs", (64, 128))
+def test_tf32_sanitizer_subset(bs, op):
+    # Run by tests/gpu/run_sanitizer.sh with the 16-bit subset (-k sanitizer_subset).
+    mask, layout = _layout("padded", bs)
+    got, want, text = _run_f32(op, layout, mask, (133,), "default")
+    assert _tf32_flag(text, op)
+    assert _rel_err(got, want) <= TF32_TOL
