@@ -144,18 +144,49 @@ def test_auto_uses_a_verified_hopper_target_on_sm90(monkeypatch):
     assert "@jbs_bsmm_fprop" not in lower()
 
 
-@pytest.mark.parametrize("bs", [64, 128])
+@pytest.mark.parametrize("bs", [8, 16, 32], ids=lambda b: f"b{b}")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_gate_open_small_block_updat_has_workspace(monkeypatch, dtype, bs):
+    # Blocks 8/16/32 run the sm_90a updat too (64 / bs slots stacked along wgmma's M), so
+    # the target carries the workspace of their plan (group 64 / bs, 64 rows per k-step).
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+    lay = jbs.Layout.from_mask(np.eye(4, 6, dtype=bool), bs, capacity=6)
+    n = 200  # 4 k-steps of 64 rows; 6 slots in at most 2 items: the plan splits N
+    x, dy = jnp.zeros((n, 4 * bs), dtype), jnp.zeros((n, 6 * bs), dtype)
+    with jbs.config.implementation("kernels"):
+        lowered = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, lay)).trace(x, dy).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    calls = _operands(text, "jbs_bsmm_updat_sm90")
+    assert len(calls) == 1 and len(calls[0]) == 7, text
+    assert "@jbs_bsmm_updat(" not in text
+    ws = _sm90.updat_workspace_bytes(dtype, n, lay.capacity, bs)
+    assert ws == 4 * lay.capacity * bs * bs * 4  # splits = k-steps = 4
+    line = _call_line(text, "jbs_bsmm_updat_sm90")
+    assert f"tensor<{ws}xui8>" in line, line
+    assert f"tensor<{lay.capacity}x{bs}x{bs}x" in line
+
+
+def test_small_block_tiling_mirrors_the_header():
+    # SddGroupFor / SddTileKFor of cuda/sm90/bsmm_sm90.h.
+    assert [_sm90.sdd_group(bs) for bs in (8, 16, 32, 64, 128)] == [8, 4, 2, 4, 2]
+    assert [_sm90.sdd_tile_k(bs) for bs in (8, 16, 32, 64, 128)] == [64, 64, 64, 32, 32]
+
+
+@pytest.mark.parametrize("bs", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("n", [0, 1, 31, 32, 1000, 4096, 100_000])
 @pytest.mark.parametrize("capacity", [1, 5, 64, 263, 264, 265, 1000])
 def test_workspace_mirrors_the_work_plan(bs, n, capacity):
     module = jbs._native._load()[0]
     if not hasattr(module, "work_plan_sdd"):
         pytest.skip("extension without the work-plan bindings")
-    plan = module.work_plan_sdd(capacity, _sm90.sdd_group(bs), n, _sm90.SDD_TILE_K, _sm90.PLAN_SMS, bs)
+    plan = module.work_plan_sdd(capacity, _sm90.sdd_group(bs), n, _sm90.sdd_tile_k(bs), _sm90.PLAN_SMS, bs)
     assert _sm90.updat_workspace_bytes(jnp.bfloat16, n, capacity, bs) == plan["workspace_elems"] * 4
     assert _sm90.updat_workspace_bytes(jnp.float32, n, capacity, bs) == 0  # exact f32 runs the portable kernels
-    # TF32: same plan over the rows of x^T / dy^T, which the lowering pads to a multiple of 4.
     padded = n + (-n % _sm90.TF32_ROW_MULTIPLE)
+    if bs < 64:  # no TF32 kernel at blocks 8/16/32
+        assert _sm90.updat_workspace_bytes(jnp.float32, padded, capacity, bs, tf32=True) == 0
+        return
+    # TF32: same plan over the rows of x^T / dy^T, which the lowering pads to a multiple of 4.
     assert _sm90.updat_workspace_bytes(jnp.float32, padded, capacity, bs, tf32=True) == (
         _sm90.updat_workspace_bytes(jnp.bfloat16, padded, capacity, bs)
     )

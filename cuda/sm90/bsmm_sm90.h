@@ -3,10 +3,10 @@
 //
 // The problems are the ones of the Ampere kernels (bsmm_problem.h): DSD for fprop and
 // bprop, SDD for updat. The sm_90a kernels (bsmm_sm90_dsd.cuh, bsmm_sm90_dsd_packed.cuh,
-// bsmm_sm90_sdd.cuh) take 16-bit inputs (float16, bfloat16): DSD at every block size,
-// SDD at blocks 64 and 128. Both also run float32 inputs on TF32 tensor cores at blocks
-// 64 and 128 when the caller asks for TF32 (LaunchDsdTF32, LaunchSddTF32). Every other problem (exact
-// float32, SDD at blocks 8/16/32) runs the Ampere kernels (bsmm_kernels.h),
+// bsmm_sm90_sdd.cuh, bsmm_sm90_sdd_small.cuh) take 16-bit inputs (float16, bfloat16):
+// DSD and SDD at every block size. Both also run float32 inputs on TF32 tensor cores at
+// blocks 64 and 128 when the caller asks for TF32 (LaunchDsdTF32, LaunchSddTF32). Every
+// other problem (exact float32, float32 at blocks 8/16/32) runs the Ampere kernels (bsmm_kernels.h),
 // which also run on Hopper. Sm90Runs{Dsd,Sdd}{,TF32}() say which one a
 // problem gets.
 //
@@ -35,13 +35,18 @@ struct Launch {
 };
 
 // updat tiling (mirrored by jax_blocksparse/ops/_sm90.py for the workspace size):
-// slots per work item and rows of N per k-step.
-constexpr int SddGroupFor(int bs) { return bs == 128 ? 2 : 4; }
+// slots per work item and rows of N per k-step. Blocks 64/128: G accumulator tiles of
+// BS x BS per item, 32 rows per step. Blocks 8/16/32 (bsmm_sm90_sdd_small.cuh): 64 / bs
+// slots stacked along wgmma's M = 64, 64 rows per step.
+constexpr int SddGroupFor(int bs) { return bs == 128 ? 2 : (bs == 64 ? 4 : 64 / bs); }
 constexpr int kSddTileK = 32;
+constexpr int kSddSmallTileK = 64;
+constexpr int SddTileKFor(int bs) { return bs >= 64 ? kSddTileK : kSddSmallTileK; }
 
 // Whether the sm_90a kernels run this problem (else the Ampere kernels do): 16-bit
-// inputs, blocks 8..128 for DSD (below 64 packed, bsmm_sm90_dsd_packed.cuh) and 64 or
-// 128 for SDD, and no zero-sized dimension (a TMA descriptor needs positive extents).
+// inputs, blocks 8..128 (below 64 packed: bsmm_sm90_dsd_packed.cuh for DSD,
+// bsmm_sm90_sdd_small.cuh for SDD), and no zero-sized dimension (a TMA descriptor needs
+// positive extents).
 bool Sm90RunsDsd(DType in, const DsdParams& p);
 bool Sm90RunsSdd(DType in, const SddParams& p);
 
@@ -79,6 +84,8 @@ cudaError_t LaunchDsdSmallBF16(bool out_f32, bool transpose_w, const DsdParams& 
 cudaError_t LaunchDsdSmallF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
 cudaError_t LaunchSddBF16(bool out_f32, const SddParams& p, const Launch& launch);
 cudaError_t LaunchSddF16(bool out_f32, const SddParams& p, const Launch& launch);
+cudaError_t LaunchSddSmallBF16(bool out_f32, const SddParams& p, const Launch& launch);
+cudaError_t LaunchSddSmallF16(bool out_f32, const SddParams& p, const Launch& launch);
 
 // Sets every sm_90a kernel's shared memory limit on the current device (loading its
 // module). Call once per device, never during stream capture.

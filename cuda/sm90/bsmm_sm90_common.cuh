@@ -49,6 +49,15 @@ constexpr int kConsumerRegs = 232;
 // Named barrier among the consumer threads (ids 0.. are reserved by CUTLASS).
 constexpr int kEpilogueBarrier = 1;
 
+// The GMMA smem atom whose swizzle row is `Width` elements of T (16, 32, 64, 128 bytes):
+// the packed small-block kernels (bsmm_sm90_dsd_packed.cuh, bsmm_sm90_sdd_small.cuh).
+template <typename T, cute::GMMA::Major M, int Width>
+using AtomFor = cute::conditional_t<
+    Width * sizeof(T) == 16, cute::GMMA::Layout_INTER_Atom<T, M>,
+    cute::conditional_t<Width * sizeof(T) == 32, cute::GMMA::Layout_SW32_Atom<T, M>,
+                        cute::conditional_t<Width * sizeof(T) == 64, cute::GMMA::Layout_SW64_Atom<T, M>,
+                                            cute::GMMA::Layout_SW128_Atom<T, M>>>>;
+
 __device__ __forceinline__ int Clamp(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 // Loads `kernel`'s module and sets its dynamic shared memory limit; capture-unsafe.

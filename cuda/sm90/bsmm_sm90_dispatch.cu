@@ -22,7 +22,8 @@ bool Sm90RunsDsdTF32(DType in, const DsdParams& p) {
 }
 
 bool Sm90RunsSdd(DType in, const SddParams& p) {
-  return Is16Bit(in) && (p.bs == 64 || p.bs == 128) && p.n > 0 && p.cb > 0 && p.kb > 0 && p.cap > 0;
+  const bool block = p.bs == 8 || p.bs == 16 || p.bs == 32 || p.bs == 64 || p.bs == 128;
+  return Is16Bit(in) && block && p.n > 0 && p.cb > 0 && p.kb > 0 && p.cap > 0;
 }
 
 bool Sm90RunsSddTF32(DType in, const SddParams& p) {
@@ -43,13 +44,17 @@ cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams&
 
 size_t SddWorkspaceBytes(DType in, const SddParams& p, int num_sms, bool tf32) {
   if (!(tf32 ? Sm90RunsSddTF32(in, p) : Sm90RunsSdd(in, p))) return 0;
-  // The TF32 kernel has the same slot groups and k-step (SddGroupFor, kSddTileK): same plan.
-  const plan::SddPlan pl = plan::MakeSddPlan(p.cap, SddGroupFor(p.bs), p.n, kSddTileK, num_sms > 0 ? num_sms : 1);
+  // The TF32 kernel has the same slot groups and k-step (SddGroupFor, SddTileKFor): same plan.
+  const plan::SddPlan pl =
+      plan::MakeSddPlan(p.cap, SddGroupFor(p.bs), p.n, SddTileKFor(p.bs), num_sms > 0 ? num_sms : 1);
   return static_cast<size_t>(plan::SddWorkspaceElems(pl, p.bs)) * sizeof(float);
 }
 
 cudaError_t LaunchSdd(DType in, bool out_f32, const SddParams& p, const Launch& launch) {
   if (!launch.prepare_only && !Sm90RunsSdd(in, p)) return cudaErrorInvalidValue;
+  if (p.bs < 64) {
+    return in == DType::kF16 ? LaunchSddSmallF16(out_f32, p, launch) : LaunchSddSmallBF16(out_f32, p, launch);
+  }
   return in == DType::kF16 ? LaunchSddF16(out_f32, p, launch) : LaunchSddBF16(out_f32, p, launch);
 }
 
@@ -70,7 +75,6 @@ cudaError_t PrepareKernelsSm90() {
         for (bool transpose_w : {false, true}) {
           if (cudaError_t err = LaunchDsd(in, out_f32, transpose_w, dsd, prepare); err != cudaSuccess) return err;
         }
-        if (bs < 64) continue;  // updat at small blocks runs the Ampere kernels
         if (cudaError_t err = LaunchSdd(in, out_f32, sdd, prepare); err != cudaSuccess) return err;
       }
     }

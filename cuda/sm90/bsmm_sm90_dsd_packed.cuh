@@ -31,14 +31,6 @@ namespace jbs {
 namespace sm90 {
 namespace detail {
 
-// The GMMA smem atom whose swizzle row is `Width` elements of T (16, 32, 64, 128 bytes).
-template <typename T, cute::GMMA::Major M, int Width>
-using AtomFor = cute::conditional_t<
-    Width * sizeof(T) == 16, cute::GMMA::Layout_INTER_Atom<T, M>,
-    cute::conditional_t<Width * sizeof(T) == 32, cute::GMMA::Layout_SW32_Atom<T, M>,
-                        cute::conditional_t<Width * sizeof(T) == 64, cute::GMMA::Layout_SW64_Atom<T, M>,
-                                            cute::GMMA::Layout_SW128_Atom<T, M>>>>;
-
 template <typename T_, typename OutT_, int BS_, bool TRANS_W_>
 struct DsdPackedConfig {
   using T = T_;

@@ -9,7 +9,7 @@
 //
 // The targets require a device of compute capability 9.x (the kernels are sm_90a
 // SASS only) and return an FFI error elsewhere. Problems the sm_90a kernels do not
-// cover (exact float32; updat at blocks 8/16/32; zero-sized dimensions) run the Ampere
+// cover (exact float32; float32 at blocks 8/16/32; zero-sized dimensions) run the Ampere
 // kernels, which Hopper runs too.
 //
 // Every sm90 target takes one attribute, `tf32` (bool): float32 inputs run on TF32

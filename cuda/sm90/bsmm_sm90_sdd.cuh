@@ -1,5 +1,6 @@
 // sm_90a SDD kernel (updat): dw[s] = x[:, rows(s)]^T @ dy[:, cols(s)], for 16-bit inputs
-// and, on TF32 tensor cores, float32 inputs; blocks of 64 or 128.
+// and, on TF32 tensor cores, float32 inputs; blocks of 64 or 128 (blocks 8/16/32:
+// bsmm_sm90_sdd_small.cuh, which shares the slot groups, the plan and the reduce kernel).
 //
 // Persistent and warp-specialized like the DSD kernel (bsmm_sm90_dsd.cuh). An item of
 // the work plan (bsmm_work_plan.h) is a group of G consecutive slots and a range of the
@@ -35,7 +36,7 @@ namespace detail {
 template <int BS>
 struct SddShape {
   static constexpr int kGroup = SddGroupFor(BS);  // accumulators: 128 floats per consumer thread
-  static constexpr int kTileK = kSddTileK;
+  static constexpr int kTileK = SddTileKFor(BS);
 };
 
 template <typename T_, typename OutT_, int BS_>
@@ -362,6 +363,17 @@ __global__ void SddReduceKernel(const float* __restrict__ ws, OutT* __restrict__
 }
 constexpr int kReduceThreads = 256;
 
+// The second pass of a split updat (every SDD kernel): about 8 CTAs per SM.
+template <typename OutT>
+cudaError_t LaunchSddReduce(void (*reduce)(const float*, OutT*, const int32_t*, int, int, int), const float* ws,
+                            const SddParams& p, int splits, int bs, const Launch& launch) {
+  const int64_t total4 = static_cast<int64_t>(p.cap) * bs * bs / 4;
+  const int blocks = static_cast<int>(plan::Min64(plan::CeilDiv(total4, kReduceThreads), int64_t{launch.num_sms} * 8));
+  reduce<<<blocks > 0 ? blocks : 1, kReduceThreads, 0, launch.stream>>>(ws, static_cast<OutT*>(p.dw), p.nnz, splits,
+                                                                         p.cap, bs * bs);
+  return cudaGetLastError();
+}
+
 template <int BS>
 plan::SddPlan SddPlanFor(const SddParams& p, int num_sms) {
   return plan::MakeSddPlan(p.cap, SddShape<BS>::kGroup, p.n, SddShape<BS>::kTileK, num_sms > 0 ? num_sms : 1);
@@ -400,17 +412,14 @@ cudaError_t LaunchSddConfig(const SddParams& p, const Launch& launch) {
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, launch.stream>>>(args);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || pl.splits == 1) return err;
-  const int64_t total4 = static_cast<int64_t>(p.cap) * Cfg::kBs * Cfg::kBs / 4;
-  const int blocks = static_cast<int>(plan::Min64(plan::CeilDiv(total4, kReduceThreads), int64_t{launch.num_sms} * 8));
-  reduce<<<blocks > 0 ? blocks : 1, kReduceThreads, 0, launch.stream>>>(ws, static_cast<OutT*>(p.dw), p.nnz, pl.splits,
-                                                                         p.cap, Cfg::kBs * Cfg::kBs);
-  return cudaGetLastError();
+  return LaunchSddReduce<OutT>(reduce, ws, p, pl.splits, Cfg::kBs, launch);
 }
 
 // float32 inputs on TF32 GMMA (x and dy given transposed, see the top of this file),
-// float32 output.
-inline cudaError_t DispatchSddTF32(const SddParams& p, const Launch& launch) {
-  using T = cutlass::tfloat32_t;  // same bits as float32
+// float32 output. A template (T: same bits as float32) so that only the translation unit
+// that calls it compiles the TF32 kernels.
+template <typename T = cutlass::tfloat32_t>
+cudaError_t DispatchSddTF32(const SddParams& p, const Launch& launch) {
   switch (p.bs) {
     case 64: return LaunchSddConfig<SddConfig<T, float, 64>>(p, launch);
     case 128: return LaunchSddConfig<SddConfig<T, float, 128>>(p, launch);

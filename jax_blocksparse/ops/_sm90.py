@@ -2,11 +2,11 @@
 
 The extension built for sm_90a registers, for CUDA, ``jbs_bsmm_{fprop,bprop,updat}_sm90``
 (cuda/sm90/): persistent, warp-specialized kernels with TMA loads, wgmma and TMA stores,
-for 16-bit inputs (fprop/bprop at every block size, small blocks packed 64 / bs outputs
-per tile; updat at blocks 64 and 128) and for float32 inputs on TF32 tensor cores (all
-three at blocks 64 and 128, see below). The other problems (exact float32, float32 at
-blocks 8/16/32, updat at blocks 8/16/32) run the portable kernels from inside the same
-targets. They take the operands of the portable targets; ``jbs_bsmm_updat_sm90``
+for 16-bit inputs (fprop, bprop and updat at every block size: at blocks 8/16/32 fprop/bprop
+pack 64 / bs outputs per tile and updat stacks 64 / bs slots along wgmma's M) and for
+float32 inputs on TF32 tensor cores (all three at blocks 64 and 128, see below). The other
+problems (exact float32, float32 at blocks 8/16/32) run the portable kernels from inside
+the same targets. They take the operands of the portable targets; ``jbs_bsmm_updat_sm90``
 returns a second result, a uint8 workspace for the float32 partial sums of a split N
 reduction, sized here (:func:`updat_workspace_bytes`, a mirror of ``SddWorkspaceBytes``
 and the work plan of cuda/bsmm_work_plan.h).
@@ -54,12 +54,14 @@ BASE_TARGETS = {v: k for k, v in SM90_TARGETS.items()}
 # The SM count the updat workspace is sized for (kPlanSms in cuda/sm90/bsmm_sm90_handlers.cc);
 # a device with more SMs plans its splits for this many.
 PLAN_SMS = 132
-# Mirrors of cuda/sm90/bsmm_sm90.h (Sm90RunsSdd, SddGroupFor, kSddTileK): block sizes and
-# input dtypes of the sm_90a updat kernel (other problems run the portable kernels inside
-# the same target and need no workspace), and its tiling.
-SDD_BLOCK_SIZES = (64, 128)
+# Mirrors of cuda/sm90/bsmm_sm90.h (Sm90RunsSdd, SddGroupFor, SddTileKFor): block sizes
+# and input dtypes of the sm_90a updat kernels (other problems run the portable kernels
+# inside the same target and need no workspace), and their tiling: rows of n per k-step at
+# blocks 64/128 (SDD_TILE_K) and at blocks 8/16/32 (SDD_SMALL_TILE_K).
+SDD_BLOCK_SIZES = (8, 16, 32, 64, 128)
 SM90_DTYPES = (np.dtype(np.float16), np.dtype("bfloat16"))
 SDD_TILE_K = 32
+SDD_SMALL_TILE_K = 64
 # Float32 on TF32 tensor cores: block sizes, and the multiple of rows the transposed updat
 # operands are padded to (Sm90RunsDsdTF32 / Sm90RunsSddTF32).
 TF32_BLOCK_SIZES = (64, 128)
@@ -102,8 +104,16 @@ def tf32_operands(base_target: str, a, b):
 
 
 def sdd_group(bs: int) -> int:
-    """Slots per updat work item at block size ``bs`` (SddGroupFor)."""
-    return 2 if bs == 128 else 4
+    """Slots per updat work item at block size ``bs`` (SddGroupFor): 2 at 128, 4 at 64, and
+    64 / bs at blocks 8/16/32 (the slots stacked along wgmma's M = 64)."""
+    if bs == 128:
+        return 2
+    return 4 if bs == 64 else 64 // bs
+
+
+def sdd_tile_k(bs: int) -> int:
+    """Rows of n per updat k-step at block size ``bs`` (SddTileKFor)."""
+    return SDD_TILE_K if bs >= 64 else SDD_SMALL_TILE_K
 
 
 def hopper_env() -> bool:
@@ -155,11 +165,11 @@ def updat_workspace_bytes(dtype, n: int, capacity: int, bs: int, num_sms: int = 
             return 0
     elif np.dtype(dtype) not in SM90_DTYPES:
         return 0
-    if bs not in SDD_BLOCK_SIZES or capacity <= 0 or n <= 0:
+    if bs not in (TF32_BLOCK_SIZES if tf32 else SDD_BLOCK_SIZES) or capacity <= 0 or n <= 0:
         return 0
     group = sdd_group(bs)
     slot_groups = math.ceil(capacity / group)
-    k_tiles = max(1, math.ceil(n / SDD_TILE_K))
+    k_tiles = max(1, math.ceil(n / sdd_tile_k(bs)))
     target = 2 * num_sms
     want = 1 if slot_groups >= target else math.ceil(target / slot_groups)
     splits = min(want, k_tiles)

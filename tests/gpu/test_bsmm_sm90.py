@@ -1,7 +1,8 @@
 """Hopper (sm_90a) targets against float64 numpy oracles, on an sm_90 GPU.
 
-Runs the cases of tests/gpu/test_bsmm_kernels.py (every op at blocks 64/128, fprop and
-bprop at the packed blocks 8/16/32; the adversarial layouts:
+Runs the cases of tests/gpu/test_bsmm_kernels.py (every op at blocks 64/128 and at the
+packed blocks 8/16/32, where fprop/bprop pack outputs block-diagonally and updat stacks
+slots along M; the adversarial layouts:
 empty, single, full, empty rows/columns, a long column, padding with garbage tables;
 odd row counts; f32 outputs) with the Hopper gate open (JAX_BLOCKSPARSE_HOPPER=1), and
 checks that the lowering really called the *_sm90 targets. Float32 inputs at blocks
@@ -24,7 +25,7 @@ from jax_blocksparse.ops import _sm90
 from .test_bsmm_kernels import LAYOUT_KINDS, OPS, _check, _layout, _run
 
 SM90_BLOCKS = (64, 128)
-PACKED_BLOCKS = (8, 16, 32)  # DSD only: block-diagonal packing, 64 / bs outputs per tile
+PACKED_BLOCKS = (8, 16, 32)  # DSD: block-diagonal packing; SDD: 64 / bs slots along M
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
 
 
@@ -123,10 +124,48 @@ def test_packed_rows_and_f32_output(bs, n):
         _check(got, want, jnp.bfloat16, length, out_dtype=jnp.float32)
 
 
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("bs", PACKED_BLOCKS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_small_block_updat(dtype, bs, kind):
+    # bsmm_sm90_sdd_small.cuh: runs of slots sharing a column, mixed-column items, padding.
+    mask, layout = _layout(kind, bs)
+    assert _lowers_to_sm90("updat", layout, DTYPES[dtype])
+    got, want, length = _run("updat", layout, mask, DTYPES[dtype], (129,))
+    _check(got, want, DTYPES[dtype], length)
+
+
+@pytest.mark.parametrize("n", (1, 7, 200, 5000))
+@pytest.mark.parametrize("bs", PACKED_BLOCKS)
+def test_small_block_updat_rows_and_f32_output(bs, n):
+    # Small n splits the reduction (workspace + reduce kernel); a large n with the random
+    # layout at block 8 may not.
+    for kind in ("random", "padded"):
+        mask, layout = _layout(kind, bs)
+        got, want, length = _run("updat", layout, mask, jnp.bfloat16, (n,))
+        _check(got, want, jnp.bfloat16, length)
+        got, want, length = _run("updat", layout, mask, jnp.float16, (n,), out_dtype=jnp.float32)
+        assert got.dtype == jnp.float32
+        _check(got, want, jnp.float16, length, out_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("bs", PACKED_BLOCKS)
+def test_small_block_updat_split_is_deterministic(bs):
+    mask, layout = _layout("single", bs)
+    assert _sm90.updat_workspace_bytes(jnp.bfloat16, 4096, layout.capacity, bs) > 0
+    x = jax.random.normal(jax.random.PRNGKey(0), (4096, layout.shape[0]), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.PRNGKey(1), (4096, layout.shape[1]), jnp.bfloat16)
+    with jbs.config.implementation("kernels"):
+        f = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, layout, out_dtype=jnp.float32))
+        first = np.asarray(f(x, dy))
+        for _ in range(3):
+            np.testing.assert_array_equal(np.asarray(f(x, dy)), first)
+
+
 @pytest.mark.parametrize("bs", (16, 32))
 def test_small_block_updat_and_f32_run_the_portable_kernels(bs):
-    # The sm90 targets take every problem; updat below 64 and float32 inputs launch the
-    # Ampere kernels from inside them.
+    # The sm90 targets take every problem: updat at small blocks runs the sm_90a kernel,
+    # float32 inputs at small blocks launch the Ampere kernels from inside them.
     mask, layout = _layout("random", bs)
     assert _lowers_to_sm90("updat", layout, jnp.bfloat16)
     got, want, length = _run("updat", layout, mask, jnp.bfloat16, (129,))
