@@ -183,10 +183,7 @@ def test_workspace_mirrors_the_work_plan(bs, n, capacity):
     assert _sm90.updat_workspace_bytes(jnp.bfloat16, n, capacity, bs) == plan["workspace_elems"] * 4
     assert _sm90.updat_workspace_bytes(jnp.float32, n, capacity, bs) == 0  # exact f32 runs the portable kernels
     padded = n + (-n % _sm90.TF32_ROW_MULTIPLE)
-    if bs < 64:  # no TF32 kernel at blocks 8/16/32
-        assert _sm90.updat_workspace_bytes(jnp.float32, padded, capacity, bs, tf32=True) == 0
-        return
-    # TF32: same plan over the rows of x^T / dy^T, which the lowering pads to a multiple of 4.
+    # TF32 (every block size): same plan over the rows of x^T / dy^T, which the lowering pads to a multiple of 4.
     assert _sm90.updat_workspace_bytes(jnp.float32, padded, capacity, bs, tf32=True) == (
         _sm90.updat_workspace_bytes(jnp.bfloat16, padded, capacity, bs)
     )
@@ -303,23 +300,54 @@ def test_16bit_never_tf32(monkeypatch, op, dtype):
     assert "stablehlo.transpose" not in text
 
 
+@pytest.mark.parametrize("precision", ["default", "highest"])
+@pytest.mark.parametrize("bs", [8, 16, 32], ids=lambda b: f"b{b}")
 @pytest.mark.parametrize("op", ["fprop", "bprop", "updat"])
-def test_f32_small_blocks_stay_exact(monkeypatch, op):
-    # Blocks 8/16/32 in float32 keep the exact kernels (no TF32 wgmma variant for them).
+def test_f32_small_blocks_tf32_below_highest(monkeypatch, op, bs, precision):
+    # Blocks 8/16/32 in float32 run the packed TF32 kernels at DEFAULT, with the K-major
+    # operands of blocks 64/128 (fprop: w blocks transposed; updat: x^T, dy^T padded to 4
+    # rows, and the 16-bit plan's workspace over them); HIGHEST keeps the exact kernels.
     monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
-    bs = 32
+    n = 42  # not a multiple of 4: updat pads x^T / dy^T to 44 rows
     lay = jbs.Layout.from_mask(np.eye(4, 6, dtype=bool), bs)
-    x, dy = jnp.zeros((N, 4 * bs), jnp.float32), jnp.zeros((N, 6 * bs), jnp.float32)
+    x, dy = jnp.zeros((n, 4 * bs), jnp.float32), jnp.zeros((n, 6 * bs), jnp.float32)
     w = jnp.zeros((lay.capacity, bs, bs), jnp.float32)
     fun = {
-        "fprop": lambda x, w, dy: jbs.bsmm(x, w, lay),
-        "bprop": lambda x, w, dy: jbs.bsmm(dy, w, lay, transpose=True),
-        "updat": lambda x, w, dy: jbs.bsmm_updat(x, dy, lay),
+        "fprop": lambda x, w, dy: jbs.bsmm(x, w, lay, precision=precision),
+        "bprop": lambda x, w, dy: jbs.bsmm(dy, w, lay, transpose=True, precision=precision),
+        "updat": lambda x, w, dy: jbs.bsmm_updat(x, dy, lay, precision=precision),
     }[op]
     with jbs.config.implementation("kernels"):
         text = jax.jit(fun).trace(x, w, dy).lower(lowering_platforms=("cuda",)).as_text()
-    assert not _tf32_attr(_call_line(text, f"jbs_bsmm_{op}_sm90"))
-    assert "stablehlo.transpose" not in text
+    target = f"jbs_bsmm_{op}_sm90"
+    line = _call_line(text, target)
+    a_arg, b_arg = (v.strip() for v in _operands(text, target)[0][:2])
+    if precision == "highest":
+        assert not _tf32_attr(line)
+        assert "stablehlo.transpose" not in text and "stablehlo.pad" not in text
+        assert a_arg.startswith("%arg") and b_arg.startswith("%arg"), line
+        return
+    assert _tf32_attr(line)
+    defs = _defs(text, target)
+    if op == "fprop":
+        w_def = defs[b_arg]
+        assert "stablehlo.transpose" in w_def and "dims = [0, 2, 1]" in w_def, w_def
+        assert f"tensor<{lay.capacity}x{bs}x{bs}xf32>" in w_def
+        assert a_arg.startswith("%arg"), a_arg
+    elif op == "bprop":
+        assert a_arg.startswith("%arg") and b_arg.startswith("%arg"), line
+        assert "stablehlo.transpose" not in text
+    else:
+        padded = n + (-n % 4)
+        assert f"(tensor<{4 * bs}x{padded}xf32>, tensor<{6 * bs}x{padded}xf32>," in line, line
+        for arg, cols in ((a_arg, 4 * bs), (b_arg, 6 * bs)):
+            d = defs[arg]
+            assert "stablehlo.transpose" in d and "dims = [1, 0]" in d, d
+            assert f"tensor<{padded}x{cols}xf32>" in d
+        assert "stablehlo.pad" in text
+        ws = _sm90.updat_workspace_bytes(jnp.float32, padded, lay.capacity, bs, tf32=True)
+        assert ws == _sm90.updat_workspace_bytes(jnp.bfloat16, padded, lay.capacity, bs)
+        assert f"tensor<{ws}xui8>" in line, line
 
 
 def test_portable_targets_take_no_attribute(monkeypatch):
@@ -334,11 +362,12 @@ def test_use_tf32_rule():
 
     f32, bf16 = np.dtype(np.float32), jnp.bfloat16
     for prec in (None, lax.Precision.DEFAULT, lax.Precision.HIGH):
-        assert _sm90.use_tf32(f32, 64, prec) and _sm90.use_tf32(f32, 128, prec)
-        for bs in (8, 16, 32):
-            assert not _sm90.use_tf32(f32, bs, prec)
-        assert not _sm90.use_tf32(bf16, 64, prec)
-    assert not _sm90.use_tf32(f32, 64, lax.Precision.HIGHEST)
+        for bs in (8, 16, 32, 64, 128):
+            assert _sm90.use_tf32(f32, bs, prec)
+            assert not _sm90.use_tf32(bf16, bs, prec)
+        assert not _sm90.use_tf32(f32, 4, prec)  # no kernel at other block sizes
+    for bs in (8, 16, 32, 64, 128):
+        assert not _sm90.use_tf32(f32, bs, lax.Precision.HIGHEST)
 
 
 def test_tf32_operands_values():

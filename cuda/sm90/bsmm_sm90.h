@@ -5,8 +5,8 @@
 // bprop, SDD for updat. The sm_90a kernels (bsmm_sm90_dsd.cuh, bsmm_sm90_dsd_packed.cuh,
 // bsmm_sm90_sdd.cuh, bsmm_sm90_sdd_small.cuh) take 16-bit inputs (float16, bfloat16):
 // DSD and SDD at every block size. Both also run float32 inputs on TF32 tensor cores at
-// blocks 64 and 128 when the caller asks for TF32 (LaunchDsdTF32, LaunchSddTF32). Every
-// other problem (exact float32, float32 at blocks 8/16/32) runs the Ampere kernels (bsmm_kernels.h),
+// every block size when the caller asks for TF32 (LaunchDsdTF32, LaunchSddTF32). Every
+// other problem (exact float32) runs the Ampere kernels (bsmm_kernels.h),
 // which also run on Hopper. Sm90Runs{Dsd,Sdd}{,TF32}() say which one a
 // problem gets.
 //
@@ -54,8 +54,8 @@ bool Sm90RunsSdd(DType in, const SddParams& p);
 cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
 
 // DSD on TF32 tensor cores (float32 inputs at DEFAULT/HIGH precision, float32 output),
-// blocks 64 and 128, no zero-sized dimension. TF32 GMMA reads B K-major only, so w is
-// read as bprop reads it, w[s] viewed [n, k]: bprop passes w, fprop passes w with its
+// every block size (8/16/32 packed, bsmm_sm90_dsd_packed.cuh), no zero-sized dimension.
+// TF32 GMMA reads B K-major only, so w is read as bprop reads it, w[s] viewed [n, k]: bprop passes w, fprop passes w with its
 // blocks transposed (the lowering's jnp.swapaxes(w, -1, -2)); the tables of `p` say
 // which product it is. Inputs are rounded towards zero to TF32 (10 mantissa bits) by the
 // tensor cores; accumulation is float32.
@@ -71,7 +71,8 @@ size_t SddWorkspaceBytes(DType in, const SddParams& p, int num_sms, bool tf32 = 
 cudaError_t LaunchSdd(DType in, bool out_f32, const SddParams& p, const Launch& launch);
 
 // SDD on TF32 tensor cores (float32 inputs at DEFAULT/HIGH precision, float32 output),
-// blocks 64 and 128, n a positive multiple of 4, no zero-sized dimension. TF32 GMMA
+// every block size (8/16/32: bsmm_sm90_sdd_small.cuh, same plan as 16-bit), n a positive
+// multiple of 4, no zero-sized dimension. TF32 GMMA
 // reads both operands K-major only, so p.x and p.dy hold x^T [cb * bs, n] and dy^T
 // [kb * bs, n] (row-major; p.n, p.cb, p.kb are those of the product, as for LaunchSdd).
 bool Sm90RunsSddTF32(DType in, const SddParams& p);
@@ -82,10 +83,12 @@ cudaError_t LaunchDsdBF16(bool out_f32, bool transpose_w, const DsdParams& p, co
 cudaError_t LaunchDsdF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
 cudaError_t LaunchDsdSmallBF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
 cudaError_t LaunchDsdSmallF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
+cudaError_t LaunchDsdSmallTF32(const DsdParams& p, const Launch& launch);  // blocks 8/16/32
 cudaError_t LaunchSddBF16(bool out_f32, const SddParams& p, const Launch& launch);
 cudaError_t LaunchSddF16(bool out_f32, const SddParams& p, const Launch& launch);
 cudaError_t LaunchSddSmallBF16(bool out_f32, const SddParams& p, const Launch& launch);
 cudaError_t LaunchSddSmallF16(bool out_f32, const SddParams& p, const Launch& launch);
+cudaError_t LaunchSddSmallTF32(const SddParams& p, const Launch& launch);  // blocks 8/16/32
 
 // Sets every sm_90a kernel's shared memory limit on the current device (loading its
 // module). Call once per device, never during stream capture.

@@ -319,7 +319,7 @@ cudaError_t LaunchDsdConfig(const DsdParams& p, const Launch& launch) {
 }
 
 // float32 inputs on TF32 GMMA, float32 output, B read K-major (bprop's w, or fprop's
-// w given transposed): blocks 64 and 128.
+// w given transposed): blocks 64 and 128 (8/16/32: bsmm_sm90_dsd_packed.cuh).
 inline cudaError_t DispatchDsdTF32(const DsdParams& p, const Launch& launch) {
   using T = cutlass::tfloat32_t;  // same bits as float32
   switch (p.bs) {
@@ -328,7 +328,7 @@ inline cudaError_t DispatchDsdTF32(const DsdParams& p, const Launch& launch) {
     case 128:
       return LaunchDsdConfig<DsdConfig<T, float, 128, true>>(p, launch);
     default:
-      return cudaErrorInvalidValue;  // 8, 16, 32: the exact float32 kernels
+      return cudaErrorInvalidValue;  // 8, 16, 32: DispatchDsdPackedTF32
   }
 }
 

@@ -1,5 +1,5 @@
 // sm_90a DSD kernel for small blocks (8, 16, 32): several output blocks per tile by
-// block-diagonal packing, 16-bit inputs.
+// block-diagonal packing, 16-bit inputs, or float32 inputs on TF32 GMMA (DispatchDsdPackedTF32).
 //
 // GMMA is efficient from N = 64 on, while one output block is only BS columns wide. So a
 // tile packs P = 64 / BS output blocks (a group of the work plan: consecutive outputs
@@ -20,8 +20,13 @@
 //
 // Shared-memory layouts: every [128, BS] A slice, every [BS, BS] B block and every
 // [128, BS] epilogue slice is one contiguous swizzle-atom tiling (the swizzle width is
-// BS elements: 16/32/64 bytes, the GMMA "interleave", 32B and 64B modes), so the TMA
+// BS elements: 16/32/64 bytes in 16-bit, 32/64/128 bytes in TF32, AtomFor), so the TMA
 // boxes land on whole atoms and the GMMA descriptors see canonical layouts.
+//
+// TF32 (T = tfloat32_t, float32 data and output): TF32 GMMA reads both operands K-major
+// only, so B must be w read as bprop reads it (TRANS_W; fprop's lowering passes w with its
+// blocks transposed). The stage stays [128, 64] x [64, 64] (the block diagonal ties stage K
+// to tile N), i.e. 8 GMMA k8 steps per stage; 4 stages instead of 6 to fit shared memory.
 #ifndef JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_DSD_PACKED_CUH_
 #define JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_DSD_PACKED_CUH_
 
@@ -40,10 +45,11 @@ struct DsdPackedConfig {
   static constexpr int kPack = 64 / kBs;  // members per tile (plan::DsdPackFor)
   static constexpr int kTileM = 128;
   static constexpr int kWidth = 64;  // tile N and stage K
-  static constexpr int kStages = 6;
+  static constexpr int kStages = sizeof(T) == 2 ? 6 : 4;  // TF32 stages are twice as big
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
   static_assert(kPack * kBs == kWidth, "block size must divide 64");
+  static_assert(sizeof(T) == 2 || kTransW, "TF32 GMMA reads B K-major only: w must come as bprop reads it");
 
   using TileM = cute::Int<kTileM>;
   using Bs = cute::Int<kBs>;
@@ -80,6 +86,7 @@ struct DsdPackedConfig {
     typename Pipeline::SharedStorage pipe;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 limit");
   static constexpr uint32_t kStageBytes = kPack * (kTileM * kBs + kBs * kBs) * sizeof(T);
 
   // The same global views as DsdConfig (a as (M, K); w as (N, K); out as (M, N)).
@@ -356,6 +363,23 @@ cudaError_t DispatchDsdPacked(bool transpose_w, const DsdParams& p, const Launch
                          : LaunchDsdPackedConfig<DsdPackedConfig<T, OutT, 32, false>>(p, launch);
     default:
       return cudaErrorInvalidValue;
+  }
+}
+
+// float32 inputs on TF32 GMMA, float32 output, B read K-major (bprop's w, or fprop's w
+// given transposed): blocks 8, 16 and 32. A template so that only the TU that calls it
+// (bsmm_sm90_dsd_small_tf32.cu) compiles the kernels.
+template <typename T = cutlass::tfloat32_t>
+cudaError_t DispatchDsdPackedTF32(const DsdParams& p, const Launch& launch) {
+  switch (p.bs) {
+    case 8:
+      return LaunchDsdPackedConfig<DsdPackedConfig<T, float, 8, true>>(p, launch);
+    case 16:
+      return LaunchDsdPackedConfig<DsdPackedConfig<T, float, 16, true>>(p, launch);
+    case 32:
+      return LaunchDsdPackedConfig<DsdPackedConfig<T, float, 32, true>>(p, launch);
+    default:
+      return cudaErrorInvalidValue;  // 64, 128: bsmm_sm90_dsd.cuh
   }
 }
 

@@ -8,6 +8,7 @@ namespace sm90 {
 
 cudaError_t LaunchDsdTF32(const DsdParams& p, const Launch& launch) {
   if (!launch.prepare_only && !Sm90RunsDsdTF32(DType::kF32, p)) return cudaErrorInvalidValue;
+  if (p.bs < 64) return LaunchDsdSmallTF32(p, launch);  // bsmm_sm90_dsd_small_tf32.cu
   return detail::DispatchDsdTF32(p, launch);
 }
 

@@ -9,12 +9,12 @@
 //
 // The targets require a device of compute capability 9.x (the kernels are sm_90a
 // SASS only) and return an FFI error elsewhere. Problems the sm_90a kernels do not
-// cover (exact float32; float32 at blocks 8/16/32; zero-sized dimensions) run the Ampere
+// cover (exact float32; zero-sized dimensions) run the Ampere
 // kernels, which Hopper runs too.
 //
 // Every sm90 target takes one attribute, `tf32` (bool): float32 inputs run on TF32
-// tensor cores (ops/_lowering.py sets it for float32 at DEFAULT/HIGH precision and blocks
-// 64/128, as jnp.dot on GPU; HIGHEST gives false: the exact float32 kernels). TF32 GMMA
+// tensor cores (ops/_lowering.py sets it for float32 at DEFAULT/HIGH precision, every
+// block size, as jnp.dot on GPU; HIGHEST gives false: the exact float32 kernels). TF32 GMMA
 // reads both operands K-major only, so with tf32 some operands come transposed:
 //   fprop: w holds the blocks transposed (w[s]^T), x as usual;
 //   bprop: as usual (w[s] viewed [n, k] is already K-major);
@@ -171,8 +171,8 @@ ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::Any
     return e;
   }
   // With tf32, fprop's w holds transposed blocks: only the TF32 kernel reads them right.
-  if (tf32 && (dt.in != DType::kF32 || (p.bs != 64 && p.bs != 128))) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true needs float32 inputs and blocks of 64 or 128, got " +
+  if (tf32 && dt.in != DType::kF32) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true needs float32 inputs, got " +
                                        DescribeDsd(a, w, *out).str());
   }
   DeviceInfo info;
@@ -233,10 +233,9 @@ ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
         e.failure()) {
       return e;
     }
-    if (dt.in != DType::kF32 || (p.bs != 64 && p.bs != 128) || p.n % 4 != 0) {
-      return ffi::Error::InvalidArgument(std::string(op) +
-                                         ": tf32=true needs float32 inputs, blocks of 64 or 128 and n a multiple of "
-                                         "4, got " + DescribeSdd(x, dy, *dw).str() + " (x^T, dy^T)");
+    if (dt.in != DType::kF32 || p.n % 4 != 0) {
+      return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true needs float32 inputs and n a multiple of 4, got " +
+                                         DescribeSdd(x, dy, *dw).str() + " (x^T, dy^T)");
     }
   } else if (ffi::Error e = CheckSdd(op, x, dy, block_rows, block_cols, col_ptr, row_ptr, row_slots, *dw, &dt, &p);
              e.failure()) {

@@ -1,5 +1,5 @@
-// sm_90a SDD kernel (updat) for 16-bit inputs at blocks 8, 16 and 32:
-// dw[s] = x[:, rows(s)]^T @ dy[:, cols(s)], float32 accumulation.
+// sm_90a SDD kernel (updat) for 16-bit inputs, or float32 inputs on TF32 GMMA, at blocks
+// 8, 16 and 32: dw[s] = x[:, rows(s)]^T @ dy[:, cols(s)], float32 accumulation.
 //
 // A BS x BS product is far below wgmma's 64-row M, so an item of the work plan
 // (bsmm_work_plan.h, group G = 64 / BS consecutive slots, a range of the N reduction)
@@ -23,6 +23,15 @@
 // row is BS elements (16/32/64 bytes: INTER/SW32/SW64), each box one contiguous atom
 // tiling; the GMMA view of A, (64, 64, stages), tiles the same atoms K first, so that M
 // rows [g * BS, (g + 1) * BS) are box g.
+//
+// TF32 (T = tfloat32_t, DispatchSddSmallTF32): TF32 GMMA reads both operands K-major only,
+// so x and dy come as x^T [cb * BS, n] and dy^T [kb * BS, n] (the lowering transposes
+// them, n padded to a multiple of 4). The k-step stays 64 rows of n (same plan and
+// workspace as 16-bit), but a K-major 128-byte swizzle row holds 32 floats: each slot's
+// [BS, 64] tile is two [BS, 32] boxes (half h of box g of a stage at buffer
+// (stage * 2 + h) * G + g), and the GMMA view of A, (64, 64, stages), tiles the K-major
+// SW128 atoms M first, so that those buffers are its (rows of g, K half h) pieces. 6
+// stages (twice the bytes per stage).
 #ifndef JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_SDD_SMALL_CUH_
 #define JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_SDD_SMALL_CUH_
 
@@ -33,21 +42,24 @@ namespace sm90 {
 namespace detail {
 
 // The producer (one elected thread), the one of SddSm90Kernel as a function: for every item of this CTA with
-// work, per k-step, the KS x BS box of x of every valid slot into buffer stage * G + g of
-// sA and the box of dy once per run of equal columns (at its first slot's index) into
-// sB. sA, sB: (BS, KS, stages * G) views of the TMA boxes. A stage expects one box (the
-// pipeline's transaction bytes); the rest is announced before any load is issued.
-template <int G, int BS, int KS, class Pipeline, class TmaLoad, class SmemA, class SmemB>
+// work, per k-step, the KS x BS tile of x of every valid slot into buffers
+// (stage * KH + h) * G + g (h < KH: the tile's KH boxes along K) of sA and the tile of dy
+// once per run of equal columns (at its first slot's index) into sB. sA, sB:
+// (BS, KS / KH, stages * KH * G) views of the TMA boxes. A stage expects one slot tile
+// (the pipeline's transaction bytes, `tile_bytes`); the rest is announced before any load
+// is issued.
+template <int G, int BS, int KS, int KH, class Pipeline, class TmaLoad, class SmemA, class SmemB>
 __device__ __forceinline__ void SddProduce(Pipeline& pipeline, const TmaLoad& tma_x, const TmaLoad& tma_dy, SmemA& sA,
                                            SmemB& sB, const SddParams& p, const plan::SddPlan& pl, int nnz,
                                            uint32_t tile_bytes) {
   using namespace cute;
   const int n = static_cast<int>(p.n);
   const int64_t items = plan::SddNumItems(pl);
-  Tensor gX = local_tile(tma_x.get_tma_tensor(make_shape(p.cb * BS, n)), Shape<Int<BS>, Int<KS>>{},
-                         make_coord(_, _));  // (BS, KS, cb, k_tiles)
-  Tensor gD = local_tile(tma_dy.get_tma_tensor(make_shape(p.kb * BS, n)), Shape<Int<BS>, Int<KS>>{},
-                         make_coord(_, _));  // (BS, KS, kb, k_tiles)
+  static_assert(KS % KH == 0, "a tile is KH whole boxes");
+  Tensor gX = local_tile(tma_x.get_tma_tensor(make_shape(p.cb * BS, n)), Shape<Int<BS>, Int<KS / KH>>{},
+                         make_coord(_, _));  // (BS, KS / KH, cb, k_tiles * KH)
+  Tensor gD = local_tile(tma_dy.get_tma_tensor(make_shape(p.kb * BS, n)), Shape<Int<BS>, Int<KS / KH>>{},
+                         make_coord(_, _));  // (BS, KS / KH, kb, k_tiles * KH)
   auto [tXg, tXs] = tma_partition(tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gX));
   auto [tDg, tDs] = tma_partition(tma_dy, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gD));
 
@@ -63,12 +75,15 @@ __device__ __forceinline__ void SddProduce(Pipeline& pipeline, const TmaLoad& tm
       pipeline.producer_acquire(state);  // expects one tile's bytes
       if (extra != 0) pipeline.producer_expect_transaction(state, extra);
       auto* barrier = pipeline.producer_get_barrier(state);
-      const int base = state.index() * G;
       CUTE_UNROLL
-      for (int g = 0; g < G; ++g) {
-        if (!grp.valid[g]) continue;
-        copy(tma_x.with(*barrier), tXg(_, grp.row[g], k), tXs(_, base + g));
-        if (grp.b_index[g] == g) copy(tma_dy.with(*barrier), tDg(_, grp.col[g], k), tDs(_, base + g));
+      for (int h = 0; h < KH; ++h) {
+        const int base = (state.index() * KH + h) * G;
+        CUTE_UNROLL
+        for (int g = 0; g < G; ++g) {
+          if (!grp.valid[g]) continue;
+          copy(tma_x.with(*barrier), tXg(_, grp.row[g], k * KH + h), tXs(_, base + g));
+          if (grp.b_index[g] == g) copy(tma_dy.with(*barrier), tDg(_, grp.col[g], k * KH + h), tDs(_, base + g));
+        }
       }
       ++state;
     }
@@ -84,24 +99,34 @@ struct SddSmallConfig {
   static constexpr int kGroup = SddShape<BS_>::kGroup;  // 64 / BS slots stacked along M
   static constexpr int kTileK = SddShape<BS_>::kTileK;
   static constexpr int kTileM = 64;
-  static constexpr int kStages = 8;
+  static constexpr bool kKMajor = sizeof(T) == 4;  // TF32: x^T and dy^T, read K-major
+  static constexpr int kStages = kKMajor ? 6 : 8;
+  static constexpr int kBoxK = kKMajor ? 32 : kTileK;  // rows of n per TMA box (TF32: one 128-byte swizzle row)
+  static constexpr int kBoxesK = kTileK / kBoxK;        // boxes per slot tile
+  static constexpr int kBoxKBlocks = kBoxK * static_cast<int>(sizeof(T)) / 32;  // GMMA k-blocks (32 bytes) per box
   static constexpr int kConsumers = 1;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
   static_assert(kGroup * kBs == kTileM, "the slots of an item fill wgmma's M = 64");
+  static_assert(kBoxesK * kBoxK == kTileK, "a slot tile is whole boxes");
+  static constexpr cute::GMMA::Major kMajor = kKMajor ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
 
   using Bs = cute::Int<kBs>;
+  using BoxK = cute::Int<kBoxK>;
   using TileK = cute::Int<kTileK>;
   using TileM = cute::Int<kTileM>;
-  using Atom = AtomFor<T, cute::GMMA::Major::MN, kBs>;
-  // TMA view: box q = stage * G + g.
-  using SmemLayoutBoxes = decltype(cute::tile_to_shape(Atom{}, cute::make_shape(Bs{}, TileK{}, cute::Int<kStages * kGroup>{})));
-  // GMMA view of A: a stage's G boxes stacked along M (atoms tiled K first).
-  using SmemLayoutA = decltype(cute::tile_to_shape(Atom{}, cute::make_shape(TileM{}, TileK{}, cute::Int<kStages>{}),
-                                                   cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using Atom = cute::conditional_t<kKMajor, cute::GMMA::Layout_K_SW128_Atom<T>, AtomFor<T, cute::GMMA::Major::MN, kBs>>;
+  // TMA view: box q = (stage * kBoxesK + h) * G + g.
+  using SmemLayoutBoxes =
+      decltype(cute::tile_to_shape(Atom{}, cute::make_shape(Bs{}, BoxK{}, cute::Int<kStages * kBoxesK * kGroup>{})));
+  // GMMA view of A: a stage's G boxes stacked along M (MN-major atoms tiled K first; the
+  // K-major TF32 atoms tiled M first, so that K half h follows the G boxes of half h - 1).
+  using SmemLayoutA = cute::conditional_t<
+      kKMajor, decltype(cute::tile_to_shape(Atom{}, cute::make_shape(TileM{}, TileK{}, cute::Int<kStages>{}))),
+      decltype(cute::tile_to_shape(Atom{}, cute::make_shape(TileM{}, TileK{}, cute::Int<kStages>{}),
+                                   cute::Step<cute::_2, cute::_1, cute::_3>{}))>;
   static_assert(cute::cosize_v<SmemLayoutA> == cute::cosize_v<SmemLayoutBoxes>, "the two views of A differ in size");
 
-  using MmaOp = decltype(cute::GMMA::ss_op_selector<T, T, float, cute::Shape<TileM, Bs, TileK>, cute::GMMA::Major::MN,
-                                                    cute::GMMA::Major::MN>());
+  using MmaOp = decltype(cute::GMMA::ss_op_selector<T, T, float, cute::Shape<TileM, Bs, TileK>, kMajor, kMajor>());
   using TiledMma = decltype(cute::make_tiled_mma(MmaOp{}));
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
@@ -116,9 +141,15 @@ struct SddSmallConfig {
   static constexpr uint32_t kTileBytes = kBs * kTileK * sizeof(T);
 
   // x [n, cb * BS] as (M = cb * BS, K = n); dy [n, kb * BS] as (N = kb * BS, K = n).
+  // TF32: x^T [cb * BS, n] and dy^T [kb * BS, n], the same (M or N, K) views K-major.
   static auto GlobalOperand(const T* ptr, int cols, int n) {
-    return cute::make_tensor(cute::make_gmem_ptr(ptr), cute::make_shape(cols, n),
-                             cute::make_stride(cute::_1{}, static_cast<int64_t>(cols)));
+    if constexpr (kKMajor) {
+      return cute::make_tensor(cute::make_gmem_ptr(ptr), cute::make_shape(cols, n),
+                               cute::make_stride(static_cast<int64_t>(n), cute::_1{}));
+    } else {
+      return cute::make_tensor(cute::make_gmem_ptr(ptr), cute::make_shape(cols, n),
+                               cute::make_stride(cute::_1{}, static_cast<int64_t>(cols)));
+    }
   }
   using TmaLoad = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GlobalOperand(nullptr, 0, 0),
                                                SmemLayoutBoxes{}(cute::_, cute::_, 0)));
@@ -169,20 +200,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) SddSmallSm90Kernel(const __g
     // No register reallocation: two warpgroups fit in the register file at the
     // 255-register cap, and the producer's G-slot bookkeeping needs more than 40.
     if (warp_in_group != 0 || !cute::elect_one_sync()) return;
-    Tensor sA = make_tensor(make_smem_ptr(shared.a.data()), typename Cfg::SmemLayoutBoxes{});  // (BS, KS, box)
+    Tensor sA = make_tensor(make_smem_ptr(shared.a.data()), typename Cfg::SmemLayoutBoxes{});  // (BS, box K, box)
     Tensor sB = make_tensor(make_smem_ptr(shared.b.data()), typename Cfg::SmemLayoutBoxes{});
-    SddProduce<G, BS, KS>(pipeline, args.tma_x, args.tma_dy, sA, sB, p, pl, nnz, Cfg::kTileBytes);
+    SddProduce<G, BS, KS, Cfg::kBoxesK>(pipeline, args.tma_x, args.tma_dy, sA, sB, p, pl, nnz, Cfg::kTileBytes);
     return;
   }
 
   // Consumer warpgroup.
   const int ctid = threadIdx.x - kWarpgroupThreads;
   Tensor sA = make_tensor(make_smem_ptr(shared.a.data()), typename Cfg::SmemLayoutA{});      // (64, KS, stage)
-  Tensor sB = make_tensor(make_smem_ptr(shared.b.data()), typename Cfg::SmemLayoutBoxes{});  // (BS, KS, box)
+  Tensor sB = make_tensor(make_smem_ptr(shared.b.data()), typename Cfg::SmemLayoutBoxes{});  // (BS, box K, box)
   typename Cfg::TiledMma mma;
   auto thr_mma = mma.get_thread_slice(ctid);
-  Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // (MMA, 1, KS / 16, stage)
-  Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));  // (MMA, 1, KS / 16, box)
+  Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // (MMA, 1, k-blocks per tile, stage)
+  Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));  // (MMA, 1, k-blocks per box, box)
+  constexpr int KB = Cfg::kBoxKBlocks;
+  static_assert(decltype(size<2>(tCrB))::value == KB, "k-blocks per box");
+  static_assert(decltype(size<2>(tCrA))::value == KB * Cfg::kBoxesK, "k-blocks per tile");
   using Accum = decltype(partition_fragment_C(mma, Shape<typename Cfg::TileM, typename Cfg::Bs>{}));
   Accum accum[G];  // accum[h]: the run whose first slot is h
   // (row, column) of every accumulator element in the [64, BS] tile.
@@ -248,7 +282,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) SddSmallSm90Kernel(const __g
           mma.accumulate_ = scale;
           CUTE_UNROLL
           for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-            gemm(mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage * G + head0 + h), accum[h]);
+            // k-block kb is k-block kb % KB of the head's box kb / KB of this stage.
+            gemm(mma, tCrA(_, _, kb, stage), tCrB(_, _, kb % KB, (stage * Cfg::kBoxesK + kb / KB) * G + head0 + h),
+                 accum[h]);
             mma.accumulate_ = GMMA::ScaleOut::One;
           }
         }
@@ -351,6 +387,19 @@ cudaError_t DispatchSddSmall(const SddParams& p, const Launch& launch) {
     case 16: return LaunchSddSmallConfig<SddSmallConfig<T, OutT, 16>>(p, launch);
     case 32: return LaunchSddSmallConfig<SddSmallConfig<T, OutT, 32>>(p, launch);
     default: return cudaErrorInvalidValue;
+  }
+}
+
+// float32 inputs on TF32 GMMA (x^T and dy^T, K-major), float32 output: blocks 8, 16 and
+// 32. A template so that only the TU that calls it (bsmm_sm90_sdd_small_tf32.cu)
+// compiles the kernels.
+template <typename T = cutlass::tfloat32_t>
+cudaError_t DispatchSddSmallTF32(const SddParams& p, const Launch& launch) {
+  switch (p.bs) {
+    case 8: return LaunchSddSmallConfig<SddSmallConfig<T, float, 8>>(p, launch);
+    case 16: return LaunchSddSmallConfig<SddSmallConfig<T, float, 16>>(p, launch);
+    case 32: return LaunchSddSmallConfig<SddSmallConfig<T, float, 32>>(p, launch);
+    default: return cudaErrorInvalidValue;  // 64, 128: bsmm_sm90_sdd.cuh
   }
 }
 

@@ -7,6 +7,7 @@ namespace sm90 {
 
 cudaError_t LaunchSddTF32(const SddParams& p, const Launch& launch) {
   if (!launch.prepare_only && !Sm90RunsSddTF32(DType::kF32, p)) return cudaErrorInvalidValue;
+  if (p.bs < 64) return LaunchSddSmallTF32(p, launch);  // bsmm_sm90_sdd_small_tf32.cu
   return detail::DispatchSddTF32(p, launch);
 }
 

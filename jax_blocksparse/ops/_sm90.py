@@ -4,15 +4,15 @@ The extension built for sm_90a registers, for CUDA, ``jbs_bsmm_{fprop,bprop,upda
 (cuda/sm90/): persistent, warp-specialized kernels with TMA loads, wgmma and TMA stores,
 for 16-bit inputs (fprop, bprop and updat at every block size: at blocks 8/16/32 fprop/bprop
 pack 64 / bs outputs per tile and updat stacks 64 / bs slots along wgmma's M) and for
-float32 inputs on TF32 tensor cores (all three at blocks 64 and 128, see below). The other
-problems (exact float32, float32 at blocks 8/16/32) run the portable kernels from inside
-the same targets. They take the operands of the portable targets; ``jbs_bsmm_updat_sm90``
-returns a second result, a uint8 workspace for the float32 partial sums of a split N
-reduction, sized here (:func:`updat_workspace_bytes`, a mirror of ``SddWorkspaceBytes``
-and the work plan of cuda/bsmm_work_plan.h).
+float32 inputs on TF32 tensor cores (all three at every block size, see below). The other
+problems (exact float32) run the portable kernels from inside the same targets. They take
+the operands of the portable targets; ``jbs_bsmm_updat_sm90`` returns a second result,
+a uint8 workspace for the float32 partial sums of a split N reduction, sized here
+(:func:`updat_workspace_bytes`, a mirror of ``SddWorkspaceBytes`` and the work plan of
+cuda/bsmm_work_plan.h).
 
 Float32 precision (:func:`use_tf32`): every sm_90 target takes a bool attribute
-``tf32``. It is true for float32 inputs at blocks 64 and 128 when the primitive's
+``tf32``. It is true for float32 inputs (every block size) when the primitive's
 ``precision`` is None, DEFAULT or HIGH: the products then run on TF32 tensor cores
 (10-bit mantissa inputs, float32 accumulation), as ``jnp.dot`` does on the GPU. HIGHEST
 gives false: the exact float32 kernels. TF32 wgmma reads both operands K-major only, so
@@ -20,7 +20,8 @@ with ``tf32`` the lowering passes some operands transposed (:func:`tf32_operands
 fprop's w as ``jnp.swapaxes(w, -1, -2)`` (each block transposed), updat's x and dy as
 x^T [C, n] and dy^T [K, n] with n padded by zero rows to a multiple of 4 (TMA strides
 are multiples of 16 bytes; zero rows add nothing to the sum over n). bprop's operands
-are K-major as they are. Blocks 8/16/32 in float32 keep the exact kernels.
+are K-major as they are. The updat workspace of a TF32 updat is that of the 16-bit
+kernel over the padded n (same plan).
 
 The Hopper gate (:func:`select_target`): the lowering for "cuda" picks the sm_90 target
 only when the extension has it, the gate is open, and the target GPU is sm_90:
@@ -64,14 +65,15 @@ SDD_TILE_K = 32
 SDD_SMALL_TILE_K = 64
 # Float32 on TF32 tensor cores: block sizes, and the multiple of rows the transposed updat
 # operands are padded to (Sm90RunsDsdTF32 / Sm90RunsSddTF32).
-TF32_BLOCK_SIZES = (64, 128)
+TF32_BLOCK_SIZES = (8, 16, 32, 64, 128)
 TF32_ROW_MULTIPLE = 4
 
 
 def use_tf32(dtype, bs: int, precision) -> bool:
     """Whether an sm_90 target runs a product of ``dtype`` inputs at block size ``bs`` on
     TF32 tensor cores: float32 at ``precision`` None, DEFAULT or HIGH (a
-    :class:`jax.lax.Precision` or None, as the primitives carry it), blocks 64 and 128."""
+    :class:`jax.lax.Precision` or None, as the primitives carry it), every block size of
+    the kernels (8, 16, 32, 64, 128)."""
     from jax import lax  # noqa: PLC0415
 
     return (

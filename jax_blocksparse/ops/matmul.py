@@ -50,7 +50,7 @@ gives it to XLA's dot: on GPU, float32 at DEFAULT may use TF32 tensor cores, as
 ``jnp.dot`` does, and HIGHEST is exact float32. The CPU and Ampere CUDA kernels compute
 float32 exactly at every precision (DEFAULT allows TF32; it does not require it). The
 Hopper kernels (behind ``JAX_BLOCKSPARSE_HOPPER=1``, see :mod:`jax_blocksparse.ops._sm90`)
-run float32 at DEFAULT and HIGH on TF32 tensor cores for blocks 64 and 128, as ``jnp.dot``
+run float32 at DEFAULT and HIGH on TF32 tensor cores at every block size, as ``jnp.dot``
 does there, and exactly at HIGHEST.
 
 Implementation

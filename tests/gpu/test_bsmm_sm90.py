@@ -5,8 +5,8 @@ packed blocks 8/16/32, where fprop/bprop pack outputs block-diagonally and updat
 slots along M; the adversarial layouts:
 empty, single, full, empty rows/columns, a long column, padding with garbage tables;
 odd row counts; f32 outputs) with the Hopper gate open (JAX_BLOCKSPARSE_HOPPER=1), and
-checks that the lowering really called the *_sm90 targets. Float32 inputs at blocks
-64/128: TF32 tensor cores at DEFAULT/HIGH (within TF32 tolerance, and measurably less
+checks that the lowering really called the *_sm90 targets. Float32 inputs at every
+block size (8/16/32 packed as above): TF32 tensor cores at DEFAULT/HIGH (within TF32 tolerance, and measurably less
 exact than float32, so the TF32 kernels really ran), exact at HIGHEST. Split and unsplit updat
 reductions are both reached (few slots split N; a large N with many slots does not).
 Skips without a GPU (tests/gpu/conftest.py) and on a GPU that is not compute 9.x.
@@ -26,6 +26,7 @@ from .test_bsmm_kernels import LAYOUT_KINDS, OPS, _check, _layout, _run
 
 SM90_BLOCKS = (64, 128)
 PACKED_BLOCKS = (8, 16, 32)  # DSD: block-diagonal packing; SDD: 64 / bs slots along M
+TF32_BLOCKS = SM90_BLOCKS + PACKED_BLOCKS
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
 
 
@@ -165,7 +166,8 @@ def test_small_block_updat_split_is_deterministic(bs):
 @pytest.mark.parametrize("bs", (16, 32))
 def test_small_block_updat_and_f32_run_the_portable_kernels(bs):
     # The sm90 targets take every problem: updat at small blocks runs the sm_90a kernel,
-    # float32 inputs at small blocks launch the Ampere kernels from inside them.
+    # float32 inputs at HIGHEST (conftest's default precision) launch the Ampere kernels
+    # from inside them.
     mask, layout = _layout("random", bs)
     assert _lowers_to_sm90("updat", layout, jnp.bfloat16)
     got, want, length = _run("updat", layout, mask, jnp.bfloat16, (129,))
@@ -230,7 +232,7 @@ def _rel_err(got, want):
 
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("bs", SM90_BLOCKS)
+@pytest.mark.parametrize("bs", TF32_BLOCKS)
 def test_tf32_layouts(bs, op, kind):
     mask, layout = _layout(kind, bs)
     got, want, text = _run_f32(op, layout, mask, (129,), "default")
@@ -240,7 +242,7 @@ def test_tf32_layouts(bs, op, kind):
 
 @pytest.mark.parametrize("n", (1, 7, 129, 1000, 5000))
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("bs", SM90_BLOCKS)
+@pytest.mark.parametrize("bs", TF32_BLOCKS)
 def test_tf32_rows(bs, op, n):
     # Odd n: updat pads x^T / dy^T to a multiple of 4; small n splits the updat reduction.
     mask, layout = _layout("random", bs)
@@ -250,7 +252,7 @@ def test_tf32_rows(bs, op, n):
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("bs", SM90_BLOCKS)
+@pytest.mark.parametrize("bs", TF32_BLOCKS)
 def test_tf32_really_runs_and_highest_is_exact(bs, op):
     mask, layout = _layout("random", bs)
     got, want, text = _run_f32(op, layout, mask, (3, 43), "default")
@@ -263,9 +265,10 @@ def test_tf32_really_runs_and_highest_is_exact(bs, op):
     _check(got, want, jnp.float32, length)
 
 
-def test_tf32_updat_split_is_deterministic():
-    mask, layout = _layout("single", 128)
-    assert _sm90.updat_workspace_bytes(jnp.float32, 4096, layout.capacity, 128, tf32=True) > 0
+@pytest.mark.parametrize("bs", (16, 128))
+def test_tf32_updat_split_is_deterministic(bs):
+    mask, layout = _layout("single", bs)
+    assert _sm90.updat_workspace_bytes(jnp.float32, 4096, layout.capacity, bs, tf32=True) > 0
     x = jax.random.normal(jax.random.PRNGKey(0), (4096, layout.shape[0]), jnp.float32)
     dy = jax.random.normal(jax.random.PRNGKey(1), (4096, layout.shape[1]), jnp.float32)
     with jbs.config.implementation("kernels"):
@@ -276,7 +279,7 @@ def test_tf32_updat_split_is_deterministic():
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("bs", (64, 128))
+@pytest.mark.parametrize("bs", (16, 64, 128))
 def test_tf32_sanitizer_subset(bs, op):
     # Run by tests/gpu/run_sanitizer.sh with the 16-bit subset (-k sanitizer_subset).
     mask, layout = _layout("padded", bs)
