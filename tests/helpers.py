@@ -35,6 +35,7 @@ import jax  # noqa: E402,F401  (after XLA_FLAGS, on purpose)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from jax.extend.core import jaxprs_in_params  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import jax_blocksparse as jbs  # noqa: E402
@@ -263,3 +264,13 @@ def rerun_keeping_16bit_roundings(request, timeout: float = 600):
                            timeout=timeout)
     output = f"{' '.join(command)}\n{child.stdout[-6000:]}\n{child.stderr[-3000:]}"
     assert child.returncode == 0 and re.search(r"\b1 passed\b", child.stdout), output
+
+
+def eqns_named(jaxpr, names) -> list:
+    """The equations of ``jaxpr`` (a core Jaxpr) whose primitive is in ``names``, nested
+    jaxprs (pjit, custom_jvp/vjp, scan, cond branches) included."""
+    found = [e for e in jaxpr.eqns if e.primitive.name in names]
+    for eqn in jaxpr.eqns:
+        for inner in jaxprs_in_params(eqn.params):
+            found += eqns_named(inner, names)
+    return found

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
-from helpers import rand, require_kernels
+from helpers import eqns_named, rand, require_kernels
 
 PRIMITIVES = ("bsmm_fprop", "bsmm_bprop", "bsmm_updat")
 TARGETS = tuple(f"jbs_{p}" for p in PRIMITIVES)
@@ -91,18 +91,6 @@ def _vmap(fn, **kw):
 
 TRANSFORMS = {"jit": lambda fn, **kw: (lambda a, b: fn(a, b, **kw)), "grad": _grad, "jvp": _jvp, "vmap": _vmap}
 
-
-def _bsmm_eqns(jaxpr):
-    """Every bsmm primitive equation of a jaxpr, nested jaxprs (custom_jvp, pjit) included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in PRIMITIVES:
-            found.append(eqn)
-        for value in eqn.params.values():
-            inner = getattr(value, "jaxpr", value)
-            if hasattr(inner, "eqns"):
-                found += _bsmm_eqns(inner)
-    return found
 
 
 def _path(fun, *args, platform="cpu"):
@@ -284,3 +272,8 @@ def test_context_is_per_thread():
         thread.join()
         assert jbs.config.get_implementation() == "reference"
     assert seen == [jbs.config.get_implementation()]
+
+
+def _bsmm_eqns(jaxpr):
+    """Every bsmm primitive equation of a jaxpr, nested jaxprs included."""
+    return eqns_named(jaxpr, PRIMITIVES)

@@ -28,10 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.extend.core import jaxprs_in_params
 
 import jax_blocksparse as jbs
-from helpers import cpu_mesh, rand, require_kernels, xla_optimizations_off
+from helpers import cpu_mesh, eqns_named, rand, require_kernels, xla_optimizations_off
 from jax_blocksparse.ops.probe import ProbedLayout, dense_grid_blocks
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
@@ -164,14 +163,6 @@ CASES = sorted(LINEN) + ["nn.BlockSparseDense(dynamic)"] + sorted(NNX)
 # ---------------------------------------------------------------------------------
 
 
-def _eqns(jaxpr, names):
-    """The equations of ``jaxpr`` whose primitive is in ``names``, nested jaxprs included."""
-    found = [e for e in jaxpr.eqns if e.primitive.name in names]
-    for eqn in jaxpr.eqns:
-        for inner in jaxprs_in_params(eqn.params):
-            found += _eqns(inner, names)
-    return found
-
 
 @functools.cache
 def _traced(name, impl):
@@ -186,7 +177,7 @@ def _traced(name, impl):
     jaxpr = traced.jaxpr.jaxpr
     with xla_optimizations_off():
         values = lowered.compile()(*args)
-    return _eqns(jaxpr, BSMM), _eqns(jaxpr, ("dot_general",)), lowered.as_text(), values
+    return eqns_named(jaxpr, BSMM), eqns_named(jaxpr, ("dot_general",)), lowered.as_text(), values
 
 
 @pytest.mark.parametrize("impl", ["reference", "kernels"])
@@ -223,7 +214,7 @@ def test_none_reads_the_default_when_traced(default):
     loss, args = _case("nn.BlockSparseLSTM")
     with jbs.config.implementation(default):
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(*args).jaxpr
-    assert {e.params["impl"] for e in _eqns(jaxpr, BSMM)} == {default}
+    assert {e.params["impl"] for e in eqns_named(jaxpr, BSMM)} == {default}
 
 
 # ---------------------------------------------------------------------------------

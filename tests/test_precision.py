@@ -16,7 +16,7 @@ import pytest
 from jax import lax
 
 import jax_blocksparse as jbs
-from helpers import make_problem, rand
+from helpers import eqns_named, make_problem, rand
 from jax_blocksparse.ops._checks import canonical_precision
 
 PRIMITIVES = ("bsmm_fprop", "bsmm_bprop", "bsmm_updat")
@@ -29,18 +29,6 @@ def _no_default_precision():
     with jax.default_matmul_precision(None):
         yield
 
-
-def _bsmm_eqns(jaxpr):
-    """Every bsmm primitive equation of a closed jaxpr, nested jaxprs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in PRIMITIVES:
-            found.append(eqn)
-        for value in eqn.params.values():
-            inner = getattr(value, "jaxpr", None)
-            if inner is not None and hasattr(inner, "eqns"):
-                found += _bsmm_eqns(inner)
-    return found
 
 
 def _problem():
@@ -146,3 +134,8 @@ def test_bad_precision_raises(precision, error, match):
         jbs.bsmm(x, w, layout, precision=precision)
     with pytest.raises(error, match=match):
         jbs.bsmm_updat(x, jnp.ones((5, layout.shape[1])), layout, precision=precision)
+
+
+def _bsmm_eqns(jaxpr):
+    """Every bsmm primitive equation of a jaxpr, nested jaxprs included."""
+    return eqns_named(jaxpr, PRIMITIVES)
