@@ -37,7 +37,6 @@ import datetime
 import math
 import platform
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -48,6 +47,7 @@ import jax_blocksparse as jbs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
 from _report import git_commit, write_json  # noqa: E402
+from bsmm import time_calls  # noqa: E402
 
 from jax_blocksparse.attention import blocksparse_attention
 
@@ -78,23 +78,6 @@ def make_mask(pattern: str, n: int, causal: bool, stride: int | None = None) -> 
     }[pattern]()
     return L.causal(mask) if causal else mask
 
-
-def time_step(fn, *args, repeats: int, min_time: float = 0.2) -> float:
-    """Median seconds per call of fn(*args), calls back to back (compiled and warmed first)."""
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = max(time.perf_counter() - t0, 1e-6)
-    inner = max(1, min(100, int(min_time / one)))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / inner)
-    return float(np.median(samples))
 
 
 def memory(fn, *args) -> dict | None:
@@ -170,7 +153,7 @@ def flex_peer(mask, block_size, causal, shape, dtype, repeats):
 def _measure(row, name, fn, args, repeats):
     """Times fn and records its memory into row[name + ...]; an error is recorded, not raised."""
     try:
-        row[f"{name}_s"] = time_step(fn, *args, repeats=repeats)
+        row[f"{name}_s"] = time_calls(fn, *args, repeats=repeats, min_time=0.2, max_inner=100)
         row[f"{name}_memory"] = memory(fn, *args)
     except Exception as e:  # a peer that cannot run here (e.g. cudnn on float32): say why
         row[f"{name}_s"] = None
