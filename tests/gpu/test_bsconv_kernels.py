@@ -3,6 +3,12 @@
 bsconv is built from the bsmm primitives, so on 'cuda' it runs the bsmm kernels; these
 tests check the whole composition on hardware against the dense ``lax`` convolution
 (cuDNN), forward and backward. The directory skips where there is no GPU.
+
+Precision: every bsconv call states ``precision="highest"`` (exact float32, as the float32
+tolerances mean; on the Hopper targets DEFAULT would run float32 on TF32), and the oracles
+``bsconv_reference`` / ``bsconv_transpose_reference`` are exact by definition (HIGHEST).
+tests/test_gpu_tests_on_cpu.py checks on CPU that no product here is left to a
+default.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ def test_bsconv_kernels_match_dense_conv(dtype, bs, geometry):
     x, w, layout = _problem(bs, (3, 2), spatial, kernel_size, dtype)
     kwargs = dict(strides=strides, padding=padding, dilation=dilation)
     with jbs.config.implementation("kernels"):
-        got = jax.jit(lambda x, w: jbs.bsconv(x, w, layout, **kwargs))(x, w)
+        got = jax.jit(lambda x, w: jbs.bsconv(x, w, layout, **kwargs, precision="highest"))(x, w)
     want = jbs.bsconv_reference(x.astype(jnp.float32), w.astype(jnp.float32), layout, **kwargs)
     assert_close(got, want, dtype, length=int(np.prod(kernel_size)) * x.shape[-1])
 
@@ -59,13 +65,19 @@ def test_bsconv_grad_through_kernels(dtype, kind):
     dtype = DTYPES[dtype]
     x, w, layout = _problem(16, (3, 4), (6, 5), (3, 3), dtype, kind)
 
-    def loss(conv, x, w):
-        return jnp.sum(jnp.sin(conv(x, w, layout, strides=(1, 2)).astype(jnp.float32)))
+    def loss(y):
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+    def kernels_loss(x, w):
+        return loss(jbs.bsconv(x, w, layout, strides=(1, 2), precision="highest"))
+
+    def reference_loss(x, w):
+        return loss(jbs.bsconv_reference(x, w, layout, strides=(1, 2)))
 
     with jbs.config.implementation("kernels"):
-        got = jax.jit(jax.grad(lambda x, w: loss(jbs.bsconv, x, w), argnums=(0, 1)))(x, w)
+        got = jax.jit(jax.grad(kernels_loss, argnums=(0, 1)))(x, w)
     x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
-    want = jax.grad(lambda x, w: loss(jbs.bsconv_reference, x, w), argnums=(0, 1))(x32, w32)
+    want = jax.grad(reference_loss, argnums=(0, 1))(x32, w32)
     for g, r in zip(got, want):
         assert_close(g, r, dtype, length=9 * 64)
 
@@ -75,7 +87,9 @@ def test_bsconv_transpose_kernels(dtype):
     dtype = DTYPES[dtype]
     x, w, layout = _problem(16, (2, 3), (5, 4), (3, 3), dtype)
     with jbs.config.implementation("kernels"):
-        got = jax.jit(lambda x, w: jbs.bsconv_transpose(x, w, layout, strides=2, padding="SAME"))(x, w)
+        got = jax.jit(
+            lambda x, w: jbs.bsconv_transpose(x, w, layout, strides=2, padding="SAME", precision="highest")
+        )(x, w)
     want = jbs.bsconv_transpose_reference(
         x.astype(jnp.float32), w.astype(jnp.float32), layout, strides=2, padding="SAME"
     )

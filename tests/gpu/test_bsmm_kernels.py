@@ -6,6 +6,12 @@ capacity > nnz with NaN in the padding blocks and garbage in the padding table
 entries), odd row counts, leading batch dims, output dtypes, vmap and grad through the
 kernels, and a layout change without recompiling.
 
+Precision: every product here states it (tests/test_gpu_tests_on_cpu.py checks
+that on CPU; tests/conftest.py's HIGHEST default does not reach tests/gpu). These tests
+compare against float64 oracles at the input dtype's tolerance, so they mean exact float32:
+``precision="highest"`` (on the Hopper targets DEFAULT/HIGH would run float32 on TF32;
+16-bit inputs run the same kernels at any precision).
+
 The whole directory skips where there is no GPU (tests/gpu/conftest.py).
 Tests whose id contains ``sanitizer_subset`` are the reduced set that
 tests/gpu/run_sanitizer.sh runs under compute-sanitizer.
@@ -106,14 +112,15 @@ def _blocks(full, mask, bs, capacity):
     return out
 
 
-def _run(op, layout, mask, dtype, lead, out_dtype=None, seed=0):
-    """(kernel result, float64 oracle, reduction length) for one op."""
+def _run(op, layout, mask, dtype, lead, out_dtype=None, seed=0, *, precision):
+    """(kernel result, float64 oracle, reduction length) for one op at ``precision``
+    (required: the GPU's float32 default is TF32 on the Hopper targets)."""
     bs = layout.block_size
     c, k = layout.shape
     if op == "updat":
         x, dy = _rand((*lead, c), dtype, seed), _rand((*lead, k), dtype, seed + 1)
         with jbs.config.implementation("kernels"):
-            got = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, layout, out_dtype=out_dtype))(x, dy)
+            got = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, layout, out_dtype=out_dtype, precision=precision))(x, dy)
         full = _f64(x).reshape(-1, c).T @ _f64(dy).reshape(-1, k)
         return got, _blocks(full, mask, bs, layout.capacity), max(1, int(np.prod(lead)))
     w = _weights(layout, dtype, seed + 2)
@@ -121,7 +128,9 @@ def _run(op, layout, mask, dtype, lead, out_dtype=None, seed=0):
     x = _rand((*lead, k if transpose else c), dtype, seed)
     with jbs.config.implementation("kernels"):
         got = jax.jit(
-            lambda x, w: jbs.bsmm(x, w, layout, transpose=transpose, preferred_element_type=out_dtype)
+            lambda x, w: jbs.bsmm(
+                x, w, layout, transpose=transpose, preferred_element_type=out_dtype, precision=precision
+            )
         )(x, w)
     W = _dense(w, mask, bs)
     want = _f64(x) @ (W.T if transpose else W)
@@ -150,7 +159,7 @@ def _check(got, want, dtype, length, out_dtype=None):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_layouts(dtype, bs, op, kind):
     mask, layout = _layout(kind, bs)
-    got, want, length = _run(op, layout, mask, DTYPES[dtype], (129,))
+    got, want, length = _run(op, layout, mask, DTYPES[dtype], (129,), precision="highest")
     _check(got, want, DTYPES[dtype], length)
 
 
@@ -160,7 +169,7 @@ def test_layouts(dtype, bs, op, kind):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_rows(dtype, bs, op, n):
     mask, layout = _layout("random", bs, seed=n)
-    got, want, length = _run(op, layout, mask, DTYPES[dtype], (n,), seed=n)
+    got, want, length = _run(op, layout, mask, DTYPES[dtype], (n,), seed=n, precision="highest")
     _check(got, want, DTYPES[dtype], length)
 
 
@@ -170,14 +179,14 @@ def test_rows(dtype, bs, op, n):
 def test_sanitizer_subset(dtype, bs, op):
     """Small but complete: every kernel instantiation with padding and a partial row tile."""
     mask, layout = _layout("padded", bs, seed=3)
-    got, want, length = _run(op, layout, mask, DTYPES[dtype], (3, 43), seed=3)
+    got, want, length = _run(op, layout, mask, DTYPES[dtype], (3, 43), seed=3, precision="highest")
     _check(got, want, DTYPES[dtype], length)
 
 
 def test_zero_rows():
     for op in OPS:
         mask, layout = _layout("random", 16)
-        got, want, length = _run(op, layout, mask, jnp.bfloat16, (0,))
+        got, want, length = _run(op, layout, mask, jnp.bfloat16, (0,), precision="highest")
         _check(got, want, jnp.bfloat16, length)
 
 
@@ -188,22 +197,24 @@ def test_zero_rows():
 @pytest.mark.parametrize("op", OPS)
 def test_output_dtypes(op, in_dtype, out_dtype):
     mask, layout = _layout("random", 32)
-    got, want, length = _run(op, layout, mask, DTYPES[in_dtype], (2, 65), out_dtype=DTYPES[out_dtype])
+    got, want, length = _run(
+        op, layout, mask, DTYPES[in_dtype], (2, 65), out_dtype=DTYPES[out_dtype], precision="highest"
+    )
     assert got.dtype == DTYPES[out_dtype]
     _check(got, want, DTYPES[in_dtype], length, out_dtype=DTYPES[out_dtype])
 
 
 # ---------------------------------------------------------------------------------
-# Transforms through the kernels, against the reference at full float32 precision
+# Transforms through the kernels, against the reference, both at HIGHEST (exact float32:
+# the precision each call states is kept by the JVP, transpose and batching rules)
 # ---------------------------------------------------------------------------------
 
 
 def _both(fun, *args):
-    with jax.default_matmul_precision("highest"):
-        with jbs.config.implementation("kernels"):
-            got = jax.jit(lambda *a: fun(*a))(*args)
-        with jbs.config.implementation("reference"):
-            want = jax.jit(lambda *a: fun(*a))(*args)
+    with jbs.config.implementation("kernels"):
+        got = jax.jit(lambda *a: fun(*a))(*args)
+    with jbs.config.implementation("reference"):
+        want = jax.jit(lambda *a: fun(*a))(*args)
     return got, want
 
 
@@ -215,7 +226,7 @@ def test_grad(bs):
     x, cot = _rand((5, 37, c), jnp.float32, 2), _rand((5, 37, k), jnp.float32, 3)
 
     def loss(x, w):
-        return jnp.sum(jbs.bsmm(x, w, layout) * cot)
+        return jnp.sum(jbs.bsmm(x, w, layout, precision="highest") * cot)
 
     (gx, gw), (rx, rw) = _both(jax.grad(loss, argnums=(0, 1)), x, w)
     _check(gx, _f64(rx), jnp.float32, k)
@@ -230,11 +241,11 @@ def test_vmap(bs):
     w = jnp.stack([_weights(layout, jnp.float32, 1), _weights(layout, jnp.float32, 2)])
     x = _rand((2, 9, c), jnp.float32, 4)
     dy = _rand((2, 9, k), jnp.float32, 5)
-    got, want = _both(jax.vmap(lambda x, w: jbs.bsmm(x, w, layout)), x, w)
+    got, want = _both(jax.vmap(lambda x, w: jbs.bsmm(x, w, layout, precision="highest")), x, w)
     _check(got, _f64(want), jnp.float32, c)
-    got, want = _both(jax.vmap(lambda x: jbs.bsmm(x, w[0], layout, transpose=True)), dy)
+    got, want = _both(jax.vmap(lambda x: jbs.bsmm(x, w[0], layout, transpose=True, precision="highest")), dy)
     _check(got, _f64(want), jnp.float32, k)
-    got, want = _both(jax.vmap(lambda x, dy: jbs.bsmm_updat(x, dy, layout)), x, dy)
+    got, want = _both(jax.vmap(lambda x, dy: jbs.bsmm_updat(x, dy, layout, precision="highest")), x, dy)
     _check(got, _f64(want), jnp.float32, 9)
 
 
@@ -244,7 +255,7 @@ def test_layout_change_does_not_recompile():
 
     def f(x, w, layout):
         traces.append(1)
-        return jbs.bsmm(x, w, layout)
+        return jbs.bsmm(x, w, layout, precision="highest")
 
     with jbs.config.implementation("kernels"):
         jf = jax.jit(f)

@@ -10,6 +10,12 @@ block size (8/16/32 packed as above): TF32 tensor cores at DEFAULT/HIGH (within 
 exact than float32, so the TF32 kernels really ran), exact at HIGHEST. Split and unsplit updat
 reductions are both reached (few slots split N; a large N with many slots does not).
 Skips without a GPU (tests/gpu/conftest.py) and on a GPU that is not compute 9.x.
+
+Precision: every product here states it, since it picks the kernel (tests/conftest.py's
+HIGHEST default does not reach tests/gpu; tests/test_gpu_tests_on_cpu.py checks on
+CPU that nothing is left to a default). ``precision="highest"`` where a test means exact
+float32 (and in the 16-bit tests, whose kernels do not depend on it), "default" or "high"
+where it means TF32, with the TF32 tolerance.
 """
 
 from __future__ import annotations
@@ -40,15 +46,15 @@ def _hopper(monkeypatch):
     monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
 
 
-def _lowers_to_sm90(op, layout, dtype):
+def _lowers_to_sm90(op, layout, dtype, *, precision):
     c, k = layout.shape
     bs = layout.block_size
     x = jnp.zeros((8, k if op == "bprop" else c), dtype)
     if op == "updat":
-        fun = lambda x: jbs.bsmm_updat(x, jnp.zeros((8, k), dtype), layout)  # noqa: E731
+        fun = lambda x: jbs.bsmm_updat(x, jnp.zeros((8, k), dtype), layout, precision=precision)  # noqa: E731
     else:
         w = jnp.zeros((layout.capacity, bs, bs), dtype)
-        fun = lambda x: jbs.bsmm(x, w, layout, transpose=op == "bprop")  # noqa: E731
+        fun = lambda x: jbs.bsmm(x, w, layout, transpose=op == "bprop", precision=precision)  # noqa: E731
     with jbs.config.implementation("kernels"):
         text = jax.jit(fun).lower(x).as_text()
     return f"@jbs_bsmm_{op}_sm90(" in text
@@ -60,8 +66,8 @@ def _lowers_to_sm90(op, layout, dtype):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_layouts(dtype, bs, op, kind):
     mask, layout = _layout(kind, bs)
-    assert _lowers_to_sm90(op, layout, DTYPES[dtype])
-    got, want, length = _run(op, layout, mask, DTYPES[dtype], (129,))
+    assert _lowers_to_sm90(op, layout, DTYPES[dtype], precision="highest")
+    got, want, length = _run(op, layout, mask, DTYPES[dtype], (129,), precision="highest")
     _check(got, want, DTYPES[dtype], length)
 
 
@@ -70,7 +76,7 @@ def test_layouts(dtype, bs, op, kind):
 @pytest.mark.parametrize("bs", SM90_BLOCKS)
 def test_rows(bs, op, n):
     mask, layout = _layout("random", bs)
-    got, want, length = _run(op, layout, mask, jnp.bfloat16, (n,))
+    got, want, length = _run(op, layout, mask, jnp.bfloat16, (n,), precision="highest")
     _check(got, want, jnp.bfloat16, length)
 
 
@@ -78,7 +84,7 @@ def test_rows(bs, op, n):
 @pytest.mark.parametrize("bs", SM90_BLOCKS)
 def test_f32_output(bs, op):
     mask, layout = _layout("padded", bs)
-    got, want, length = _run(op, layout, mask, jnp.bfloat16, (3, 43), out_dtype=jnp.float32)
+    got, want, length = _run(op, layout, mask, jnp.bfloat16, (3, 43), out_dtype=jnp.float32, precision="highest")
     assert got.dtype == jnp.float32
     _check(got, want, jnp.bfloat16, length, out_dtype=jnp.float32)
 
@@ -89,7 +95,7 @@ def test_sanitizer_subset(bs, op):
     # The reduced set tests/gpu/run_sanitizer.sh runs under compute-sanitizer (memcheck,
     # racecheck): padded layouts (garbage tables, NaN padding blocks), a partial row tile.
     mask, layout = _layout("padded", bs)
-    got, want, length = _run(op, layout, mask, jnp.bfloat16, (133,))
+    got, want, length = _run(op, layout, mask, jnp.bfloat16, (133,), precision="highest")
     _check(got, want, jnp.bfloat16, length)
 
 
@@ -99,7 +105,7 @@ def test_updat_split_is_deterministic():
     x = jax.random.normal(jax.random.PRNGKey(0), (4096, layout.shape[0]), jnp.bfloat16)
     dy = jax.random.normal(jax.random.PRNGKey(1), (4096, layout.shape[1]), jnp.bfloat16)
     with jbs.config.implementation("kernels"):
-        f = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, layout, out_dtype=jnp.float32))
+        f = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, layout, out_dtype=jnp.float32, precision="highest"))
         first = np.asarray(f(x, dy))
         for _ in range(3):
             np.testing.assert_array_equal(np.asarray(f(x, dy)), first)
@@ -111,8 +117,8 @@ def test_updat_split_is_deterministic():
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_packed_small_blocks(dtype, bs, op, kind):
     mask, layout = _layout(kind, bs)
-    assert _lowers_to_sm90(op, layout, DTYPES[dtype])
-    got, want, length = _run(op, layout, mask, DTYPES[dtype], (129,))
+    assert _lowers_to_sm90(op, layout, DTYPES[dtype], precision="highest")
+    got, want, length = _run(op, layout, mask, DTYPES[dtype], (129,), precision="highest")
     _check(got, want, DTYPES[dtype], length)
 
 
@@ -121,7 +127,7 @@ def test_packed_small_blocks(dtype, bs, op, kind):
 def test_packed_rows_and_f32_output(bs, n):
     mask, layout = _layout("padded", bs)
     for op in ("fprop", "bprop"):
-        got, want, length = _run(op, layout, mask, jnp.bfloat16, (n,), out_dtype=jnp.float32)
+        got, want, length = _run(op, layout, mask, jnp.bfloat16, (n,), out_dtype=jnp.float32, precision="highest")
         _check(got, want, jnp.bfloat16, length, out_dtype=jnp.float32)
 
 
@@ -131,8 +137,8 @@ def test_packed_rows_and_f32_output(bs, n):
 def test_small_block_updat(dtype, bs, kind):
     # bsmm_sm90_sdd_small.cuh: runs of slots sharing a column, mixed-column items, padding.
     mask, layout = _layout(kind, bs)
-    assert _lowers_to_sm90("updat", layout, DTYPES[dtype])
-    got, want, length = _run("updat", layout, mask, DTYPES[dtype], (129,))
+    assert _lowers_to_sm90("updat", layout, DTYPES[dtype], precision="highest")
+    got, want, length = _run("updat", layout, mask, DTYPES[dtype], (129,), precision="highest")
     _check(got, want, DTYPES[dtype], length)
 
 
@@ -143,9 +149,11 @@ def test_small_block_updat_rows_and_f32_output(bs, n):
     # layout at block 8 may not.
     for kind in ("random", "padded"):
         mask, layout = _layout(kind, bs)
-        got, want, length = _run("updat", layout, mask, jnp.bfloat16, (n,))
+        got, want, length = _run("updat", layout, mask, jnp.bfloat16, (n,), precision="highest")
         _check(got, want, jnp.bfloat16, length)
-        got, want, length = _run("updat", layout, mask, jnp.float16, (n,), out_dtype=jnp.float32)
+        got, want, length = _run(
+            "updat", layout, mask, jnp.float16, (n,), out_dtype=jnp.float32, precision="highest"
+        )
         assert got.dtype == jnp.float32
         _check(got, want, jnp.float16, length, out_dtype=jnp.float32)
 
@@ -157,24 +165,26 @@ def test_small_block_updat_split_is_deterministic(bs):
     x = jax.random.normal(jax.random.PRNGKey(0), (4096, layout.shape[0]), jnp.bfloat16)
     dy = jax.random.normal(jax.random.PRNGKey(1), (4096, layout.shape[1]), jnp.bfloat16)
     with jbs.config.implementation("kernels"):
-        f = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, layout, out_dtype=jnp.float32))
+        f = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, layout, out_dtype=jnp.float32, precision="highest"))
         first = np.asarray(f(x, dy))
         for _ in range(3):
             np.testing.assert_array_equal(np.asarray(f(x, dy)), first)
 
 
 @pytest.mark.parametrize("bs", (16, 32))
-def test_small_block_updat_and_f32_run_the_portable_kernels(bs):
-    # The sm90 targets take every problem: updat at small blocks runs the sm_90a kernel,
-    # float32 inputs at HIGHEST (conftest's default precision) launch the Ampere kernels
-    # from inside them.
+def test_small_block_updat_sm90_and_highest_f32_portable(bs):
+    """The sm90 targets take every problem: bfloat16 updat at a small block runs the sm_90a
+    kernel; float32 at HIGHEST lowers to them with ``tf32 = false``, which launches the
+    exact portable (Ampere) kernels from inside, so the result meets float32 tolerance
+    (TF32's error is far above it)."""
     mask, layout = _layout("random", bs)
-    assert _lowers_to_sm90("updat", layout, jnp.bfloat16)
-    got, want, length = _run("updat", layout, mask, jnp.bfloat16, (129,))
+    assert _lowers_to_sm90("updat", layout, jnp.bfloat16, precision="highest")
+    got, want, length = _run("updat", layout, mask, jnp.bfloat16, (129,), precision="highest")
     _check(got, want, jnp.bfloat16, length)
     for op in OPS:
-        got, want, length = _run(op, layout, mask, jnp.float32, (129,))
-        _check(got, want, jnp.float32, length)
+        got, want, text = _run_f32(op, layout, mask, (129,), precision="highest")
+        assert not _tf32_flag(text, op), f"{op}: float32 at HIGHEST must not run on TF32"
+        _check(got, want, jnp.float32, _length(op, layout, 129))
 
 
 # ---------------------------------------------------------------------------------
@@ -189,7 +199,7 @@ TF32_TOL = 5e-3
 TF32_MIN_ERR = 1e-5
 
 
-def _run_f32(op, layout, mask, lead, precision, seed=0):
+def _run_f32(op, layout, mask, lead, seed=0, *, precision):
     """(result, float64 oracle) of ``op`` on float32 inputs at ``precision``, and the
     StableHLO of the call (to check the target and its tf32 attribute)."""
     from .test_bsmm_kernels import _blocks, _dense, _f64, _rand, _weights
@@ -223,10 +233,19 @@ def _tf32_flag(text, op):
     return "tf32 = true" in lines[0]
 
 
+def _length(op, layout, rows):
+    """Reduction length of ``op`` with ``rows`` rows of x: C (fprop), K (bprop), rows (updat)."""
+    return rows if op == "updat" else layout.shape[1 if op == "bprop" else 0]
+
+
 def _rel_err(got, want):
+    """max |got - want| relative to max |want|; max |got| where want is all zeros, and 0
+    for an empty result (updat of an empty layout: [0, bs, bs])."""
     assert got.shape == want.shape, (got.shape, want.shape)
     assert np.isfinite(got).all(), "non-finite output (padding leaked, or uninitialised memory)"
-    scale = np.abs(want).max() if want.size else 0.0
+    if got.size == 0:
+        return 0.0
+    scale = np.abs(want).max()
     return float(np.abs(got - want).max() / scale) if scale > 0 else float(np.abs(got).max())
 
 
@@ -235,7 +254,7 @@ def _rel_err(got, want):
 @pytest.mark.parametrize("bs", TF32_BLOCKS)
 def test_tf32_layouts(bs, op, kind):
     mask, layout = _layout(kind, bs)
-    got, want, text = _run_f32(op, layout, mask, (129,), "default")
+    got, want, text = _run_f32(op, layout, mask, (129,), precision="default")
     assert _tf32_flag(text, op)
     assert _rel_err(got, want) <= TF32_TOL
 
@@ -246,7 +265,7 @@ def test_tf32_layouts(bs, op, kind):
 def test_tf32_rows(bs, op, n):
     # Odd n: updat pads x^T / dy^T to a multiple of 4; small n splits the updat reduction.
     mask, layout = _layout("random", bs)
-    got, want, text = _run_f32(op, layout, mask, (n,), "high")
+    got, want, text = _run_f32(op, layout, mask, (n,), precision="high")
     assert _tf32_flag(text, op)
     assert _rel_err(got, want) <= TF32_TOL
 
@@ -255,14 +274,13 @@ def test_tf32_rows(bs, op, n):
 @pytest.mark.parametrize("bs", TF32_BLOCKS)
 def test_tf32_really_runs_and_highest_is_exact(bs, op):
     mask, layout = _layout("random", bs)
-    got, want, text = _run_f32(op, layout, mask, (3, 43), "default")
+    got, want, text = _run_f32(op, layout, mask, (3, 43), precision="default")
     assert _tf32_flag(text, op)
     err = _rel_err(got, want)
     assert TF32_MIN_ERR < err <= TF32_TOL, err  # TF32, not exact float32
-    got, want, text = _run_f32(op, layout, mask, (3, 43), "highest")
+    got, want, text = _run_f32(op, layout, mask, (3, 43), precision="highest")
     assert not _tf32_flag(text, op)
-    length = 129 if op == "updat" else layout.shape[1 if op == "bprop" else 0]
-    _check(got, want, jnp.float32, length)
+    _check(got, want, jnp.float32, _length(op, layout, 129))
 
 
 @pytest.mark.parametrize("bs", (16, 128))
@@ -283,6 +301,6 @@ def test_tf32_updat_split_is_deterministic(bs):
 def test_tf32_sanitizer_subset(bs, op):
     # Run by tests/gpu/run_sanitizer.sh with the 16-bit subset (-k sanitizer_subset).
     mask, layout = _layout("padded", bs)
-    got, want, text = _run_f32(op, layout, mask, (133,), "default")
+    got, want, text = _run_f32(op, layout, mask, (133,), precision="default")
     assert _tf32_flag(text, op)
     assert _rel_err(got, want) <= TF32_TOL

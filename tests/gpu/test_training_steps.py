@@ -30,6 +30,10 @@ child process (``training_steps.run_child``); the child prints a JSON line and t
 asserts on it, showing the child's stderr on failure. A failure of the reference path
 alone (an XLA problem under forced graphs, not ours) is reported as xfail.
 
+Precision: the children compile both paths under ``jax.default_matmul_precision("highest")``
+(``training_steps.compile_programs``), so float32 means exact float32 there; this module
+makes no product itself.
+
 The whole directory skips where there is no GPU (tests/gpu/conftest.py).
 """
 
