@@ -13,7 +13,7 @@ Example::
     (8, 512)
 """
 
-from jax_blocksparse import attention, config, layouts, sharding
+from jax_blocksparse import attention, config, crossover, layouts, sharding
 from jax_blocksparse._native import has_cpu_kernels, has_cuda_kernels
 from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
 from jax_blocksparse.ops.conv import (
@@ -40,6 +40,7 @@ __all__ = [
     "bsmm_reference",
     "bsmm_updat",
     "config",
+    "crossover",
     "conv_from_dense",
     "conv_to_dense",
     "from_dense",

@@ -2,7 +2,8 @@
 
 Prints versions, devices, whether the native extension is built (the CPU instruction
 set its kernels use; CUDA or not, and for which architectures), the implementation
-switch in force, and for each platform which path bsmm takes there.
+switch in force, for each platform which path bsmm takes there, and the crossovers in
+force for this machine's devices (where "auto" computes a product densely instead).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import jax
 
 import jax_blocksparse as jbs
-from jax_blocksparse import _native
+from jax_blocksparse import _native, crossover
 from jax_blocksparse.ops import _lowering
 
 
@@ -46,7 +47,30 @@ def report() -> str:
     lines.append("bsmm path by platform:")
     for plat in ("cpu", "cuda"):
         lines.append(f"  {plat:5} {_lowering.describe_path(plat, impl)}")
+    lines.append("")
+    lines.extend(crossover_lines(crossover.table_in_force()))
     return "\n".join(lines)
+
+
+def crossover_lines(table: crossover.CrossoverTable) -> list[str]:
+    """The crossovers in force for this machine's devices, one line per kernel and mode:
+    the block capacity above which "auto" computes that product densely, per block size."""
+    lines = ["crossovers in force (\"auto\" computes a product densely above these block densities):"]
+    for plat in ("cpu", "cuda"):
+        kind = _lowering.device_kind(plat)
+        if kind is None:
+            lines.append(f"  {plat:5} no device here")
+            continue
+        entries = table.for_device(plat, kind)
+        if not entries:
+            lines.append(f"  {plat:5} {kind}: none measured (the kernels run wherever \"auto\" picks them)")
+            continue
+        groups: dict[tuple, list] = {}
+        for e in entries:
+            groups.setdefault((e.target, e.mode), []).append(f"bs{e.block_size} {e.crossover:.2f}")
+        lines.append(f"  {plat:5} {kind}:")
+        lines.extend(f"    {target:22} {mode:9} " + "  ".join(vals) for (target, mode), vals in sorted(groups.items()))
+    return lines
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Which implementation the ops lower to: native kernels or the pure-JAX reference.
 
 ``"auto"`` (default) uses the native kernels where they are built and verified for
-the platform, else the reference; ``"reference"`` always uses the pure-JAX
-reference (for debugging and comparison); ``"kernels"`` demands the native kernels
-and fails at lowering time if they are not built.
+the platform and faster than the dense product at the layout's density (the crossover
+table, :mod:`jax_blocksparse.crossover`), the dense product where they are built but
+slower, else the reference; ``"reference"`` always uses the pure-JAX reference (for
+debugging and comparison); ``"dense"`` always scatters the present blocks into a dense
+weight and multiplies with XLA's dot (same values, dense cost); ``"kernels"`` demands
+the native kernels and fails at lowering time if they are not built.
 
 Choose it per call with the ``impl=`` argument of the ops (:func:`~jax_blocksparse.bsmm`,
 :func:`~jax_blocksparse.bsmm_updat`, :func:`~jax_blocksparse.bsconv`,
@@ -48,7 +51,7 @@ import os
 
 import jax
 
-IMPLEMENTATIONS = ("auto", "reference", "kernels")
+IMPLEMENTATIONS = ("auto", "reference", "kernels", "dense")
 ENV_VAR = "JAX_BLOCKSPARSE_IMPL"
 
 
@@ -99,7 +102,7 @@ def canonical_impl(impl, *, name: str = "impl") -> str:
 
 @contextlib.contextmanager
 def implementation(value: str):
-    """Sets the default implementation ("auto", "reference" or "kernels") inside.
+    """Sets the default implementation ("auto", "reference", "kernels" or "dense") inside.
 
     Ops called with ``impl=None`` and traced inside use ``value``; an explicit
     ``impl=`` wins. Nests (the innermost wins) and beats the environment variable.

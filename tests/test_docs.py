@@ -31,6 +31,7 @@ API_PAGES = {
     "jax_blocksparse": ("api/jax_blocksparse.html", set()),
     "jax_blocksparse.layouts": ("api/layouts.html", set()),
     "jax_blocksparse.config": ("api/config.html", set()),
+    "jax_blocksparse.crossover": ("api/crossover.html", set()),
     "jax_blocksparse.sharding": ("api/sharding.html", set()),
     "jax_blocksparse.nn": ("api/nn.html", set()),
     "jax_blocksparse.nnx": ("api/nnx.html", set()),

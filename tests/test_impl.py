@@ -153,7 +153,7 @@ def test_results_agree_across_implementations(impl):
 @pytest.mark.parametrize("bad", ["cuda", "Reference", "", 1, ("reference",)])
 def test_bad_impl_raises(op, bad):
     make, fn = OPS[op]
-    with pytest.raises(ValueError, match=r"impl must be None or one of \('auto', 'reference', 'kernels'\)"):
+    with pytest.raises(ValueError, match=r"impl must be None or one of \('auto', 'reference', 'kernels', 'dense'\)"):
         fn(*make(), impl=bad)
 
 

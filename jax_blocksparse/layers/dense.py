@@ -160,7 +160,7 @@ def check_options(precision, impl, layer: str):
 
     ``precision`` is anything :func:`jax.lax.dot_general` takes (None, a
     :class:`jax.lax.Precision`, its name, or a pair), returned as one
-    ``jax.lax.Precision``; ``impl`` is None, ``"auto"``, ``"reference"`` or
+    ``jax.lax.Precision``; ``impl`` is None, ``"auto"``, ``"reference"``, ``"dense"`` or
     ``"kernels"``. None stays None for both: the ops read their defaults
     (:func:`jax.default_matmul_precision`, :func:`jax_blocksparse.config.get_implementation`)
     when they are traced, not when the layer is built. Raises ValueError naming

@@ -80,7 +80,7 @@ class BlockSparseConv(nn.Module):
         ``flax.linen.Conv``: None (the default: ``jax.default_matmul_precision`` when
         traced), a :class:`jax.lax.Precision`, its name, or a pair.
       impl: how the products are lowered (:mod:`jax_blocksparse.config`):
-        ``"auto"``, ``"reference"`` or ``"kernels"``, forward and backward; None (the
+        ``"auto"``, ``"reference"``, ``"kernels"`` or ``"dense"``, forward and backward; None (the
         default) reads :func:`jax_blocksparse.config.get_implementation` when traced.
     """
 

@@ -81,7 +81,8 @@ class BlockSparseDense(nn.Module):
         default: ``jax.default_matmul_precision`` when traced), a
         :class:`jax.lax.Precision`, its name, or a pair (the higher one applies).
       impl: how the products are lowered (:mod:`jax_blocksparse.config`):
-        ``"auto"``, ``"reference"`` (XLA ops) or ``"kernels"`` (the native kernels),
+        ``"auto"``, ``"reference"`` (XLA ops), ``"kernels"`` (the native kernels) or
+        ``"dense"`` (a dense weight and XLA's dot),
         for the forward and backward pass; None (the default) reads
         :func:`jax_blocksparse.config.get_implementation` when traced.
 

@@ -101,7 +101,7 @@ class ColumnParallelDense(nn.Module):
         backward, as in ``flax.linen.Dense``: None (the default:
         ``jax.default_matmul_precision`` when traced), a :class:`jax.lax.Precision`,
         its name, or a pair.
-      impl: how the products are lowered: ``"auto"``, ``"reference"``, ``"kernels"``,
+      impl: how the products are lowered: ``"auto"``, ``"reference"``, ``"kernels"``, ``"dense"``,
         or None (the default) for :func:`jax_blocksparse.config.get_implementation`
         when traced.
     """

@@ -136,7 +136,7 @@ class BlockSparseLSTMCell(nn.RNNCellBase):
         ``jax.default_matmul_precision`` when traced), a :class:`jax.lax.Precision`,
         its name, or a pair.
       impl: how the block-sparse products are lowered (:mod:`jax_blocksparse.config`):
-        ``"auto"``, ``"reference"`` or ``"kernels"``, forward and backward (also in
+        ``"auto"``, ``"reference"``, ``"kernels"`` or ``"dense"``, forward and backward (also in
         :class:`BlockSparseLSTM`'s custom backward pass); None (the default) reads
         :func:`jax_blocksparse.config.get_implementation` when traced.
     """
@@ -338,7 +338,7 @@ class BlockSparseLSTM(nn.Module):
       return_carry: also return the final carry: ``(carry, outputs)``.
       precision: numerical precision of every product of the sequence, forward and
         backward, as the cell's ``precision``; None (the default) keeps the cell's.
-      impl: ``"auto"``, ``"reference"`` or ``"kernels"`` for every block-sparse
+      impl: ``"auto"``, ``"reference"``, ``"kernels"`` or ``"dense"`` for every block-sparse
         product of the sequence, forward and custom backward; None (the default)
         keeps the cell's (whose own None reads the default when traced).
     """

@@ -72,7 +72,7 @@ class BlockSparseConv(nnx.Module):
       precision: numerical precision of the products, forward and backward, as in
         ``flax.nnx.Conv``: None (the default: ``jax.default_matmul_precision`` when
         traced), a :class:`jax.lax.Precision`, its name, or a pair.
-      impl: how the products are lowered: ``"auto"``, ``"reference"``, ``"kernels"``,
+      impl: how the products are lowered: ``"auto"``, ``"reference"``, ``"kernels"``, ``"dense"``,
         or None (the default) for :func:`jax_blocksparse.config.get_implementation`
         when traced.
       rngs: rng key.

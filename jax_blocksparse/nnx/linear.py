@@ -80,7 +80,7 @@ class BlockSparseLinear(nnx.Module):
       precision: numerical precision of the products, forward and backward, as in
         ``flax.nnx.Linear``: None (the default: ``jax.default_matmul_precision`` when
         traced), a :class:`jax.lax.Precision`, its name, or a pair.
-      impl: how the products are lowered: ``"auto"``, ``"reference"``, ``"kernels"``,
+      impl: how the products are lowered: ``"auto"``, ``"reference"``, ``"kernels"``, ``"dense"``,
         or None (the default) for :func:`jax_blocksparse.config.get_implementation`
         when traced (see :class:`jax_blocksparse.nn.BlockSparseDense`).
       rngs: rng key.

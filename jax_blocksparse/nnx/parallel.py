@@ -88,7 +88,7 @@ class ColumnParallelLinear(nnx.Module):
       shard_capacity: storage slots per shard (default: the block count of the
         fullest shard); padding slots are zero and do not contribute.
       precision, impl: the precision (as ``flax.nnx.Linear``'s) and the lowering
-        (``"auto"``, ``"reference"``, ``"kernels"``) of every device's products, forward
+        (``"auto"``, ``"reference"``, ``"kernels"``, ``"dense"``) of every device's products, forward
         and backward, as in :class:`jax_blocksparse.nn.ColumnParallelDense`; None (the
         defaults) reads the global defaults when traced.
       rngs: rng key.

@@ -90,7 +90,7 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
         ``jax.default_matmul_precision`` when traced), a :class:`jax.lax.Precision`,
         its name, or a pair.
       impl: how the block-sparse products are lowered: ``"auto"``, ``"reference"``,
-        ``"kernels"`` (forward and backward, also in :class:`BlockSparseLSTM`'s custom
+        ``"kernels"``, ``"dense"`` (forward and backward, also in :class:`BlockSparseLSTM`'s custom
         backward pass), or None (the default) for
         :func:`jax_blocksparse.config.get_implementation` when traced.
       rngs: parameter initialisation keys.
@@ -261,7 +261,7 @@ class BlockSparseLSTM(nnx.Module):
       return_carry: also return the final carry: ``(carry, outputs)``.
       precision: numerical precision of every product of the sequence, forward and
         backward, as the cell's ``precision``; None (the default) keeps the cell's.
-      impl: ``"auto"``, ``"reference"`` or ``"kernels"`` for every block-sparse
+      impl: ``"auto"``, ``"reference"``, ``"kernels"`` or ``"dense"`` for every block-sparse
         product of the sequence, forward and custom backward; None (the default)
         keeps the cell's (whose own None reads the default when traced).
     """

@@ -1,17 +1,23 @@
 """Per-platform lowering of an op's primitives: the one place that picks a path.
 
-Every platform gets the pure-JAX reference (``mlir.lower_fun``). On "cpu" and "cuda"
-the primitive's ``impl`` parameter (see :mod:`jax_blocksparse.config`) chooses between
-the reference and the XLA FFI custom call into the native extension, which registers
-the same target names for both platforms (``_native.py``):
+Every platform gets the pure-JAX reference (``mlir.lower_fun``) and the dense product.
+On "cpu" and "cuda" the primitive's ``impl`` parameter (see :mod:`jax_blocksparse.config`)
+chooses between the reference, the dense product and the XLA FFI custom call into the
+native extension, which registers the same target names for both platforms
+(``_native.py``):
 
 * ``"reference"``: never the kernels.
+* ``"dense"``: the present blocks scattered into a dense weight, then XLA's dot (the
+  primitive's ``dense`` function): the same values, at dense cost.
 * ``"kernels"``: always the kernels; a clear ``RuntimeError`` at lowering time when the
   extension has no kernels for that platform.
 * ``"auto"``: the kernels when they are built for the platform *and* the op's target
   is listed as verified for it (:data:`VERIFIED_TARGETS`: checked against the
   reference on that hardware), else the reference. A kernel that gives a wrong answer
-  is worse than none.
+  is worse than none. Where the kernels are chosen, the crossover table in force
+  (:mod:`jax_blocksparse.crossover`) may send the product to the dense path instead:
+  when the layout's block capacity exceeds the density at which that kernel stops
+  beating the dense product on this device (:func:`dense_instead`).
 
 The kernel lowering is itself ``mlir.lower_fun`` of a small jnp function
 (:func:`_kernel_call`): it picks the operands a target takes (see
@@ -38,7 +44,7 @@ import jax
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_blocksparse import _native
+from jax_blocksparse import _native, crossover
 from jax_blocksparse.layout import LayoutTables
 from jax_blocksparse.ops import _sm90
 from jax_blocksparse.ops._partitioning import partitioned
@@ -69,7 +75,7 @@ def kernels_selected(platform: str, impl: str, target: str | None = None) -> boo
 
     Raises a clear error (at lowering time) when kernels are demanded but not built.
     """
-    if impl == "reference":
+    if impl in ("reference", "dense"):
         return False
     if impl == "kernels":
         if _native.has_kernels(platform):
@@ -142,33 +148,97 @@ def _kernel_rule(target: str):
     return rule
 
 
+# ---------------------------------------------------------------------------------
+# "auto" beside the dense product (jax_blocksparse/crossover.py)
+# ---------------------------------------------------------------------------------
+
+
+def device_kind(platform: str) -> str | None:
+    """``device_kind`` of the first device of ``platform``, or None where it has none here
+    (cross-lowering for "cuda" on a machine without a GPU)."""
+    try:
+        devices = jax.devices(platform)
+    except (RuntimeError, ValueError):
+        return None
+    return getattr(devices[0], "device_kind", platform) if devices else None
+
+
+def kernel_mode(target: str, dtype, block_size: int, precision) -> str:
+    """The arithmetic a kernel target runs: "tf32" for float32 on an sm_90 target's TF32
+    tensor cores (``_sm90.use_tf32``), else the dtype's name."""
+    if target in _sm90.BASE_TARGETS and _sm90.use_tf32(dtype, block_size, precision):
+        return "tf32"
+    return np.dtype(dtype).name
+
+
+def block_fraction(table_avals) -> float:
+    """The layout's block capacity over its grid, from the tables' static shapes."""
+    block_rows, _, col_ptr, row_ptr = table_avals[:4]
+    grid = (row_ptr.shape[-1] - 1) * (col_ptr.shape[-1] - 1)
+    return block_rows.shape[-1] / grid if grid else 0.0
+
+
+def dense_instead(platform: str, target: str, ctx, *, block_size: int, precision) -> bool:
+    """Whether "auto" computes this product densely although ``target``'s kernels are chosen:
+    the crossover table in force has an entry for the kernel that runs (the Hopper variant
+    where the gate opens it) on this device, and the layout's block capacity exceeds it."""
+    name = _sm90.select_target(target, VERIFIED_CUDA_TARGETS) if platform == "cuda" else target
+    dtype = ctx.avals_in[0].dtype
+    return crossover.prefers_dense(
+        platform,
+        device_kind(platform),
+        name,
+        kernel_mode(name, dtype, block_size, precision),
+        block_size,
+        block_fraction(ctx.avals_in[2:]),
+    )
+
+
 def register_lowerings(
     primitive,
     reference: Callable,
     *,
     target: str,
+    dense: Callable,
     cpu_reference: Callable | None = None,
 ) -> None:
-    """Registers the reference lowering everywhere and the kernel seam on 'cpu' and 'cuda'.
+    """Registers the reference and dense lowerings everywhere and the kernel seam on 'cpu'
+    and 'cuda'.
 
     Args:
-      primitive: the primitive; its params must include ``impl``.
+      primitive: the primitive; its params must include ``impl``, ``block_size`` and
+        ``precision``.
       reference: pure-JAX function ``(*operands, **params) -> out``.
       target: the FFI target name the native extension registers (for both platforms).
+      dense: pure-JAX function ``(*operands, **params) -> out``: the product through a
+        dense weight and XLA's dot (``impl="dense"``, and "auto" above the crossover).
       cpu_reference: an optional CPU-tuned variant of ``reference``.
     """
     reference_rule = _reference_rule(reference)
+    dense_rule = _reference_rule(dense)
+
+    def portable_rule(ctx, *operands, impl, **params):
+        rule = dense_rule if impl == "dense" else reference_rule
+        return rule(ctx, *operands, impl=impl, **params)
+
     # Every rule is wrapped by the sharding rule (ops/_partitioning.py), so that jit with
     # sharded inputs splits the op over the devices instead of gathering its operands.
-    mlir.register_lowering(primitive, partitioned(primitive, reference_rule))
+    mlir.register_lowering(primitive, partitioned(primitive, portable_rule))
     kernel_rule = _kernel_rule(target)
     for platform in KERNEL_PLATFORMS:
         fallback = _reference_rule(cpu_reference) if platform == "cpu" and cpu_reference else reference_rule
 
         def rule(ctx, *operands, impl, _platform=platform, _fallback=fallback, **params):
+            if impl == "dense":
+                return dense_rule(ctx, *operands, impl=impl, **params)
             if kernels_selected(_platform, impl, target):
+                precision = params.get("precision")
+                if impl == "auto" and dense_instead(
+                    _platform, target, ctx, block_size=params["block_size"], precision=precision
+                ):
+                    return dense_rule(ctx, *operands, impl=impl, **params)
                 # precision: the Hopper targets run float32 on TF32 below HIGHEST (ops/_sm90.py).
-                return kernel_rule(ctx, *operands, platform=_platform, precision=params.get("precision"))
+                return kernel_rule(ctx, *operands, platform=_platform, precision=precision)
             return _fallback(ctx, *operands, impl=impl, **params)
 
         mlir.register_lowering(primitive, partitioned(primitive, rule), platform=platform)

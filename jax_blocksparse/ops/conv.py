@@ -135,7 +135,7 @@ def bsconv(
         :func:`~jax_blocksparse.bsmm`: None (read from :func:`jax.default_matmul_precision`),
         a :class:`jax.lax.Precision` or its name, or a pair.
       impl: the implementation of this call's products, as in
-        :func:`~jax_blocksparse.bsmm`: ``"auto"``, ``"reference"``, ``"kernels"``, or
+        :func:`~jax_blocksparse.bsmm`: ``"auto"``, ``"reference"``, ``"kernels"``, ``"dense"``, or
         None for the default read at trace time
         (:func:`jax_blocksparse.config.get_implementation`). Its gradient, JVP and vmap
         keep it.

@@ -55,8 +55,11 @@ does there, and exactly at HIGHEST.
 
 Implementation
 --------------
-``impl=`` chooses the lowering of one call: ``"auto"``, ``"reference"`` or ``"kernels"``
-(:mod:`jax_blocksparse.config`). Like ``precision=`` it is resolved when the op is
+``impl=`` chooses the lowering of one call: ``"auto"``, ``"reference"``, ``"kernels"``
+or ``"dense"`` (:mod:`jax_blocksparse.config`). ``"dense"`` scatters the present blocks
+into a dense weight and uses XLA's dot; ``"auto"`` does that too where the native
+kernel is slower than it at the layout's block capacity on this device
+(:mod:`jax_blocksparse.crossover`). Like ``precision=`` it is resolved when the op is
 traced (None reads :func:`jax_blocksparse.config.get_implementation`) and kept as the
 primitives' ``impl`` parameter, which the JVP, transpose and batching rules pass on:
 the gradient, JVP and vmap of a call lower the way the call does.
@@ -131,8 +134,10 @@ def bsmm(
         run on TF32 tensor cores, as ``jnp.dot`` does; ``HIGHEST`` is exact float32
         (see "Precision" in the module docstring). The gradient's products keep it.
       impl: the implementation of this call: ``"auto"`` (the native kernels where
-        built and verified, else the reference), ``"reference"`` (pure JAX) or
-        ``"kernels"`` (the native kernels, an error at lowering if not built). None
+        built, verified and faster than the dense product at this layout's capacity,
+        the dense product where they are slower, else the reference), ``"reference"``
+        (pure JAX), ``"kernels"`` (the native kernels, an error at lowering if not
+        built) or ``"dense"`` (the blocks scattered into a dense weight, XLA's dot). None
         reads :func:`jax_blocksparse.config.get_implementation` at trace time (the
         :func:`~jax_blocksparse.config.implementation` context, else the environment
         variable ``JAX_BLOCKSPARSE_IMPL``, else "auto"). The gradient's, JVP's and
@@ -180,7 +185,7 @@ def bsmm_updat(x, dy, layout: Layout, *, out_dtype=None, precision=None, impl: s
       out_dtype: dtype of the result (e.g. float32 from bfloat16 inputs); default
         the promoted dtype of x and dy.
       precision: as in :func:`bsmm` (and :func:`jax.lax.dot_general`).
-      impl: ``"auto"``, ``"reference"``, ``"kernels"`` or None (the default read at
+      impl: ``"auto"``, ``"reference"``, ``"kernels"``, ``"dense"`` or None (the default read at
         trace time), as in :func:`bsmm`.
 
     Returns:
@@ -211,10 +216,7 @@ def from_dense(W, layout: Layout):
     W = jnp.asarray(W)
     if W.shape != layout.shape:
         raise ValueError(f"from_dense: W must have shape {layout.shape} (layout.shape), got {W.shape}")
-    t, bs, (cb, kb) = layout.tables, layout.block_size, layout.grid
-    blocks = W.reshape(cb, bs, kb, bs).transpose(0, 2, 1, 3)
-    w = blocks.at[t.block_rows, t.block_cols].get(mode="fill", fill_value=0)
-    return jnp.where(layout.valid[:, None, None], w, jnp.zeros((), W.dtype))
+    return _gather_blocks(W, layout.tables, layout.block_size)
 
 
 def to_dense(w, layout: Layout):
@@ -228,10 +230,24 @@ def to_dense(w, layout: Layout):
     layout = check_layout(layout)
     w = jnp.asarray(w)
     _check_w(w, layout)
-    t, bs, (cb, kb) = layout.tables, layout.block_size, layout.grid
+    return _scatter_blocks(w, layout.tables, layout.block_size)
+
+
+def _gather_blocks(W, tables: LayoutTables, block_size: int):
+    """[C, K] -> [capacity, bs, bs]: the blocks at the tables' slots, zero at padding."""
+    t, bs, (cb, kb) = tables, block_size, _grid_of(tables)
+    blocks = W.reshape(cb, bs, kb, bs).transpose(0, 2, 1, 3)
+    w = blocks.at[t.block_rows, t.block_cols].get(mode="fill", fill_value=0)
+    return jnp.where(_valid(t)[:, None, None], w, jnp.zeros((), W.dtype))
+
+
+def _scatter_blocks(w, tables: LayoutTables, block_size: int):
+    """[capacity, bs, bs] -> [C, K]: the blocks at the tables' slots, zero elsewhere."""
+    t, bs, (cb, kb) = tables, block_size, _grid_of(tables)
+    capacity = t.block_rows.shape[0]
     # Padding slot s -> row cb + s: out of range, so dropped, and distinct from every other
     # index, so the scatter is unique and hence transposable (linear_transpose, from_dense).
-    rows = jnp.where(layout.valid, t.block_rows, cb + jnp.arange(layout.capacity, dtype=t.block_rows.dtype))
+    rows = jnp.where(_valid(t), t.block_rows, cb + jnp.arange(capacity, dtype=t.block_rows.dtype))
     blocks = jnp.zeros((cb, kb, bs, bs), w.dtype).at[rows, t.block_cols].set(w, mode="drop", unique_indices=True)
     return blocks.transpose(0, 2, 1, 3).reshape(cb * bs, kb * bs)
 
@@ -371,6 +387,35 @@ def bsmm_updat_reference(x, dy, *tables, block_size, out_dtype, impl="auto", lhs
 
 
 # ---------------------------------------------------------------------------------
+# Dense products (impl="dense", and "auto" above the crossover density)
+# ---------------------------------------------------------------------------------
+# The present blocks scattered into a dense weight (or, for updat, the dense x^T dy
+# gathered at the blocks) and XLA's dot: the same values at dense cost, which beats a
+# kernel wherever the layout is dense enough (jax_blocksparse/crossover.py).
+
+
+def _dense_dot(a, b, precision, out_dtype):
+    return jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def bsmm_fprop_dense(x, w, *tables, block_size, out_dtype, precision=None, **_):
+    """y = x @ W with W the dense [C, K] scattered from w."""
+    return _dense_dot(x, _scatter_blocks(w, LayoutTables(*tables), block_size), precision, out_dtype)
+
+
+def bsmm_bprop_dense(g, w, *tables, block_size, out_dtype, precision=None, **_):
+    """dx = g @ W.T with W the dense [C, K] scattered from w."""
+    return _dense_dot(g, _scatter_blocks(w, LayoutTables(*tables), block_size).T, precision, out_dtype)
+
+
+def bsmm_updat_dense(x, dy, *tables, block_size, out_dtype, precision=None, **_):
+    """dw = the layout's blocks of x.T @ dy (all leading dims contracted); 0 at padding."""
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    dW = jnp.matmul(x2.T, dy2, precision=precision, preferred_element_type=jnp.float32)
+    return _gather_blocks(dW, LayoutTables(*tables), block_size).astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------
 # Primitives and abstract evaluation
 # ---------------------------------------------------------------------------------
 
@@ -440,7 +485,7 @@ def _out_sharding(prim_name, a, ndim: int):
 
 
 # ---------------------------------------------------------------------------------
-# Lowerings: reference everywhere (CPU-tuned on 'cpu'), CUDA kernels on 'cuda'
+# Lowerings: reference and dense everywhere (CPU-tuned reference on 'cpu'), native kernels on 'cpu' and 'cuda'
 # ---------------------------------------------------------------------------------
 
 _CPU_PARTS = max(1, min(os.cpu_count() or 1, 8))
@@ -448,6 +493,11 @@ _REFERENCES = {
     bsmm_fprop_p: bsmm_fprop_reference,
     bsmm_bprop_p: bsmm_bprop_reference,
     bsmm_updat_p: bsmm_updat_reference,
+}
+_DENSE = {
+    bsmm_fprop_p: bsmm_fprop_dense,
+    bsmm_bprop_p: bsmm_bprop_dense,
+    bsmm_updat_p: bsmm_updat_dense,
 }
 
 
@@ -670,6 +720,7 @@ for _prim in _PRIMITIVES:
         _prim,
         _REFERENCES[_prim],
         cpu_reference=_with_parts(_REFERENCES[_prim], _CPU_PARTS),
+        dense=_DENSE[_prim],
         target=f"jbs_{_prim.name}",
     )
     batching.primitive_batchers[_prim] = _batch_rule(_prim)

@@ -140,7 +140,7 @@ class LSTMSpec:
         block-sparse ones and a dense input kernel's): a :class:`jax.lax.Precision`,
         or None for :func:`jax.default_matmul_precision` read at trace time.
       impl: the ``impl`` of every ``bsmm`` / ``bsmm_updat`` (``"auto"``,
-        ``"reference"``, ``"kernels"``), or None for
+        ``"reference"``, ``"kernels"``, ``"dense"``), or None for
         :func:`jax_blocksparse.config.get_implementation` read at trace time.
     """
 
@@ -248,7 +248,7 @@ def lstm_spec(
       precision: of every product, forward and backward, as in
         :func:`jax.lax.dot_general` (a pair resolves to the higher); None reads
         :func:`jax.default_matmul_precision` at trace time.
-      impl: ``"auto"``, ``"reference"`` or ``"kernels"`` for every block-sparse
+      impl: ``"auto"``, ``"reference"``, ``"kernels"`` or ``"dense"`` for every block-sparse
         product, forward and backward; None reads the default at trace time.
 
     Raises ValueError naming the layout and the expected shape.
