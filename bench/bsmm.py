@@ -1,42 +1,59 @@
 """Benchmark bsmm (fprop, bprop, updat) against the dense product on the same device.
 
-For each (op, dtype, block size, density) it times the block-sparse product and the
-dense product (``jnp.dot``, cuBLAS on a GPU) of the same shapes in the same process,
-and reports
+For each (op, dtype, block size, density) it times the block-sparse product on every
+kernel path the device has and the dense product of the same shapes, in the same
+process, and reports
 
     efficiency = dense_time * density / sparse_time      (1.0: blocks at dense speed)
     speedup    = dense_time / sparse_time                (= efficiency / density)
     bound      = best speedup a perfect kernel could reach on this device (roofline),
                  where the device's peak numbers are known (H100, H200), else "n/a"
 
-What is timed is what users write: ``jax.jit(f)(x, w, layout)`` with the layout passed
-as a jit argument straight from ``jbs.Layout.from_mask`` (never device_put here, never
-closed over). Two times per product:
+Kernel paths (one JSON row per path): on CUDA "ampere" (the portable targets
+``jbs_bsmm_{fprop,bprop,updat}``) and, on an sm_90 GPU with an extension built for
+sm_90a, "hopper" (``jbs_bsmm_*_sm90``); on CPU "native" (the CPU kernels). The Hopper
+gate, ``JAX_BLOCKSPARSE_HOPPER=1``, is read when a call is lowered and jit's caches do
+not know about it, so each path has its own function objects, lowered and compiled
+ahead of time with the gate set as that path needs it (:func:`hopper_gate`); the
+compiled executable is what is timed, and its HLO text says which FFI target ran
+(``target``) and, for float32 on the Hopper targets, whether on TF32 (``mode``).
 
-- device time (``sparse_s``, ``dense_s``; efficiency and speedup use these): one jitted
-  function applies the op ``--chain`` times in a data-dependent chain (each output is
-  the next input; for updat, whose output has another shape, one element of it is
-  written into the next input), so XLA can neither hoist nor merge the products.
-  Calls of it are dispatched back to back and the median per-call time is divided by
-  the chain length. A call's host work (dispatch, argument flattening) is then well
-  below its device time, so this is device time, not host time (GPU.md's pitfall).
+What is timed is what users write: ``f(x, w, layout)`` with the layout passed as an
+argument straight from ``jbs.Layout.from_mask`` (never device_put here, never closed
+over). Two times per product:
+
+- device time (``sparse_s``, ``dense_s``, ``dense_path_s``; efficiency and speedup use
+  the first two): one function applies the op ``--chain`` times in a data-dependent
+  chain (each output is the next input; for updat, whose output has another shape,
+  one element of it is written into the next input), so XLA can neither hoist nor
+  merge the products. Calls of it are dispatched back to back and the median per-call
+  time is divided by the chain length. A call's host work (dispatch, argument
+  flattening) is then well below its device time, so this is device time, not host
+  time (single calls back to back measure host time wherever that is longer).
 - call time (``sparse_call_s``, ``dense_call_s``): back-to-back calls of the single op,
   per call: what a user's loop sees; host time wherever that exceeds device time.
 
-Peers, on a GPU and where importable, on the same problem in the same run:
-``torch_bsr``, torch's BSR kernels (Triton ``bsr_dense_mm`` for fprop and bprop,
-``sampled_addmm`` for updat), device time from a CUDA graph of ``--chain`` calls
-(``torch_bsr_method`` says which way it was measured), and ``jax_bcoo``,
-``jax.experimental.sparse`` BCOO (element-sparse, fprop only; slow: it is not in the
-``check`` preset).
+``dense_s`` is XLA's dot (``jnp.dot``, cuBLAS on a GPU) on a ready dense weight;
+``dense_path_s`` is the same op through ``impl="dense"`` (the present blocks scattered
+into a dense weight, then XLA's dot), None where the installed package has no such
+implementation. ``bench/crossover.py`` turns the rows into the crossover table of
+``impl="auto"``.
 
-On CPU the block-sparse column is the native CPU kernels (the default CPU path when
-built) and an extra column times the pure-JAX reference lowering of the same op.
+Peers, on a GPU and where importable, on the same problem in the same run (timed once
+per problem, shared by the paths' rows): ``torch_bsr``, torch's BSR kernels (Triton
+``bsr_dense_mm`` for fprop and bprop, ``sampled_addmm`` for updat), device time from a
+CUDA graph of ``--chain`` calls (``torch_bsr_method`` says which way it was measured),
+and ``jax_bcoo``, ``jax.experimental.sparse`` BCOO (element-sparse, fprop only; slow:
+it is not in the ``check`` preset).
+
+On CPU an extra column times the pure-JAX reference lowering of the same op.
 
 The JSON (``--json``) holds the device, commit, date, the timing method and one row per
-product; it is rewritten after every row, so a run cut short still leaves its rows
-(``complete`` is false then). ``--deadline`` stops starting new rows after that many
-seconds.
+(product, path); it is rewritten (atomically: a temporary file, then a rename) after
+every row, so a run cut short, even killed, still leaves every finished row
+(``complete`` is false then). ``--deadline`` stops starting new products after that
+many seconds. A product that raises gets a row with ``error``; an error that leaves the
+CUDA context unusable (a kernel fault) ends the run there (``stopped`` says why).
 
 Usage::
 
@@ -53,8 +70,11 @@ import time
 _T_START = time.perf_counter()  # --deadline counts from here: imports and device start-up included
 
 import argparse
+import contextlib
 import datetime
+import os
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -63,12 +83,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_blocksparse as jbs
+from jax_blocksparse.ops import _sm90
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
 from _report import git_commit, write_json  # noqa: E402
 
 OPS = ("fprop", "bprop", "updat")
 PEERS = ("torch_bsr", "jax_bcoo")
+PATHS = ("ampere", "hopper", "native")
 
 PRESETS = {
     # The issue's CPU measurement: 4096 x 4096 weight, block 32, N = 256, float32.
@@ -77,10 +99,11 @@ PRESETS = {
     "gpu": dict(size=(4096, 4096, 4096), block_sizes=[8, 16, 32, 64, 128],
                 densities=[1.0, 0.5, 0.25, 0.1, 0.05, 0.01], dtypes=["bfloat16", "float16", "float32"],
                 ops=list(OPS)),
-    # tests/gpu/check.sh: 180 rows and torch's BSR beside them in about 100 s on an H100.
-    "check": dict(size=(4096, 4096, 4096), block_sizes=[16, 32, 64, 128],
-                  densities=[1.0, 0.25, 0.1, 0.05, 0.01], dtypes=["bfloat16", "float16", "float32"],
-                  ops=list(OPS), repeats=3, min_time=0.01, chain=10, peers=["torch_bsr"]),
+    # tests/gpu/check.sh: bf16 first (both paths, 72 rows), then f16 and f32 (TF32 on
+    # the Hopper path) until its deadline; torch's BSR beside them.
+    "check": dict(size=(4096, 4096, 4096), block_sizes=[32, 64, 128], densities=[1.0, 0.25, 0.1, 0.05],
+                  dtypes=["bfloat16", "float16", "float32"], ops=list(OPS), repeats=3, min_time=0.01, chain=10,
+                  peers=["torch_bsr"]),
     # Seconds on a CPU: tests/test_gpu_check.py checks the JSON with it.
     "quick": dict(size=(256, 256, 64), block_sizes=[32], densities=[1.0, 0.25], dtypes=["float32"],
                   ops=list(OPS), repeats=1, min_time=0.0, chain=2, peers=[], reference=False),
@@ -163,23 +186,29 @@ def time_chain(chain_fn, k: int, *args, repeats: int, min_time: float) -> float:
 # ---------------------------------------------------------------------------------
 
 
-def _single_ops():
-    """op -> (sparse(a, b, layout), dense(a, b)): one product each, as users write them."""
+def _single_ops(impl=None):
+    """op -> (sparse(a, b, layout), dense(a, b)): one product each, as users write them.
+
+    New function objects on every call: jit keys its caches on the function, so two
+    paths (or implementations) never share a trace or an executable. ``impl`` is passed
+    to the ops where given (else the configured default applies)."""
+    kw = {} if impl is None else dict(impl=impl)
     return {
-        "fprop": (lambda x, w, layout: jbs.bsmm(x, w, layout), lambda x, W: jnp.dot(x, W)),
-        "bprop": (lambda g, w, layout: jbs.bsmm(g, w, layout, transpose=True), lambda g, W: jnp.dot(g, W.T)),
-        "updat": (lambda x, g, layout: jbs.bsmm_updat(x, g, layout), lambda x, g: jnp.dot(x.T, g)),
+        "fprop": (lambda x, w, layout: jbs.bsmm(x, w, layout, **kw), lambda x, W: jnp.dot(x, W)),
+        "bprop": (lambda g, w, layout: jbs.bsmm(g, w, layout, transpose=True, **kw), lambda g, W: jnp.dot(g, W.T)),
+        "updat": (lambda x, g, layout: jbs.bsmm_updat(x, g, layout, **kw), lambda x, g: jnp.dot(x.T, g)),
     }
 
 
 class Jitted:
-    """The jitted functions, made once: jit's cache then compiles once per layout shape."""
+    """The jitted functions of one path (or implementation), made once, from function
+    objects of its own: ``single[op]`` and ``chains[op]`` are (sparse, dense) pairs."""
 
-    def __init__(self, chain: int):
+    def __init__(self, chain: int, impl=None):
         self.chain = chain
         self.single = {}
         self.chains = {}
-        for op, (sparse, dense) in _single_ops().items():
+        for op, (sparse, dense) in _single_ops(impl).items():
             self.single[op] = (jax.jit(sparse), jax.jit(dense))
             self.chains[op] = (jax.jit(chained(sparse, chain)), jax.jit(chained(dense, chain)))
 
@@ -223,6 +252,93 @@ def roofline_bound(op, c, k, n, density, dtype, device_kind):
         return max(flops * d / peaks["flops"][dtype], (acts + weight * d) / peaks["bandwidth"])
 
     return model(1.0) / model(density)
+
+
+# ---------------------------------------------------------------------------------
+# Kernel paths
+# ---------------------------------------------------------------------------------
+
+# A custom call's target in compiled HLO text, or in StableHLO (lowered) text.
+_TARGET_RE = re.compile(r'custom_call_target="(jbs_\w+)"|stablehlo\.custom_call @(jbs_\w+)\(')
+
+
+def kernel_paths(device) -> list[str]:
+    """The paths to time on ``device``: ["native"] on CPU; on CUDA ["ampere"], plus
+    "hopper" where the extension has the sm_90 targets and the GPU is compute 9.x."""
+    if device.platform != "gpu":
+        return ["native"]
+    cc = _sm90._cuda_compute_capability()
+    hopper = bool(_sm90.built_targets()) and cc is not None and cc.split(".")[0] == "9"
+    return ["ampere", "hopper"] if hopper else ["ampere"]
+
+
+@contextlib.contextmanager
+def hopper_gate(path: str):
+    """The Hopper gate as ``path`` needs it while its functions are lowered:
+    ``JAX_BLOCKSPARSE_HOPPER=1`` for "hopper", unset for the others; restored after."""
+    name = _sm90.HOPPER_ENV
+    before = os.environ.get(name)
+    if path == "hopper":
+        os.environ[name] = "1"
+    else:
+        os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def kernel_target(hlo_text: str) -> str | None:
+    """The jbs FFI target a program calls, from its compiled HLO (or StableHLO) text; None
+    where it calls none (the pure-JAX reference ran); several are joined by commas."""
+    targets = sorted({a or b for a, b in _TARGET_RE.findall(hlo_text)})
+    return ",".join(targets) if targets else None
+
+
+def path_of(target: str | None, platform_name: str, requested: str) -> str:
+    """The path a target belongs to: "hopper" for the *_sm90 targets, "ampere" for the
+    other CUDA ones, "native" on CPU; ``requested`` where no kernel ran."""
+    if platform_name != "gpu":
+        return "native"
+    if target is None:
+        return requested
+    return "hopper" if target.endswith("_sm90") else "ampere"
+
+
+def arithmetic_mode(dtype: str, target: str | None, lowered_text: str, platform_name: str) -> str:
+    """The kernel's arithmetic: the dtype's name, or "tf32" for float32 on TF32 tensor
+    cores (a Hopper target called with ``tf32 = true``; XLA's own dot at default
+    precision on a GPU, where no kernel ran). The portable and CPU kernels compute
+    float32 exactly."""
+    if dtype != "float32":
+        return dtype
+    if target is None:
+        return "tf32" if platform_name == "gpu" else "float32"
+    if target.endswith("_sm90"):
+        return "tf32" if "tf32 = true" in lowered_text else "float32"
+    return "float32"
+
+
+def compile_checked(fn, args, path: str):
+    """``fn`` (a jitted function) lowered and compiled for ``args`` with the Hopper gate
+    as ``path`` needs it: (compiled executable, target, lowered StableHLO text). Calling
+    the executable takes the same C++ fast path as calling a jitted function."""
+    with hopper_gate(path):
+        lowered = fn.lower(*args)
+        compiled = lowered.compile()
+    lowered_text = lowered.as_text()
+    hlo = compiled.as_text() or lowered_text
+    return compiled, kernel_target(hlo), lowered_text
+
+
+def context_lost(err: BaseException) -> bool:
+    """Whether ``err`` says the CUDA context is gone (a kernel fault: misaligned address,
+    illegal access): every later call in this process would fail the same way."""
+    text = str(err)
+    return "CUDA_ERROR_" in text or "CUDA error" in text or "cudaError" in text
 
 
 # ---------------------------------------------------------------------------------
@@ -339,8 +455,6 @@ def jax_bcoo_peer(x, W_masked, *, repeats, min_time):
 # ---------------------------------------------------------------------------------
 
 
-
-
 def _versions(peers) -> dict:
     out = dict(jax=jax.__version__, jax_blocksparse=jbs.__version__, python=sys.version.split()[0],
                numpy=np.__version__)
@@ -354,7 +468,12 @@ def _versions(peers) -> dict:
     return out
 
 
-def _header(args, device, device_kind) -> dict:
+def dense_impl_available() -> bool:
+    """Whether the package has ``impl="dense"`` (then ``dense_path_s`` is timed)."""
+    return "dense" in jbs.config.IMPLEMENTATIONS
+
+
+def _header(args, device, device_kind, paths) -> dict:
     c, k, n = args.size
     now = datetime.datetime.now(datetime.timezone.utc)
     return dict(
@@ -363,6 +482,7 @@ def _header(args, device, device_kind) -> dict:
         versions=_versions(args.peers),
         implementation=jbs.config.get_implementation(), cuda_kernels=jbs.has_cuda_kernels(),
         cpu_kernels=jbs.has_cpu_kernels(), extension=jbs._native.extension_info(),
+        paths=paths, dense_path=dense_impl_available(),
         commit=git_commit(), date=now.date().isoformat(), datetime=now.isoformat(timespec="seconds"),
         host=platform.node(), python=sys.version.split()[0],
         size=dict(C=c, K=k, N=n),
@@ -371,10 +491,13 @@ def _header(args, device, device_kind) -> dict:
         timing=dict(
             chain=args.chain, repeats=args.repeats, min_time_s=args.min_time, statistic="median",
             layout="jit argument, straight from Layout.from_mask (not device_put, not closed over)",
-            device_time=(f"sparse_s, dense_s: back-to-back calls of one jitted function applying the op "
-                         f"{args.chain} times in a data-dependent chain, per call / {args.chain}"),
-            call_time="sparse_call_s, dense_call_s: back-to-back calls of jax.jit(op)(...), per call "
+            device_time=(f"sparse_s, dense_s, dense_path_s: back-to-back calls of one compiled function applying "
+                         f"the op {args.chain} times in a data-dependent chain, per call / {args.chain}"),
+            call_time="sparse_call_s, dense_call_s: back-to-back calls of the single op, per call "
                       "(host time where that exceeds device time)",
+            paths="each path's functions compiled ahead of time with JAX_BLOCKSPARSE_HOPPER=1 (hopper) or unset "
+                  "(ampere, native); target: the jbs FFI target in the compiled HLO that was timed",
+            dense_path="dense_path_s: impl='dense' (blocks scattered into a dense weight, then XLA's dot)",
             torch="torch_bsr_s: CUDA graph of chained calls, replayed, per call (torch_bsr_method); "
                   "torch_bsr_call_s: back-to-back calls timed with CUDA events",
         ),
@@ -385,94 +508,170 @@ def _ms(v):
     return f"{v * 1e3:.3f}" if v else "-"
 
 
-HEADER = (f"{'op':6} {'dtype':9} {'bs':>4} {'density':>8} {'dense ms':>9} {'sparse ms':>10} {'effic.':>7} "
-          f"{'speedup':>8} {'bound':>6} {'call ms':>8} {'call eff':>8} {'torch ms':>9} {'vs torch':>8} "
-          f"{'bcoo ms':>8} {'ref ms':>8}")
+def _num(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+HEADER = (f"{'op':6} {'dtype':9} {'bs':>4} {'density':>8} {'path':7} {'mode':9} {'dense ms':>9} {'sparse ms':>10} "
+          f"{'effic.':>7} {'speedup':>8} {'bound':>6} {'dpath ms':>9} {'call ms':>8} {'call eff':>8} "
+          f"{'torch ms':>9} {'vs torch':>8} {'bcoo ms':>8} {'ref ms':>8}  target")
 
 
 def _line(row) -> str:
     bound = row.get("roofline_speedup_bound")
     vs = row.get("speedup_vs_torch_bsr")
-    return (f"{row['op']:6} {row['dtype']:9} {row['block_size']:>4} {row['density']:>8.3f} "
-            f"{row['dense_s'] * 1e3:>9.3f} {row['sparse_s'] * 1e3:>10.3f} {row['efficiency']:>7.2f} "
-            f"{row['speedup']:>8.2f} {(f'{bound:.1f}' if bound else 'n/a'):>6} "
-            f"{_ms(row.get('sparse_call_s')):>8} {row.get('call_efficiency', 0):>8.2f} "
+    text = (f"{row['op']:6} {row['dtype']:9} {row['block_size']:>4} {row['density']:>8.3f} {row['path']:7} "
+            f"{row.get('mode') or '-':9} {_ms(row.get('dense_s')):>9} {_ms(row.get('sparse_s')):>10} "
+            f"{_num(row.get('efficiency'), '7.2f'):>7} {_num(row.get('speedup'), '8.2f'):>8} "
+            f"{(f'{bound:.1f}' if bound else 'n/a'):>6} {_ms(row.get('dense_path_s')):>9} "
+            f"{_ms(row.get('sparse_call_s')):>8} {_num(row.get('call_efficiency'), '8.2f'):>8} "
             f"{_ms(row.get('torch_bsr_s')):>9} {(f'{vs:.2f}x' if vs else '-'):>8} "
-            f"{_ms(row.get('jax_bcoo_s')):>8} {_ms(row.get('reference_s')):>8}")
+            f"{_ms(row.get('jax_bcoo_s')):>8} {_ms(row.get('reference_s')):>8}  {row.get('target') or '-'}")
+    if row.get("error"):
+        text += f"  ERROR {row['error']}"
+    return text
+
+
+class Bench:
+    """One run: the functions of every path made once, the dense times cached per
+    (dtype, op), one row per (product, path) appended to ``report``."""
+
+    def __init__(self, args, device):
+        self.args = args
+        self.device = device
+        self.platform = device.platform
+        self.device_kind = getattr(device, "device_kind", device.platform)
+        self.paths = kernel_paths(device)
+        self.report = _header(args, device, self.device_kind, self.paths)
+        self.report.update(results=[], complete=False, stopped=None)
+        self.kernels = {path: Jitted(args.chain) for path in self.paths}
+        self.dense_impl = Jitted(args.chain, impl="dense") if dense_impl_available() else None
+        self.reference = Jitted(1, impl="reference") if args.reference else None
+        self.dense_times: dict[tuple, tuple] = {}
+        self.timing = dict(repeats=args.repeats, min_time=args.min_time)
+
+    def _shared(self, op, dtype, bs, mask, layout, s_args, d_args) -> dict:
+        """What every path's row of this product shares: the dense times and the peers."""
+        args, timing = self.args, self.timing
+        c, k, n = args.size
+        if (dtype, op) not in self.dense_times:  # the dense product's shapes do not depend on the layout
+            _, dense1 = self.kernels[self.paths[0]].single[op]
+            _, densek = self.kernels[self.paths[0]].chains[op]
+            self.dense_times[(dtype, op)] = (time_chain(densek, args.chain, *d_args, **timing),
+                                             time_calls(dense1, *d_args, **timing))
+        dense_s, dense_call_s = self.dense_times[(dtype, op)]
+        out = dict(dense_s=dense_s, dense_call_s=dense_call_s, dense_path_s=None,
+                   roofline_speedup_bound=roofline_bound(op, c, k, n, layout.density, dtype, self.device_kind))
+        if self.dense_impl is not None:
+            sparse_dense, _ = self.dense_impl.chains[op]
+            out["dense_path_s"] = time_chain(sparse_dense, args.chain, *s_args, **timing)
+        if self.platform == "gpu" and "torch_bsr" in args.peers:
+            out.update(torch_bsr_peer(op, c, k, n, bs, np.asarray(mask), dtype, repeats=args.repeats,
+                                      min_time=args.min_time, chain=args.chain))
+        if self.platform == "gpu" and "jax_bcoo" in args.peers and op == "fprop":
+            x, W = d_args
+            W_masked = jbs.to_dense(jbs.from_dense(W, layout), layout)
+            out["jax_bcoo_s"] = jax_bcoo_peer(x, W_masked, repeats=args.repeats, min_time=args.min_time)
+        if self.reference is not None:
+            reference1, _ = self.reference.single[op]
+            out["reference_s"] = time_calls(reference1, *s_args, **timing)
+        return out
+
+    def _path(self, path, op, dtype, s_args) -> dict:
+        """One path's kernel on this product: target, mode and times of what was compiled."""
+        args = self.args
+        sparse1, _ = self.kernels[path].single[op]
+        sparsek, _ = self.kernels[path].chains[op]
+        chain_exe, target, lowered = compile_checked(sparsek, s_args, path)
+        single_exe, single_target, _ = compile_checked(sparse1, s_args, path)
+        out = dict(path=path_of(target, self.platform, path), requested_path=path, target=target,
+                   mode=arithmetic_mode(dtype, target, lowered, self.platform),
+                   sparse_s=time_chain(chain_exe, args.chain, *s_args, **self.timing),
+                   sparse_call_s=time_calls(single_exe, *s_args, **self.timing))
+        if single_target != target:
+            out["call_target"] = single_target
+        return out
+
+    def product(self, op, dtype, bs, mask, layout, s_args, d_args) -> list[dict]:
+        """The rows of one product, one per path, each appended (and saved) as soon as it
+        is measured. Returns them; sets ``report["stopped"]`` if the CUDA context died."""
+        base = dict(op=op, dtype=dtype, block_size=bs, density=layout.density, nnz=layout.nnz)
+        rows, shared, shared_error = [], {}, None
+        try:
+            shared = self._shared(op, dtype, bs, mask, layout, s_args, d_args)
+        except Exception as err:  # noqa: BLE001 - recorded in the rows, the run goes on
+            shared_error = err
+        for path in self.paths:
+            row = dict(base, path=path, target=None, mode=None, sparse_s=None, **shared)
+            try:
+                if shared_error is not None:
+                    raise shared_error
+                row.update(self._path(path, op, dtype, s_args))
+            except Exception as err:  # noqa: BLE001
+                row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                if context_lost(err):
+                    self.report["stopped"] = f"CUDA context lost at {op} {dtype} bs={bs} {path}: {row['error']}"
+            if any(r["path"] == row["path"] and r.get("target") == row.get("target") for r in rows):
+                continue  # the gate could not be closed (a verified sm_90 target): the same kernel twice
+            _ratios(row)
+            rows.append(row)
+            self.report["results"].append(row)
+            print(_line(row), flush=True)
+            if self.args.json:
+                write_json(self.args.json, self.report)
+            if self.report["stopped"]:
+                break
+        return rows
+
+
+def _ratios(row) -> None:
+    """Efficiency, speedups and the torch comparison of a row, where its times exist."""
+    sparse, dense, density = row.get("sparse_s"), row.get("dense_s"), row["density"]
+    ok = bool(sparse and dense)
+    row["efficiency"] = dense * density / sparse if ok else None
+    row["speedup"] = dense / sparse if ok else None
+    call, dense_call = row.get("sparse_call_s"), row.get("dense_call_s")
+    row["call_efficiency"] = dense_call * density / call if call and dense_call else None
+    if sparse and row.get("torch_bsr_s"):
+        row["speedup_vs_torch_bsr"] = row["torch_bsr_s"] / sparse
 
 
 def run(args) -> dict:
     t_start = _T_START
     c, k, n = args.size
-    device = jax.devices()[0]
-    device_kind = getattr(device, "device_kind", device.platform)
-    on_gpu = device.platform == "gpu"
-    report = _header(args, device, device_kind)
-    report.update(results=[], complete=False)
-    jitted = Jitted(args.chain)
+    bench = Bench(args, jax.devices()[0])
+    report = bench.report
+    print(f"paths: {', '.join(bench.paths)}; dense path (impl='dense'): {bench.dense_impl is not None}")
     print(HEADER)
     print("-" * len(HEADER), flush=True)
     key = jax.random.key(args.seed)
-    stopped = None
-    for dtype in args.dtypes:
-        x, g, W = _operands(c, k, n, dtype, jax.random.fold_in(key, 1))
-        for bs in args.block_sizes:
-            if c % bs or k % bs:
-                print(f"skip bs={bs}: {c}x{k} not divisible")
-                continue
-            dense_cache = {}
-            for density in args.densities:
-                if args.deadline is not None and time.perf_counter() - t_start > args.deadline:
-                    stopped = f"deadline of {args.deadline} s reached before {dtype} bs={bs} density={density}"
-                    break
-                mask = jbs.layouts.random((c // bs, k // bs), density, seed=args.seed)
-                layout = jbs.Layout.from_mask(mask, bs)
-                real_density = layout.density
-                w = _blocks(layout, dtype, jax.random.fold_in(key, 2))
-                for op in args.ops:
-                    s_args, d_args = _args(op, x, g, W, w, layout)
-                    sparse1, dense1 = jitted.single[op]
-                    sparsek, densek = jitted.chains[op]
-                    timing = dict(repeats=args.repeats, min_time=args.min_time)
-                    if op not in dense_cache:  # the dense product's shapes do not depend on the layout
-                        dense_cache[op] = (time_chain(densek, args.chain, *d_args, **timing),
-                                           time_calls(dense1, *d_args, **timing))
-                    t_dense, t_dense_call = dense_cache[op]
-                    t_sparse = time_chain(sparsek, args.chain, *s_args, **timing)
-                    t_call = time_calls(sparse1, *s_args, **timing)
-                    row = dict(op=op, dtype=dtype, block_size=bs, density=real_density, nnz=layout.nnz,
-                               dense_s=t_dense, sparse_s=t_sparse,
-                               efficiency=t_dense * real_density / t_sparse, speedup=t_dense / t_sparse,
-                               roofline_speedup_bound=roofline_bound(op, c, k, n, real_density, dtype, device_kind),
-                               dense_call_s=t_dense_call, sparse_call_s=t_call,
-                               call_efficiency=t_dense_call * real_density / t_call)
-                    if on_gpu and "torch_bsr" in args.peers:
-                        row.update(torch_bsr_peer(op, c, k, n, bs, np.asarray(mask), dtype, repeats=args.repeats,
-                                                  min_time=args.min_time, chain=args.chain))
-                        if row.get("torch_bsr_s"):
-                            row["speedup_vs_torch_bsr"] = row["torch_bsr_s"] / t_sparse
-                    if on_gpu and "jax_bcoo" in args.peers and op == "fprop":
-                        W_masked = jbs.to_dense(jbs.from_dense(W, layout), layout)
-                        row["jax_bcoo_s"] = jax_bcoo_peer(x, W_masked, repeats=args.repeats, min_time=args.min_time)
-                    if args.reference:  # the switch clears JAX's caches: the op is traced anew
-                        with jbs.config.implementation("reference"):
-                            row["reference_s"] = time_calls(jax.jit(_single_ops()[op][0]), *s_args, **timing)
-                    report["results"].append(row)
-                    print(_line(row), flush=True)
-                    if args.json:
-                        write_json(args.json, report)
-            if stopped:
-                break
-        if stopped:
+
+    def products():
+        for dtype in args.dtypes:
+            x, g, W = _operands(c, k, n, dtype, jax.random.fold_in(key, 1))
+            for bs in args.block_sizes:
+                if c % bs or k % bs:
+                    print(f"skip bs={bs}: {c}x{k} not divisible")
+                    continue
+                for density in args.densities:
+                    mask = jbs.layouts.random((c // bs, k // bs), density, seed=args.seed)
+                    layout = jbs.Layout.from_mask(mask, bs)
+                    w = _blocks(layout, dtype, jax.random.fold_in(key, 2))
+                    for op in args.ops:
+                        yield (op, dtype, bs, density, mask, layout, *_args(op, x, g, W, w, layout))
+
+    for op, dtype, bs, density, mask, layout, s_args, d_args in products():
+        if args.deadline is not None and time.perf_counter() - t_start > args.deadline:
+            report["stopped"] = f"deadline of {args.deadline} s reached before {op} {dtype} bs={bs} density={density}"
             break
-    report["complete"] = stopped is None
-    report["stopped"] = stopped
+        bench.product(op, dtype, bs, mask, layout, s_args, d_args)
+        if report["stopped"]:
+            break
+    report["complete"] = report["stopped"] is None
     report["elapsed_s"] = time.perf_counter() - t_start
-    if stopped:
-        print(f"stopped early: {stopped}", flush=True)
+    if report["stopped"]:
+        print(f"stopped early: {report['stopped']}", flush=True)
     return report
-
-
 
 
 def parse_args(argv=None):

@@ -1,12 +1,15 @@
-"""The summary table of tests/gpu/check.sh: each step's status, counts and seconds, and
-the headline bench numbers (bf16 efficiency per op and block size at density 0.1).
+"""The summary of tests/gpu/check.sh: each step's status, counts and seconds, every
+failing test with its first error line, and this run's headline bench numbers (bf16
+efficiency and speedup per op and block size at density 0.1, per kernel path).
 
     python3 bench/check_summary.py OUTDIR      # reads OUTDIR/steps.tsv and the steps' outputs
 
 Reads what check.sh leaves in OUTDIR: ``steps.tsv`` (name, status, exit code, seconds,
-time limit, log), ``meta.txt``, the JUnit XML of the pytest steps, the sanitizer logs,
-``bench.json`` and ``ncu_summary.json``. Writes ``summary.json`` beside them. Exit
-status 1 if any step did not pass (or none ran), else 0.
+time limit, log), ``meta.txt``, the JSON of tests/gpu/run_isolated.py for the isolated
+test steps (``gpu-tests.json``, ``training.json``, ``suite.json``), the sanitizer logs,
+``bench.json``, ``crossovers.json`` and ``ncu_summary.json``. Prints the table and
+writes ``summary.json`` beside them. Exit status 1 if any step did not pass (or none
+ran), else 0.
 """
 
 from __future__ import annotations
@@ -14,14 +17,19 @@ from __future__ import annotations
 import json
 import re
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 HEADLINE_DTYPE = "bfloat16"
 HEADLINE_DENSITY = 0.1
+OPS = ("fprop", "bprop", "updat")
+PATH_ORDER = ("ampere", "hopper", "native")
+ISOLATED_STEPS = ("gpu-tests", "training", "suite")  # steps run by tests/gpu/run_isolated.py
+HEADLINE_FIELDS = ("efficiency", "speedup", "call_efficiency", "roofline_speedup_bound", "sparse_s", "dense_s",
+                   "dense_path_s", "torch_bsr_s", "speedup_vs_torch_bsr", "target", "mode")
 
 
 def read_steps(out: Path) -> list[dict]:
+    """The rows of OUTDIR/steps.tsv."""
     steps = []
     path = out / "steps.tsv"
     if not path.exists():
@@ -37,19 +45,31 @@ def read_steps(out: Path) -> list[dict]:
     return steps
 
 
-def junit_counts(path: Path) -> str | None:
-    """"N passed, N failed, N errors, N skipped" from a pytest JUnit XML file."""
+def _read_json(out: Path, name: str):
+    """(report, None), or (None, why) when OUTDIR/name is missing (why None) or unreadable."""
+    path = out / name
     if not path.exists():
-        return None
+        return None, None
     try:
-        root = ET.parse(path).getroot()
-    except ET.ParseError:
-        return "junit xml unreadable"
-    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    passed = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
-    return (f"{passed} passed, {total['failures']} failed, {total['errors']} errors, "
-            f"{total['skipped']} skipped")
+        return json.loads(path.read_text()), None
+    except json.JSONDecodeError:
+        return None, f"{name} unreadable"
+
+
+def isolated_counts(out: Path, step: str) -> str | None:
+    """"J jobs: P passed, F fail, ...; tests: ..." from a run_isolated.py JSON."""
+    report, why = _read_json(out, f"{step}.json")
+    if report is None:
+        return why
+    totals = report.get("totals") or {}
+    jobs = [f"{totals.get('pass', 0)} passed"]
+    jobs += [f"{totals[s]} {s}" for s in ("fail", "died", "timeout", "error", "empty", "not-run") if totals.get(s)]
+    tests = totals.get("tests") or {}
+    text = f"{totals.get('jobs', 0)} jobs: {', '.join(jobs)}; tests: {tests.get('passed', 0)} passed"
+    text += "".join(f", {tests[k]} {k}" for k in ("failed", "errors", "skipped") if tests.get(k))
+    if not report.get("complete", False):
+        text += "; runner cut short"
+    return text
 
 
 def sanitizer_counts(out: Path) -> str | None:
@@ -68,27 +88,32 @@ def sanitizer_counts(out: Path) -> str | None:
     return "; ".join(parts) or None
 
 
-def _read_json(out: Path, name: str):
-    """(report, None), or (None, why) when OUTDIR/name is missing (why None) or unreadable."""
-    path = out / name
-    if not path.exists():
-        return None, None
-    try:
-        return json.loads(path.read_text()), None
-    except json.JSONDecodeError:
-        return None, f"{name} unreadable"
-
-
 def bench_counts(out: Path) -> str | None:
     report, why = _read_json(out, "bench.json")
     if report is None:
         return why
     rows = report.get("results", [])
+    per_path: dict[str, int] = {}
+    for r in rows:
+        per_path[r.get("path", "?")] = per_path.get(r.get("path", "?"), 0) + 1
+    paths = ", ".join(f"{p} {n}" for p, n in sorted(per_path.items()))
     torch = sum(1 for r in rows if r.get("torch_bsr_s"))
-    text = f"{len(rows)} rows ({torch} with torch BSR)"
+    errors = sum(1 for r in rows if r.get("error"))
+    text = f"{len(rows)} rows ({paths or 'none'}; {torch} with torch BSR"
+    text += f"; {errors} errors)" if errors else ")"
+    dtypes = sorted({r.get("dtype") for r in rows if r.get("dtype")})
+    if dtypes:
+        text += f" {'/'.join(dtypes)}"
     if not report.get("complete", True):
         text += f"; incomplete: {report.get('stopped') or 'cut short'}"
     return text
+
+
+def crossover_counts(out: Path) -> str | None:
+    table, why = _read_json(out, "crossovers.json")
+    if table is None:
+        return why
+    return f"{len(table.get('entries', []))} entries"
 
 
 def ncu_counts(out: Path) -> str | None:
@@ -118,37 +143,81 @@ def ncu_profiled(out: Path) -> str | None:
 
 
 COUNTS = {
-    "gpu-tests": lambda out: junit_counts(out / "pytest_gpu.xml"),
-    "suite": lambda out: junit_counts(out / "pytest_suite.xml"),
+    **{step: (lambda out, step=step: isolated_counts(out, step)) for step in ISOLATED_STEPS},
     "sanitizer": sanitizer_counts,
     "bench": bench_counts,
+    "crossover": crossover_counts,
     "ncu": ncu_profiled,
     "ncu-summary": ncu_counts,
 }
 
 
+def failures(out: Path) -> list[dict]:
+    """Every job of the isolated steps that did not pass (not-run left out): its first
+    failing test, first error line and, where memcheck reran it, its first report."""
+    found = []
+    for step in ISOLATED_STEPS:
+        report, _ = _read_json(out, f"{step}.json")
+        for job in (report or {}).get("jobs", []):
+            if job.get("status") in ("pass", "not-run"):
+                continue
+            first = job.get("first_failure") or {}
+            sanitizer = job.get("sanitizer") or {}
+            found.append(dict(step=step, job=job.get("id"), status=job.get("status"), test=first.get("test"),
+                              error=first.get("error"), cuda_error=job.get("cuda_error"),
+                              memcheck=sanitizer.get("status"), memcheck_report=sanitizer.get("first_report"),
+                              log=f"{step}/{job['log']}" if job.get("log") else None))
+    return found
+
+
+def not_run(out: Path) -> dict[str, list[str]]:
+    """Per isolated step, the jobs its budget left unstarted."""
+    left = {}
+    for step in ISOLATED_STEPS:
+        report, _ = _read_json(out, f"{step}.json")
+        ids = [j.get("id") for j in (report or {}).get("jobs", []) if j.get("status") == "not-run"]
+        if ids:
+            left[step] = ids
+    return left
+
+
 def headline(out: Path) -> list[dict]:
-    """bf16 rows at density ~0.1 of bench.json, one per block size."""
-    path = out / "bench.json"
-    if not path.exists():
-        return []
-    try:
-        rows = json.loads(path.read_text()).get("results", [])
-    except json.JSONDecodeError:
-        return []
+    """bf16 rows at density ~0.1 of bench.json: per block size, per path, per op."""
+    report, _ = _read_json(out, "bench.json")
     by_bs: dict[int, dict] = {}
-    for r in rows:
+    for r in (report or {}).get("results", []):
         if r.get("dtype") != HEADLINE_DTYPE or abs(r.get("density", 0) - HEADLINE_DENSITY) > 0.02:
             continue
-        by_bs.setdefault(r["block_size"], {})[r["op"]] = r
-    return [dict(block_size=bs, **ops) for bs, ops in sorted(by_bs.items())]
+        path = r.get("path", "native")
+        by_bs.setdefault(r["block_size"], {}).setdefault(path, {})[r["op"]] = {k: r.get(k) for k in HEADLINE_FIELDS}
+    return [dict(block_size=bs, paths=paths) for bs, paths in sorted(by_bs.items())]
 
 
 def _f(v, spec="5.2f"):
     return "-" if v is None else format(v, spec)
 
 
-def render(out: Path, steps: list[dict], heads: list[dict], meta: str) -> str:
+def _headline_table(heads: list[dict]) -> list[str]:
+    paths = [p for p in PATH_ORDER if any(p in h["paths"] for h in heads)]
+    paths += sorted({p for h in heads for p in h["paths"]} - set(paths))
+    cell = 12  # "0.12  1.18x"
+    lines = [f"bench, {HEADLINE_DTYPE}, density {HEADLINE_DENSITY}: efficiency (dense time x density / sparse "
+             "time) and speedup (dense time / sparse time), device time"]
+    top = f"{'':>4} " + " | ".join(f"{p:^{3 * cell + 2}}" for p in paths)
+    sub = f"{'bs':>4} " + " | ".join(" ".join(f"{op:>{cell}}" for op in OPS) for _ in paths)
+    lines += [top, sub]
+    for h in heads:
+        cells = []
+        for p in paths:
+            ops = h["paths"].get(p, {})
+            cells.append(" ".join(f"{_f(ops.get(op, {}).get('efficiency'), '.2f')} "
+                                  f"{_f(ops.get(op, {}).get('speedup'), '.2f')}x".rjust(cell) for op in OPS))
+        lines.append(f"{h['block_size']:>4} " + " | ".join(cells))
+    return lines
+
+
+def render(out: Path, steps: list[dict], heads: list[dict], meta: str, failed_tests: list[dict],
+           left: dict[str, list[str]]) -> str:
     lines = []
     if meta:
         keep = [m for m in meta.splitlines() if m.split(":")[0] in ("date", "commit", "gpu", "cuda_arch")]
@@ -161,22 +230,19 @@ def render(out: Path, steps: list[dict], heads: list[dict], meta: str) -> str:
                      f"{_f(s['limit_s'], 'd'):>6}  {counts}")
     total = sum(s["seconds"] or 0 for s in steps)
     lines.append(f"{'total':12} {'':8} {'':>4} {total:8.1f}")
+    if failed_tests:
+        lines += ["", f"failing tests ({len(failed_tests)}): first failure of each job, its first error line"]
+        for f in failed_tests:
+            lines.append(f"  [{f['step']}] {f['status']:7} {f['test'] or f['job']}: {f['error'] or '?'}")
+            if f.get("memcheck_report"):  # what the fault was, and where
+                lines.append(f"      memcheck: {' | '.join(f['memcheck_report'].splitlines()[:2])}")
+            elif f.get("memcheck"):
+                lines.append(f"      memcheck: {f['memcheck']}")
+    for step, ids in left.items():
+        lines.append(f"  [{step}] not run (budget spent): {len(ids)} job(s): {', '.join(ids[:6])}"
+                     + (" ..." if len(ids) > 6 else ""))
     if heads:
-        lines += ["", f"bench, {HEADLINE_DTYPE}, density {HEADLINE_DENSITY}: efficiency = dense time x density / "
-                      "sparse time (device time); call = the same from single calls; bound = roofline speedup",
-                  f"{'bs':>4} {'fprop':>6} {'bprop':>6} {'updat':>6} {'fprop call':>10} {'fprop speedup':>13} "
-                  f"{'bound':>6} {'fprop ms':>8} {'torch ms':>8} {'vs torch':>8}"]
-        for h in heads:
-            fp = h.get("fprop", {})
-            lines.append(
-                f"{h['block_size']:>4} {_f(h.get('fprop', {}).get('efficiency'), '6.2f')} "
-                f"{_f(h.get('bprop', {}).get('efficiency'), '6.2f')} "
-                f"{_f(h.get('updat', {}).get('efficiency'), '6.2f')} "
-                f"{_f(fp.get('call_efficiency'), '10.2f')} {_f(fp.get('speedup'), '13.2f')} "
-                f"{_f(fp.get('roofline_speedup_bound'), '6.1f')} "
-                f"{_f(fp['sparse_s'] * 1e3 if fp.get('sparse_s') else None, '8.3f')} "
-                f"{_f(fp['torch_bsr_s'] * 1e3 if fp.get('torch_bsr_s') else None, '8.3f')} "
-                f"{_f(fp.get('speedup_vs_torch_bsr'), '7.2f')}x")
+        lines += [""] + _headline_table(heads)
     failed = [s["name"] for s in steps if s["status"] != "pass"]
     lines += ["", f"FAILED steps: {', '.join(failed)}" if failed else
               ("all steps passed" if steps else "no step ran")]
@@ -191,15 +257,13 @@ def main(argv=None) -> int:
     out = Path(argv[0])
     steps = read_steps(out)
     heads = headline(out)
+    failed_tests = failures(out)
+    left = not_run(out)
     meta = (out / "meta.txt").read_text(errors="replace") if (out / "meta.txt").exists() else ""
-    print(render(out, steps, heads, meta))
+    print(render(out, steps, heads, meta, failed_tests, left))
     summary = dict(steps=[dict(s, counts=COUNTS.get(s["name"], lambda _: None)(out)) for s in steps],
-                   headline=dict(dtype=HEADLINE_DTYPE, density=HEADLINE_DENSITY,
-                                 rows=[{"block_size": h["block_size"],
-                                        **{op: {k: h[op].get(k) for k in ("efficiency", "call_efficiency", "speedup",
-                                                                          "roofline_speedup_bound", "sparse_s",
-                                                                          "torch_bsr_s", "speedup_vs_torch_bsr")}
-                                           for op in ("fprop", "bprop", "updat") if op in h}} for h in heads]),
+                   failures=failed_tests, not_run=left,
+                   headline=dict(dtype=HEADLINE_DTYPE, density=HEADLINE_DENSITY, rows=heads),
                    passed=bool(steps) and all(s["status"] == "pass" for s in steps))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return 0 if summary["passed"] else 1

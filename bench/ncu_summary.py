@@ -8,7 +8,7 @@ of its layouts:
 - ``--page details`` (ncu's default): one row per launch and metric, with the columns
   ID, Kernel Name, ..., Metric Name, Metric Unit, Metric Value;
 
-and, for old measurements, the hand-made summary in shared/measurements
+and, for old measurements, the hand-made summary of the 2026-11-22 H100 run
 (``kernel,duration_ns,...,warps_active_pct,tensor_pipe_pct,...,dram_pct``). Lines that
 are not CSV rows (``==PROF==`` messages, the program's own output) are skipped; numbers
 may carry thousands separators; durations in any time unit become microseconds.
@@ -38,7 +38,8 @@ DRAM = "dram__throughput.avg.pct_of_peak_sustained_elapsed"
 REGISTERS = "launch__registers_per_thread"
 METRICS = (DURATION, OCCUPANCY, TENSOR, DRAM, REGISTERS)
 
-# The hand-made summary's columns (shared/measurements/h100-2026-11-22/ncu_kernels.csv).
+# The hand-made summary's columns (ncu_kernels.csv of the 2026-11-22 H100 run;
+# tests/data/ncu_kernels_h100_excerpt.csv is its first lines).
 SUMMARY_COLUMNS = {"duration_ns": (DURATION, "nsecond"), "warps_active_pct": (OCCUPANCY, "%"),
                    "tensor_pipe_pct": (TENSOR, "%"), "dram_pct": (DRAM, "%"), "regs": (REGISTERS, "register")}
 KERNEL_COLUMNS = ("Kernel Name", "Function Name", "Demangled Name", "kernel")

@@ -1,28 +1,39 @@
 """tests/gpu/check.sh and its helpers, checked where there is no GPU (CI).
 
-- check.sh: syntax, ``--dry-run`` (every step's exact command, in order, nothing run),
-  the compute capability -> arch mapping, and the step runner (a failing step does not
-  stop the next; the budget skips steps; the exit status says so).
+- check.sh: syntax, ``--dry-run`` (every step's exact command, in order: measure first,
+  then test; nothing run), the compute capability -> arch mapping, the step runner (a
+  failing step does not stop the next; the budget skips steps; the exit status says so),
+  and its list of training-step models against tests/gpu/test_training_steps.py.
+- tests/gpu/run_isolated.py: a job whose process dies (SIGKILL, ``os._exit``) or hangs
+  is reported alone, naming the test it died in, while the jobs after it pass; the
+  memcheck rerun of a first failure (a stand-in compute-sanitizer) and its first report;
+  a runner stopped by SIGTERM keeps what finished and takes its jobs down with it.
 - bench/ncu_summary.py: ncu's CSV layouts. tests/data/ncu_raw_page_sample.csv and
-  ncu_details_page_sample.csv hold the values of three H100 kernels from
-  shared/measurements/h100-2026-11-22/ncu_kernels.csv (bf16, block 128, density 0.1)
-  laid out as ``ncu --csv --page raw`` (header row, units row, one row per launch) and
-  ``--page details`` (one row per launch and metric) print them;
-  ncu_kernels_h100_excerpt.csv is the first lines of that file as they are.
-- bench/bsmm.py: its quick preset on the CPU, and the JSON it writes; its chains of
-  products survive XLA (one product per link).
-- bench/check_summary.py: the final table from a made-up OUTDIR.
+  ncu_details_page_sample.csv hold the values of three H100 kernels from an ncu run of
+  2026-11-22 (bf16, block 128, density 0.1) laid out as ``ncu --csv --page raw`` (header
+  row, units row, one row per launch) and ``--page details`` (one row per launch and
+  metric) print them; ncu_kernels_h100_excerpt.csv is the first lines of that run's CSV.
+- bench/bsmm.py: its quick preset on the CPU and the JSON it writes (the fields the
+  crossover table reads); a run killed mid-way keeps every finished row; its chains of
+  products survive XLA (one product per link); each kernel path lowers to its own
+  targets (cross-lowered for CUDA where the extension has the sm_90 targets).
+- bench/check_summary.py: the final table from a made-up OUTDIR with both kernel paths
+  and the JSON of the isolated steps.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +41,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "gpu" / "check.sh"
 SANITIZER = ROOT / "tests" / "gpu" / "run_sanitizer.sh"
+RUNNER = ROOT / "tests" / "gpu" / "run_isolated.py"
 DATA = ROOT / "tests" / "data"
 METRICS = (
     "gpu__time_duration.sum",
@@ -72,22 +84,37 @@ def test_scripts_parse(script):
         assert out.returncode == 0, out.stdout
 
 
+STEPS = ("build", "env", "bench", "crossover", "gpu-tests", "training", "sanitizer", "suite", "ncu", "ncu-summary")
+
+
 def test_dry_run_prints_every_step_in_order_and_runs_nothing(tmp_path):
     out = tmp_path / "out"
-    res = _check("--dry-run", str(out), env={"CHECK_CUDA_ARCH": "sm_90a", "XLA_FLAGS": "--xla_dump_to=/tmp/x"})
+    res = _check("--dry-run", str(out), env={"CHECK_CUDA_ARCH": "sm_90a", "XLA_FLAGS": "--xla_dump_to=/tmp/x",
+                                             "JAX_BLOCKSPARSE_HOPPER": "1"})
     assert res.returncode == 0, res.stderr
     assert not out.exists(), "a dry run creates nothing"
     text = res.stdout
+    # Measure first, then test: the steps in this order, each under its own limit.
+    assert [line[2:] for line in text.splitlines() if line[2:] in STEPS] == list(STEPS)
     expected = [
-        "unset XLA_FLAGS JAX_PLATFORMS JAX_BLOCKSPARSE_IMPL",
+        "unset XLA_FLAGS JAX_PLATFORMS JAX_BLOCKSPARSE_IMPL JAX_BLOCKSPARSE_HOPPER",
         "PYTHONPATH=", "XLA_PYTHON_CLIENT_PREALLOCATE=false", "PYTHONUNBUFFERED=1",
         "python3 build.py --cuda-arch sm_90a -j ",
         "nvidia-smi >>",
         "python3 -m jax_blocksparse >",
-        "python3 -m pytest tests/gpu -n 8 ",
-        "env JAX_BLOCKSPARSE_IMPL=kernels JBS_REQUIRE_KERNELS=1 python3 -m pytest tests -n 14 ",
+        "env JAX_BLOCKSPARSE_IMPL=kernels python3 bench/bsmm.py --preset check --deadline ",
+        f"python3 bench/crossover.py {out}/bench.json --out {out}/crossovers.json",
+        f"python3 tests/gpu/run_isolated.py --out {out}/gpu-tests --json {out}/gpu-tests.json --parallel 8 ",
+        "--split function ",
+        "tests/gpu/test_bsmm_kernels.py tests/gpu/test_bsmm_sm90.py tests/gpu/test_bsconv_kernels.py",
+        f"python3 tests/gpu/run_isolated.py --out {out}/training --json {out}/training.json --parallel 8 ",
+        "--keyword 'rnn_cells]' ",
+        "tests/gpu/test_training_steps.py ",
         f"bash tests/gpu/run_sanitizer.sh --log-dir {out}",
-        "JAX_BLOCKSPARSE_IMPL=kernels python3 bench/bsmm.py --preset check --deadline ",
+        "env JAX_BLOCKSPARSE_IMPL=kernels JBS_REQUIRE_KERNELS=1 python3 tests/gpu/run_isolated.py "
+        f"--out {out}/suite --json {out}/suite.json --parallel 8 ",
+        "--order size ",
+        "tests/test_matmul.py",
         "ncu --clock-control none --kernel-name-base demangled --kernel-name regex:jbs --csv ",
         "python3 bench/ncu_driver.py --density 0.1",
         "python3 bench/ncu_summary.py ",
@@ -99,12 +126,49 @@ def test_dry_run_prints_every_step_in_order_and_runs_nothing(tmp_path):
         assert found >= 0, f"{piece!r} missing (or out of order) in:\n{text}"
         at = found
     assert f"--metrics {','.join(METRICS)} " in text
-    assert f"--junitxml={out}/pytest_gpu.xml" in text and f"--junitxml={out}/pytest_suite.xml" in text
     assert f"--json {out}/bench.json" in text and f"--json {out}/ncu_summary.json" in text
     steps = [line for line in text.splitlines() if line.startswith("timeout ")]
-    assert len(steps) == 8  # build env gpu-tests suite sanitizer bench ncu ncu-summary
+    assert len(steps) == len(STEPS)
     assert all(line.startswith("timeout --kill-after=10 ") for line in steps)
+    # Each isolated step's runner stops 10 s before its step's limit (it writes its JSON first).
+    for line in steps:
+        if "run_isolated.py" in line:
+            limit = int(line.split()[2])
+            assert f"--budget {limit - 10} " in line, line
+            name = re.search(rf"--out {re.escape(str(out))}/(\S+) ", line).group(1)
+            assert line.endswith(f" -- -p no:cacheprovider > {out}/{name}.log 2>&1 < /dev/null"), line
     assert "--xla_dump_to" not in text  # XLA's default settings
+    assert "pytest tests/gpu -n" not in text and " -n 14" not in text  # no shared xdist workers any more
+
+
+def test_default_run_fits_the_budget():
+    """The limits of the steps before the suite leave the suite some of the 540 s budget,
+    and the header's table states the limits the script uses."""
+    text = CHECK.read_text()
+    header = {}
+    for line in text.splitlines():
+        m = re.match(r"#   (\S+)\s+.*?\s(\d+)\s+(\d+)$", line)
+        if m and m.group(1) in STEPS:
+            header[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+    assert list(header) == list(STEPS)
+    limits = {}
+    for step in STEPS:
+        call = re.search(rf"(?:run_step|isolated) {re.escape(step)} \"\$\(limit_for (\d+)\)\"", text)
+        bench = re.search(r'limit="\$\(limit_for (\d+)\)"\n\s+deadline=', text)
+        limits[step] = int(call.group(1)) if call else int(bench.group(1))
+    assert {s: lim for s, (_, lim) in header.items()} == limits
+    assert 'BUDGET="${CHECK_BUDGET_S:-540}"' in text
+    expected_before_suite = sum(header[s][0] for s in STEPS[:STEPS.index("suite")])
+    assert expected_before_suite < 540 - 60, expected_before_suite
+
+
+def test_training_models_are_those_of_the_tests():
+    """check.sh's one process per model covers exactly tests/gpu/test_training_steps.py's ORDER."""
+    listed = re.search(r"^TRAINING_MODELS=\(([^)]*)\)", CHECK.read_text(), re.M).group(1).split()
+    tree = ast.parse((ROOT / "tests" / "gpu" / "test_training_steps.py").read_text())
+    order = next(ast.literal_eval(node.value) for node in tree.body
+                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "ORDER")
+    assert listed == list(order)
 
 
 @pytest.mark.parametrize("cap, arch", [("9.0", "sm_90a"), ("8.0", "sm_80"), ("8.6", "sm_86"), ("8.9", "sm_89"),
@@ -148,10 +212,187 @@ def test_budget_skips_steps(tmp_path):
 
 
 # ---------------------------------------------------------------------------------
+# run_isolated.py
+# ---------------------------------------------------------------------------------
+
+# Test files the runner runs on CPU: their crashes stand in for a CUDA fault.
+ISOLATED_FILES = {
+    "test_1_killed.py": """
+import os, signal
+def test_before():
+    pass
+def test_killed():
+    os.kill(os.getpid(), signal.SIGKILL)
+def test_after():
+    pass
+""",
+    "test_2_exits.py": """
+import os
+def test_exits():
+    os._exit(1)
+""",
+    "test_3_passes.py": """
+import pytest
+@pytest.mark.parametrize("i", range(3))
+def test_passes(i):
+    assert i >= 0
+""",
+    "test_4_fails.py": """
+def test_fails():
+    assert 1 == 2, "one is not two"
+def test_fine():
+    pass
+""",
+    "test_5_hangs.py": """
+import os, time
+def test_hangs():
+    with open("hang.pid", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+""",
+}
+
+# What compute-sanitizer prints around a fault (the report's first line can follow pytest's dots).
+FAKE_SANITIZER = """#!/bin/sh
+# tests/test_gpu_check.py's stand-in: --tool memcheck --print-limit 20 PYTHON ARGS...
+shift 4
+echo "========= COMPUTE-SANITIZER"
+"$@"
+printf '..========= Invalid __global__ read of size 4 bytes\n'
+echo "=========     at void jbs::DsdTcKernel<bf16>(jbs::DsdParams)+0x5600"
+echo "=========     by thread (0,0,0) in block (2,0,0)"
+echo "=========     Saved host backtrace up to driver entry point at kernel launch time"
+echo "=========         Host Frame: cudaLaunchKernel [0x190037] in _jbs_kernels.so"
+echo "========="
+echo "========= ERROR SUMMARY: 1 error"
+"""
+
+
+def _isolated_tree(tmp_path):
+    for name, text in ISOLATED_FILES.items():
+        (tmp_path / name).write_text(text)
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(0o755)
+    return fake
+
+
+def _runner(tmp_path, *args, **kw):
+    return subprocess.Popen([sys.executable, str(RUNNER), *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_runner_reports_a_dead_process_alone(tmp_path):
+    fake = _isolated_tree(tmp_path)
+    files = ["test_1_killed.py", "test_2_exits.py", "test_3_passes.py", "test_4_fails.py"]
+    proc = _runner(tmp_path, "--out", "out", "--parallel", "2", "--sanitizer", str(fake), *files,
+                   "--", "-p", "no:cacheprovider")
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stdout
+    report = json.loads((tmp_path / "out" / "isolated.json").read_text())
+    assert report["complete"] is True
+    jobs = {j["id"]: j for j in report["jobs"]}
+    assert list(jobs) == files
+    killed, exits, passes, fails = (jobs[f] for f in files)
+    # Killed by a signal: its own failure, named by the test it died in.
+    assert killed["status"] == "died" and killed["signal"] == "SIGKILL" and killed["counts"] is None
+    assert killed["first_failure"]["test"] == "test_1_killed.py::test_killed"
+    assert "SIGKILL" in killed["first_failure"]["error"]
+    assert exits["status"] == "died" and exits["rc"] == 1 and exits["signal"] is None
+    assert exits["first_failure"]["test"] == "test_2_exits.py::test_exits"
+    assert "without pytest's report" in exits["first_failure"]["error"]
+    # The jobs after them still ran.
+    assert passes["status"] == "pass" and passes["counts"]["passed"] == 3 and passes["first_failure"] is None
+    assert fails["status"] == "fail" and fails["counts"]["failed"] == 1
+    assert fails["first_failure"] == {"test": "test_4_fails.py::test_fails", "error": "AssertionError: one is not two"}
+    # memcheck reran the first failure of each failing job, alone; its first report is kept.
+    for job in (killed, exits, fails):
+        sanitizer = job["sanitizer"]
+        assert sanitizer["status"] == "errors" and sanitizer["errors"] == 1, job
+        assert sanitizer["first_report"].splitlines() == [
+            "Invalid __global__ read of size 4 bytes", "at void jbs::DsdTcKernel<bf16>(jbs::DsdParams)+0x5600",
+            "by thread (0,0,0) in block (2,0,0)"]
+        assert (tmp_path / "out" / sanitizer["log"]).exists()
+        assert sanitizer["argv"][1:3] == ["--tool", "memcheck"] and job["first_failure"]["test"] in sanitizer["argv"]
+    assert passes["sanitizer"] is None
+    assert report["totals"]["jobs"] == 4 and report["totals"]["died"] == 2 and report["totals"]["pass"] == 1
+    for job in jobs.values():
+        assert (tmp_path / "out" / job["log"]).exists()
+        assert job["argv"][1:4] == ["-m", "pytest", job["id"]] and "-x" in job["argv"]
+    assert "test_1_killed.py::test_killed: process killed by SIGKILL" in stdout
+
+
+def test_runner_kills_a_job_at_its_limit(tmp_path):
+    _isolated_tree(tmp_path)
+    proc = _runner(tmp_path, "--out", "out", "--timeout", "4", "--sanitizer", "", "test_5_hangs.py")
+    stdout, _ = proc.communicate(timeout=60)
+    (job,) = json.loads((tmp_path / "out" / "isolated.json").read_text())["jobs"]
+    assert job["status"] == "timeout" and job["first_failure"]["test"] == "test_5_hangs.py::test_hangs", stdout
+    assert "timed out after" in job["first_failure"]["error"]
+    with pytest.raises(ProcessLookupError):  # killed, not left behind
+        os.kill(int((tmp_path / "hang.pid").read_text()), 0)
+
+
+def test_runner_splits_files_into_functions_and_keywords(tmp_path):
+    _isolated_tree(tmp_path)
+    proc = _runner(tmp_path, "--out", "out", "--parallel", "2", "--split", "function", "--sanitizer", "",
+                   "test_1_killed.py", "test_3_passes.py::test_passes", "--", "-p", "no:cacheprovider")
+    stdout, _ = proc.communicate(timeout=120)
+    jobs = {j["id"]: j["status"] for j in json.loads((tmp_path / "out" / "isolated.json").read_text())["jobs"]}
+    # Only the function that kills its process fails; those before and after it pass.
+    assert jobs == {"test_1_killed.py::test_before": "pass", "test_1_killed.py::test_killed": "died",
+                    "test_1_killed.py::test_after": "pass", "test_3_passes.py::test_passes": "pass"}, stdout
+    proc = _runner(tmp_path, "--out", "kw", "--json", "kw.json", "--keyword", "passes[1]", "--keyword", "nothing",
+                   "test_3_passes.py", "--", "-p", "no:cacheprovider")
+    stdout, _ = proc.communicate(timeout=120)
+    jobs = json.loads((tmp_path / "kw.json").read_text())["jobs"]
+    assert [(j["id"], j["status"]) for j in jobs] == [("test_3_passes.py -k passes[1]", "pass"),
+                                                     ("test_3_passes.py -k nothing", "empty")], stdout
+    assert jobs[0]["counts"]["passed"] == 1
+
+
+def test_runner_stopped_keeps_what_finished_and_kills_its_jobs(tmp_path):
+    _isolated_tree(tmp_path)
+    proc = _runner(tmp_path, "--out", "out", "--parallel", "2", "--sanitizer", "", "test_3_passes.py",
+                   "test_5_hangs.py", "test_4_fails.py", "--", "-p", "no:cacheprovider")
+    path = tmp_path / "out" / "isolated.json"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # until the first job has finished and the hang has started
+        done = json.loads(path.read_text())["jobs"] if path.exists() else []
+        if (tmp_path / "hang.pid").exists() and any(j["status"] == "pass" for j in done):
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # what `timeout` sends
+    stdout, _ = proc.communicate(timeout=60)
+    report = json.loads(path.read_text())
+    assert report["complete"] is False and "SIGTERM" in report["stopped"], stdout
+    status = {j["id"]: j["status"] for j in report["jobs"]}
+    assert status["test_3_passes.py"] == "pass" and status["test_5_hangs.py"] == "timeout"
+    assert status["test_4_fails.py"] in ("not-run", "fail", "timeout")
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "hang.pid").read_text()), 0)
+
+
+def test_runner_budget_leaves_jobs_not_run(tmp_path):
+    _isolated_tree(tmp_path)
+    proc = _runner(tmp_path, "--out", "out", "--budget", "1", "--sanitizer", "", "test_3_passes.py")
+    stdout, _ = proc.communicate(timeout=60)
+    report = json.loads((tmp_path / "out" / "isolated.json").read_text())
+    assert proc.returncode == 1 and [j["status"] for j in report["jobs"]] == ["not-run"], stdout
+
+
+def test_runner_rejects_bad_arguments(tmp_path):
+    for args in (["--out", "o", "no_such_test.py"], ["--out", "o", "--parallel", "0", str(RUNNER)],
+                 ["--out", "o", "--split", "function", "--keyword", "x", str(RUNNER)]):
+        res = subprocess.run([sys.executable, str(RUNNER), *args], cwd=tmp_path, capture_output=True, text=True)
+        assert res.returncode == 2, (args, res.stderr)
+
+
+# ---------------------------------------------------------------------------------
 # ncu_summary.py
 # ---------------------------------------------------------------------------------
 
-# bf16, block 128, density 0.1 on an H100 (shared/measurements/h100-2026-11-22/ncu_kernels.csv)
+# bf16, block 128, density 0.1 on an H100 (the ncu run of 2026-11-22)
 H100_B128 = {  # op: (duration us, occupancy %, tensor %, DRAM %, registers)
     "fprop": (85.856, 23.70, 26.24, 24.76, 120),
     "bprop": (92.352, 23.72, 24.95, 23.28, 121),
@@ -242,27 +483,58 @@ def bsmm():
     return _load("bsmm")
 
 
-def test_bench_quick_json(bsmm, tmp_path):
+# The fields bench/crossover.py (and the summary) read from every row.
+ROW_FIELDS = ("op", "dtype", "block_size", "density", "path", "target", "mode", "sparse_s", "dense_s",
+              "dense_path_s")
+
+
+def test_bench_quick_json(bsmm, tmp_path, monkeypatch):
+    import jax
+
+    import jax_blocksparse as jbs
+
+    kernels = jbs.has_cpu_kernels() or jax.devices()[0].platform != "cpu"
+    if kernels:
+        monkeypatch.setenv("JAX_BLOCKSPARSE_IMPL", "kernels")  # not "auto": it may choose the dense product
     path = tmp_path / "bench.json"
     bsmm.main(["--preset", "quick", "--json", str(path)])
     report = json.loads(path.read_text())
     for field in ("device", "device_kind", "platform", "commit", "date", "datetime", "jax_version", "implementation",
-                  "size", "timing", "results"):
+                  "size", "timing", "results", "paths", "dense_path"):
         assert field in report, field
-    import jax
-
+    on_cpu = jax.devices()[0].platform == "cpu"
     assert report["platform"] == jax.devices()[0].platform and report["complete"] is True
     assert report["commit"] and report["date"].count("-") == 2
     assert report["timing"]["chain"] == 2 and "layout" in report["timing"]
+    assert report["paths"] == (["native"] if on_cpu else report["paths"][:1] + report["paths"][1:])
+    assert on_cpu or report["paths"][0] == "ampere"
     rows = report["results"]
-    assert len(rows) == 2 * 3  # densities x ops
+    assert len(rows) == 2 * 3 * len(report["paths"])  # densities x ops x paths
     assert {r["op"] for r in rows} == {"fprop", "bprop", "updat"}
+    dense_impl = "dense" in jbs.config.IMPLEMENTATIONS
+    assert report["dense_path"] is dense_impl
     for r in rows:
+        assert all(field in r for field in ROW_FIELDS), r
+        assert "error" not in r, r
         for field in ("sparse_s", "dense_s", "sparse_call_s", "dense_call_s", "efficiency", "speedup",
-                      "call_efficiency"):
+                      "call_efficiency") + (("dense_path_s",) if dense_impl else ()):
             assert math.isfinite(r[field]) and r[field] > 0, (field, r)
+        assert r["dense_path_s"] is None or dense_impl
         assert r["efficiency"] == pytest.approx(r["dense_s"] * r["density"] / r["sparse_s"])
         assert r["block_size"] == 32 and r["dtype"] == "float32" and r["nnz"] > 0
+        assert r["path"] in report["paths"]
+        if on_cpu:
+            assert r["path"] == "native" and r["mode"] == "float32"
+            assert r["target"] == (f"jbs_bsmm_{r['op']}" if kernels else None)
+    # bench/crossover.py reads them (the lead's script: where it exists).
+    crossover = ROOT / "bench" / "crossover.py"
+    if kernels and crossover.exists():
+        out = tmp_path / "crossovers.json"
+        res = subprocess.run([sys.executable, str(crossover), str(path), "--out", str(out)], capture_output=True,
+                             text=True, cwd=ROOT, timeout=60)
+        assert res.returncode == 0, res.stderr
+        entries = json.loads(out.read_text())["entries"]
+        assert {e["target"] for e in entries} == {r["target"] for r in rows}
 
 
 def test_bench_deadline_keeps_what_it_has(bsmm, tmp_path):
@@ -270,6 +542,85 @@ def test_bench_deadline_keeps_what_it_has(bsmm, tmp_path):
     bsmm.main(["--preset", "quick", "--deadline", "0", "--json", str(path)])
     report = json.loads(path.read_text())
     assert report["complete"] is False and "deadline" in report["stopped"] and report["results"] == []
+
+
+def test_bench_killed_keeps_every_finished_row(tmp_path):
+    """A bench killed by `timeout` (SIGTERM) leaves a readable JSON with every row it had
+    finished: the JSON is rewritten after each row through a temporary file and a rename."""
+    path = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_BLOCKSPARSE_", "CHECK_"))}
+    cmd = [sys.executable, str(ROOT / "bench" / "bsmm.py"), "--preset", "quick", "--block-sizes", "32", "64",
+           "--densities", "1", "0.5", "0.25", "0.1", "0.05", "--json", str(path)]  # 30 rows: killed long before
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = 0
+        deadline = time.monotonic() + 180
+        while seen < 2 and time.monotonic() < deadline and proc.poll() is None:
+            if path.exists():
+                seen = len(json.loads(path.read_text())["results"])  # readable whenever it exists
+            time.sleep(0.02)
+        assert seen >= 2, proc.stderr.read() if proc.poll() is not None else "no rows in time"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    report = json.loads(path.read_text())
+    assert report["complete"] is False and 2 <= len(report["results"]) < 30
+    assert all(r["sparse_s"] and r["dense_s"] for r in report["results"])
+
+
+def test_bench_paths_lower_to_their_own_targets(bsmm, monkeypatch):
+    """The Hopper gate is read at lowering and jit's caches do not know it: each path's own
+    function objects, lowered under hopper_gate(path), call that path's targets, in
+    either order, whatever the environment had (cross-lowered for CUDA here)."""
+    import jax.numpy as jnp
+
+    import jax_blocksparse as jbs
+    from jax_blocksparse.ops import _sm90
+
+    if not _sm90.built_targets():
+        pytest.skip("the extension was built without the sm_90 targets")
+    monkeypatch.setattr(_sm90, "_cuda_compute_capability", lambda: None)  # no CUDA device: the env decides
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")  # hopper_gate("ampere") must close it, and restore it after
+    monkeypatch.setenv("JAX_BLOCKSPARSE_IMPL", "kernels")
+    layout = jbs.Layout.from_mask(jbs.layouts.random((4, 4), 0.5, seed=0), 32)
+    x = jnp.ones((16, 128), jnp.bfloat16)
+    w = jnp.ones(layout.w_shape, jnp.bfloat16)
+    W = jnp.ones((128, 128), jnp.bfloat16)
+    jitted = {path: bsmm.Jitted(2) for path in ("hopper", "ampere")}
+    for path in ("hopper", "ampere", "hopper"):
+        for op in ("fprop", "bprop", "updat"):
+            s_args, _ = bsmm._args(op, x, x, W, w, layout)
+            with bsmm.hopper_gate(path):
+                text = jitted[path].chains[op][0].trace(*s_args).lower(lowering_platforms=("cuda",)).as_text()
+            target = bsmm.kernel_target(text)
+            assert target == f"jbs_bsmm_{op}" + ("_sm90" if path == "hopper" else ""), (path, op)
+            assert bsmm.path_of(target, "gpu", path) == path
+            assert bsmm.arithmetic_mode("bfloat16", target, text, "gpu") == "bfloat16"
+            assert os.environ[_sm90.HOPPER_ENV] == "1"
+
+
+def test_bench_target_and_mode_from_hlo(bsmm):
+    compiled = ('%custom-call.1 = f32[16,128]{1,0} custom-call(f32[16,128]{1,0} %p0, ...), '
+                'custom_call_target="jbs_bsmm_fprop_sm90", api_version=API_VERSION_TYPED_FFI, '
+                'backend_config={tf32 = true}')
+    lowered = ('%0 = stablehlo.custom_call @jbs_bsmm_updat_sm90(%arg0, %arg1) {backend_config = "", '
+               'mhlo.backend_config = {tf32 = true}} : (tensor<16x128xf32>) -> tensor<8x32x32xf32>')
+    assert bsmm.kernel_target(compiled) == "jbs_bsmm_fprop_sm90"
+    assert bsmm.kernel_target(lowered) == "jbs_bsmm_updat_sm90"
+    assert bsmm.kernel_target("%dot.1 = f32[16,128] dot(...)") is None
+    assert bsmm.kernel_target(compiled + "\n" + compiled.replace("_sm90", "")) == "jbs_bsmm_fprop,jbs_bsmm_fprop_sm90"
+    assert bsmm.arithmetic_mode("float32", "jbs_bsmm_updat_sm90", lowered, "gpu") == "tf32"
+    assert bsmm.arithmetic_mode("float32", "jbs_bsmm_updat_sm90", lowered.replace("true", "false"), "gpu") == "float32"
+    assert bsmm.arithmetic_mode("float32", "jbs_bsmm_fprop", "", "gpu") == "float32"  # exact portable kernels
+    assert bsmm.arithmetic_mode("float32", None, "", "gpu") == "tf32"  # XLA's dot at default precision
+    assert bsmm.arithmetic_mode("float32", None, "", "cpu") == "float32"
+    assert bsmm.arithmetic_mode("float16", "jbs_bsmm_fprop_sm90", lowered, "gpu") == "float16"
+    assert [bsmm.path_of(t, "gpu", "ampere") for t in ("jbs_bsmm_bprop_sm90", "jbs_bsmm_bprop", None)] == [
+        "hopper", "ampere", "ampere"]
+    assert bsmm.path_of("jbs_bsmm_bprop", "cpu", "native") == "native"
 
 
 def test_bench_chains_keep_every_product(bsmm):
@@ -308,28 +659,94 @@ def test_ncu_driver_problems(tmp_path):
     assert all(p["nnz"] > 0 and p["index"] == i for i, p in enumerate(saved["problems"]))
 
 
+def _job(runner, job_id, status, test=None, error=None, memcheck=None, passed=3):
+    """A job of tests/gpu/run_isolated.py's JSON."""
+    counts = None if status in ("died", "timeout", "not-run") else dict(
+        tests=passed + (status == "fail"), passed=passed, failed=int(status == "fail"), errors=0, skipped=0)
+    return dict(id=job_id, status=status, counts=counts, log=f"{runner._slug(job_id)}.log",
+                first_failure=dict(test=test, error=error) if test else None,
+                sanitizer=dict(status="errors", first_report=memcheck) if memcheck else None)
+
+
 def test_check_summary_table(tmp_path, capsys):
     summary = _load("check_summary")
+    runner = _load_runner()
     out = tmp_path
-    (out / "steps.tsv").write_text("build\tpass\t0\t15.2\t120\tbuild.log\n"
-                                   "gpu-tests\tfail\t1\t48.0\t150\tpytest_gpu.log\n"
-                                   "bench\tpass\t0\t99.5\t180\tbench.log\n")
+    (out / "steps.tsv").write_text("build\tpass\t0\t80.2\t150\tbuild.log\n"
+                                   "bench\tpass\t0\t128.5\t170\tbench.log\n"
+                                   "crossover\tpass\t0\t1.5\t20\tcrossover.log\n"
+                                   "gpu-tests\tfail\t1\t70.0\t130\tgpu-tests.log\n"
+                                   "training\tpass\t0\t81.0\t120\ttraining.log\n"
+                                   "suite\ttimeout\t124\t120.0\t120\tsuite.log\n")
     (out / "meta.txt").write_text("date: 2026-11-22T10:00:00Z\ncommit: abc1234\ngpu: NVIDIA H100 80GB HBM3\n")
-    (out / "pytest_gpu.xml").write_text(
-        '<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="10" failures="2" errors="1" '
-        'skipped="3"></testsuite></testsuites>')
-    rows = [dict(op=op, dtype="bfloat16", block_size=bs, density=0.1000061, efficiency=0.2 + i / 100, speedup=2.0,
-                 call_efficiency=0.1, roofline_speedup_bound=6.6, sparse_s=1e-4, dense_s=2e-4,
-                 torch_bsr_s=3e-4, speedup_vs_torch_bsr=3.0)
-            for bs in (64, 128) for i, op in enumerate(("fprop", "bprop", "updat"))]
-    rows.append(dict(rows[0], dtype="float32", efficiency=0.05))  # not a headline row
+    fault = "Misaligned shared or local address\nat void jbs::sm90::detail::DsdPackedSm90Kernel<...>+0x5600"
+    gpu_jobs = [
+        _job(runner, "tests/gpu/test_bsmm_kernels.py::test_layouts", "pass", passed=360),
+        _job(runner, "tests/gpu/test_bsmm_sm90.py::test_tf32_rows", "died", "tests/gpu/test_bsmm_sm90.py::"
+             "test_tf32_rows[8-fprop-1]", "process killed by SIGABRT: CUDA_ERROR_MISALIGNED_ADDRESS", fault),
+        _job(runner, "tests/gpu/test_bsmm_sm90.py::test_rows", "fail", "tests/gpu/test_bsmm_sm90.py::test_rows[64-"
+             "updat-7]", "AssertionError: max error 0.5 > 0.01"),
+    ]
+    suite_jobs = [_job(runner, "tests/test_matmul.py", "pass", passed=400),
+                  _job(runner, "tests/test_lint.py", "not-run")]
+    for name, jobs, complete in (("gpu-tests", gpu_jobs, True), ("training", [_job(runner, "x.py -k mlp]", "pass")],
+                                                                 True), ("suite", suite_jobs, False)):
+        (out / f"{name}.json").write_text(json.dumps(dict(jobs=jobs, totals=runner.totals(jobs), complete=complete)))
+    rows = [dict(op=op, dtype="bfloat16", block_size=bs, density=0.1000061, path=path,
+                 target=f"jbs_bsmm_{op}" + ("_sm90" if path == "hopper" else ""), mode="bfloat16",
+                 efficiency=(0.2 if path == "ampere" else 0.4) + i / 100, speedup=2.0 + i, call_efficiency=0.1,
+                 roofline_speedup_bound=6.6, sparse_s=1e-4, dense_s=2e-4, dense_path_s=2.5e-4, torch_bsr_s=3e-4,
+                 speedup_vs_torch_bsr=3.0)
+            for bs in (64, 128) for i, op in enumerate(("fprop", "bprop", "updat")) for path in ("ampere", "hopper")]
+    rows.append(dict(rows[0], dtype="float32", mode="float32", efficiency=0.05))  # not a headline row
+    rows.append(dict(rows[0], density=0.25, efficiency=0.5))  # nor this
     (out / "bench.json").write_text(json.dumps(dict(results=rows, complete=True)))
+    (out / "crossovers.json").write_text(json.dumps(dict(format=1, entries=[{}, {}, {}])))
     assert summary.main([str(out)]) == 1  # a step failed
     text = capsys.readouterr().out
-    assert "4 passed, 2 failed, 1 errors, 3 skipped" in text
-    assert "7 rows (7 with torch BSR)" in text
-    assert "FAILED steps: gpu-tests" in text and "commit: abc1234" in text
-    headline = [line.split() for line in text.splitlines() if line.strip().startswith(("64 ", "128 "))]
-    assert [h[:4] for h in headline] == [["64", "0.20", "0.21", "0.22"], ["128", "0.20", "0.21", "0.22"]]
+    assert "3 jobs: 1 passed, 1 fail, 1 died; tests: 363 passed, 1 failed" in text
+    assert "2 jobs: 1 passed, 1 not-run; tests: 400 passed; runner cut short" in text
+    assert "14 rows (ampere 8, hopper 6; 14 with torch BSR) bfloat16/float32" in text
+    assert "FAILED steps: gpu-tests, suite" in text and "commit: abc1234" in text
+    # Every failing test named with its first error line, and memcheck's first report.
+    assert ("[gpu-tests] died    tests/gpu/test_bsmm_sm90.py::test_tf32_rows[8-fprop-1]: process killed by SIGABRT: "
+            "CUDA_ERROR_MISALIGNED_ADDRESS") in text
+    assert "      memcheck: Misaligned shared or local address" in text
+    assert "[gpu-tests] fail    tests/gpu/test_bsmm_sm90.py::test_rows[64-updat-7]: AssertionError: max error" in text
+    assert "[suite] not run (budget spent): 1 job(s): tests/test_lint.py" in text
+    # The headline: per block size, fprop/bprop/updat efficiency and speedup, Ampere then Hopper.
+    table = text[text.index("bench, bfloat16, density 0.1"):]
+    assert "ampere" in table.splitlines()[1] and "hopper" in table.splitlines()[1]
+    headline = [line.split() for line in table.splitlines() if line.strip().startswith(("64 ", "128 "))]
+    assert headline[0] == ["64", "0.20", "2.00x", "0.21", "3.00x", "0.22", "4.00x", "|",
+                           "0.40", "2.00x", "0.41", "3.00x", "0.42", "4.00x"]
+    assert len(headline) == 2
     saved = json.loads((out / "summary.json").read_text())
-    assert saved["passed"] is False and saved["headline"]["rows"][1]["fprop"]["efficiency"] == 0.2
+    assert saved["passed"] is False
+    assert saved["headline"]["rows"][1]["block_size"] == 128
+    assert saved["headline"]["rows"][1]["paths"]["hopper"]["fprop"]["efficiency"] == 0.4
+    assert saved["headline"]["rows"][1]["paths"]["hopper"]["fprop"]["target"] == "jbs_bsmm_fprop_sm90"
+    assert [f["test"] for f in saved["failures"]] == [gpu_jobs[1]["first_failure"]["test"],
+                                                     gpu_jobs[2]["first_failure"]["test"]]
+    assert saved["not_run"] == {"suite": ["tests/test_lint.py"]}
+    assert {s["name"]: s["counts"] for s in saved["steps"]}["crossover"] == "3 entries"
+
+
+def test_check_summary_reads_a_real_runner_json(tmp_path, capsys):
+    """The summary reads what run_isolated.py really writes (a job that dies, one that passes)."""
+    _isolated_tree(tmp_path)
+    proc = _runner(tmp_path, "--out", "gpu-tests", "--json", "gpu-tests.json", "--sanitizer", "", "--parallel", "2",
+                   "test_1_killed.py", "test_3_passes.py", "--", "-p", "no:cacheprovider")
+    proc.communicate(timeout=120)
+    (tmp_path / "steps.tsv").write_text("gpu-tests\tfail\t1\t5.0\t130\tgpu-tests.log\n")
+    assert _load("check_summary").main([str(tmp_path)]) == 1
+    text = capsys.readouterr().out
+    assert "2 jobs: 1 passed, 1 died; tests: 3 passed" in text
+    assert "[gpu-tests] died    test_1_killed.py::test_killed: process killed by SIGKILL" in text
+
+
+def _load_runner():
+    spec = importlib.util.spec_from_file_location("jbs_run_isolated", RUNNER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,55 +1,70 @@
 #!/usr/bin/env bash
-# tests/gpu/check.sh: the GPU path checked end to end with one command, on an H100 or H200.
+# tests/gpu/check.sh: the GPU path checked end to end with one command, on an H100 or H200,
+# within one device call: measure first, then test; a crash ends only its own process.
 #
 # Usage
 #   bash tests/gpu/check.sh OUTDIR               # every step; logs, JUnit XML and JSON go in OUTDIR
 #   bash tests/gpu/check.sh --dry-run OUTDIR     # print the exact commands; run (and create) nothing
-#   CHECK_STEPS="bench ncu ncu-summary" bash tests/gpu/check.sh OUTDIR     # only these steps
+#   CHECK_STEPS="build suite ncu ncu-summary" bash tests/gpu/check.sh OUTDIR   # only these steps
 #
-# Needs, on the GPU machine: python3 with jax[cuda], torch, pytest, pytest-xdist,
-# nvidia-cutlass (the CuTe headers of the sm_90a kernels, a build requirement); nvcc,
-# nvidia-smi, ncu and compute-sanitizer on the PATH. Nothing is downloaded or installed:
-# it builds the extension in place (build.py) and runs from the tree (PYTHONPATH=$PWD).
+# Needs, on the GPU machine: python3 with jax[cuda], torch, pytest; nvidia-cutlass (the
+# CuTe headers of the sm_90a kernels, a build requirement: a wheel in .whl/ is unpacked
+# where it is not installed); nvcc, nvidia-smi, ncu and compute-sanitizer on the PATH.
+# Nothing is downloaded or installed: it builds the extension in place (build.py) and
+# runs from the tree (PYTHONPATH=$PWD).
 #
 # Steps, in order. A failing (or timed out) step never stops the ones after it.
 #   step         what                                                   H100 s   limit s
-#   build        python3 build.py --cuda-arch <arch> -j $(nproc)            16       240
+#   build        python3 build.py --cuda-arch <arch> -j $(nproc)            85       150
 #                (arch from nvidia-smi's compute_cap: 9.0 -> sm_90a, 8.x -> sm_8x)
-#   env          python3 -m jax_blocksparse; nvidia-smi, git commit, date,    5        60
+#   env          python3 -m jax_blocksparse; nvidia-smi, git commit, date,    3        30
 #                tool versions into OUTDIR (meta.txt, nvidia-smi.txt)
-#   gpu-tests    pytest tests/gpu -n 8 (JUnit XML)                           50       150
-#   suite        JAX_BLOCKSPARSE_IMPL=kernels pytest tests -n 14, XLA's     135       240
-#                default settings (XLA_FLAGS unset)
-#   sanitizer    tests/gpu/run_sanitizer.sh: memcheck + racecheck           35       120
-#   bench        bench/bsmm.py --preset check: bf16/f16/f32, blocks        100       180
-#                16-128, densities 1-0.01, fprop/bprop/updat, dense and
-#                torch BSR in the same run (device time: see bench/bsmm.py)
-#   ncu          ncu around bench/ncu_driver.py: each jbs kernel family     45       150
+#   bench        bench/bsmm.py --preset check: the Ampere and Hopper       125       150
+#                kernels side by side in one process, against XLA's dot,
+#                impl="dense" and torch BSR; bf16 first (blocks 32-128,
+#                densities 1-0.05, fprop/bprop/updat), then f16 and f32
+#                until 25 s before its limit; every row saved as measured
+#   crossover    bench/crossover.py: this device's crossover table          2        20
+#   gpu-tests    tests/gpu/run_isolated.py: each test function of the      100       150
+#                kernel tests in its own process, CHECK_PARALLEL at a time;
+#                memcheck on each function's first failure
+#   training     tests/gpu/run_isolated.py: test_training_steps.py, one     80       120
+#                process per model
+#   sanitizer    tests/gpu/run_sanitizer.sh: memcheck + racecheck           45        60
+#   suite        JAX_BLOCKSPARSE_IMPL=kernels, tests/test_*.py one file    200       240
+#                per process (largest first), CHECK_SUITE_PARALLEL at a time
+#   ncu          ncu around bench/ncu_driver.py: each jbs kernel family     45        90
 #                x dtype x block at density 0.1, once
-#   ncu-summary  bench/ncu_summary.py: JSON + table (duration, occupancy,     1        30
+#   ncu-summary  bench/ncu_summary.py: JSON + table (duration, occupancy,     1        20
 #                tensor pipe, DRAM, registers)
-# Expected in all: about 6.5 minutes on an H100. Each step runs under `timeout` with its
-# limit, cut to what is left of CHECK_BUDGET_S (default 480 s: 8 minutes), so the whole
-# run ends within the budget; a step with under 5 s left is skipped (and fails).
+# Each step runs under `timeout` with its limit, cut to what is left of CHECK_BUDGET_S
+# (default 540 s: 9 minutes, 10 s of it kept for the summary), so the whole run ends
+# within the budget; a step with under 5 s left is skipped (and fails). The steps up to
+# the sanitizer take about 440 s on an H100; the suite gets what is left (the files it
+# could not start are listed as not-run) and ncu usually none: run them in a second
+# call, CHECK_STEPS="build suite ncu ncu-summary".
 # At the end bench/check_summary.py prints one table (each step's status, counts and
-# seconds; bf16 efficiency per op and block size at density 0.1) and writes
-# OUTDIR/summary.json. Exit status: 0 if every step passed, else 1 (2: usage).
+# seconds; every failing test with its first error line; the bf16 efficiency and speedup
+# per op and block size at density 0.1, Ampere and Hopper) and writes OUTDIR/summary.json.
+# Exit status: 0 if every step passed, else 1 (2: usage).
 #
 # OUTDIR after a run: steps.tsv, meta.txt, nvidia-smi.txt, env_report.txt, build.log,
-# pytest_gpu.{log,xml}, pytest_suite.{log,xml}, sanitizer.log,
-# sanitizer_{memcheck,racecheck}.log, bench.{log,json}, ncu.log, ncu_raw.csv,
+# bench.{log,json}, crossover.log, crossovers.json, {gpu-tests,training,suite}.{log,json}
+# and {gpu-tests,training,suite}/ (a log, JUnit XML and memcheck log per job),
+# sanitizer.log, sanitizer_{memcheck,racecheck}.log, ncu.log, ncu_raw.csv,
 # ncu_problems.json, ncu_summary.{txt,json}, summary.json.
 #
 # Environment
-#   CHECK_STEPS        steps to run, space-separated (default: all, in the order above)
-#   CHECK_BUDGET_S     seconds for all steps (default 480; 0: only the per-step limits)
-#   CHECK_CUDA_ARCH    build for this arch instead of the one nvidia-smi reports
-#   CHECK_GPU_WORKERS  pytest-xdist workers for tests/gpu (default 8)
-#   CHECK_SUITE_WORKERS  ... for the whole suite (default 14)
-#   CHECK_TAIL         lines of each step's log echoed to the console (default 6)
-#   JBS_COMMIT         the commit recorded where the tree has no .git (default: git's HEAD)
-# XLA_FLAGS, JAX_PLATFORMS and JAX_BLOCKSPARSE_IMPL are unset (their values go in
-# meta.txt); each step sets what it needs.
+#   CHECK_STEPS           steps to run, space-separated (default: all, in the order above)
+#   CHECK_BUDGET_S        seconds for the whole run (default 540; 0: only the per-step limits)
+#   CHECK_CUDA_ARCH       build for this arch instead of the one nvidia-smi reports
+#   CHECK_PARALLEL        processes at a time for gpu-tests and training (default 8)
+#   CHECK_SUITE_PARALLEL  ... for the suite (default 8)
+#   CHECK_TAIL            lines of each step's log echoed to the console (default 6)
+#   JBS_COMMIT            the commit recorded where the tree has no .git (default: git's HEAD)
+# XLA_FLAGS, JAX_PLATFORMS, JAX_BLOCKSPARSE_IMPL and JAX_BLOCKSPARSE_HOPPER are unset
+# (their values go in meta.txt); each step sets what it needs (the bench opens the
+# Hopper gate for its Hopper rows itself, tests/gpu/test_bsmm_sm90.py for its tests).
 set -uo pipefail
 
 usage() {
@@ -83,12 +98,20 @@ OUT="${OUT%/}"
 REPO="$(cd "$(dirname "$0")/../.." && pwd)" || exit 2
 cd "$REPO" || exit 2
 
-BUDGET="${CHECK_BUDGET_S:-480}"
+BUDGET="${CHECK_BUDGET_S:-540}"
+RESERVE=10  # seconds of the budget kept for the summary
 TAIL="${CHECK_TAIL:-6}"
-GPU_WORKERS="${CHECK_GPU_WORKERS:-8}"
-SUITE_WORKERS="${CHECK_SUITE_WORKERS:-14}"
-STEPS="${CHECK_STEPS:-build env gpu-tests suite sanitizer bench ncu ncu-summary}"
+PARALLEL="${CHECK_PARALLEL:-8}"
+SUITE_PARALLEL="${CHECK_SUITE_PARALLEL:-8}"
+STEPS="${CHECK_STEPS:-build env bench crossover gpu-tests training sanitizer suite ncu ncu-summary}"
 NCU_METRICS="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread"
+# The kernel tests, one process per test function (the sm90 file opens the Hopper gate itself).
+GPU_TEST_FILES=(tests/gpu/test_bsmm_kernels.py tests/gpu/test_bsmm_sm90.py tests/gpu/test_bsconv_kernels.py)
+# The models of tests/gpu/test_training_steps.py (its ORDER: longest first), one process
+# each, selected by `-k MODEL]` (the end of the test id: "mlp]" is not "mlp_nnx]").
+# tests/test_gpu_check.py checks this list against ORDER.
+TRAINING_MODELS=(rnn_cells lstm_fused rigl conv mlp mlp_nnx)
+TRAINING_FILE=tests/gpu/test_training_steps.py
 
 now_us() {
     local t="${EPOCHREALTIME:-}"
@@ -97,8 +120,8 @@ now_us() {
 T0="$(now_us)"
 
 # The environment every step shares (recorded first: what was set before).
-PREV_ENV="XLA_FLAGS=${XLA_FLAGS-<unset>} JAX_PLATFORMS=${JAX_PLATFORMS-<unset>} JAX_BLOCKSPARSE_IMPL=${JAX_BLOCKSPARSE_IMPL-<unset>}"
-unset XLA_FLAGS JAX_PLATFORMS JAX_BLOCKSPARSE_IMPL
+PREV_ENV="XLA_FLAGS=${XLA_FLAGS-<unset>} JAX_PLATFORMS=${JAX_PLATFORMS-<unset>} JAX_BLOCKSPARSE_IMPL=${JAX_BLOCKSPARSE_IMPL-<unset>} JAX_BLOCKSPARSE_HOPPER=${JAX_BLOCKSPARSE_HOPPER-<unset>}"
+unset XLA_FLAGS JAX_PLATFORMS JAX_BLOCKSPARSE_IMPL JAX_BLOCKSPARSE_HOPPER
 export PYTHONPATH="$REPO"
 # The sm_90a kernels compile against nvidia-cutlass's CuTe headers. The GPU machine has
 # no network: a wheel carried in .whl/ (the device tool's `carry`) is unpacked, without
@@ -168,11 +191,12 @@ wanted() {
     case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac
 }
 
-# limit_for SECONDS: the step's limit, cut to what is left of the budget.
+# limit_for SECONDS: the step's limit, cut to what is left of the budget (less the
+# summary's reserve).
 limit_for() {
     local limit="$1" left
     if [ "$BUDGET" -gt 0 ]; then
-        left=$((BUDGET - ($(now_us) - T0) / 1000000))
+        left=$((BUDGET - RESERVE - ($(now_us) - T0) / 1000000))
         if [ "$left" -lt "$limit" ]; then limit="$left"; fi
     fi
     if [ "$limit" -lt 0 ]; then limit=0; fi
@@ -238,6 +262,24 @@ meta() {
     timeout 30 "$@" >>"$file" 2>&1 </dev/null || echo "($* failed: exit $?)" >>"$file"
 }
 
+# isolated NAME LIMIT PARALLEL [VAR=VALUE ...] -- RUNNER ARGS...: a run_isolated.py step.
+# The runner gets the step's limit less 10 s as its budget, so it writes its JSON and
+# stops its jobs before `timeout` would kill it.
+isolated() {
+    local name="$1" limit="$2" parallel="$3"
+    shift 3
+    local envs=()
+    while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do
+        envs+=("$1")
+        shift
+    done
+    shift
+    local budget=$((limit > 20 ? limit - 10 : limit))
+    run_step "$name" "$limit" "$OUT/$name.log" "${envs[@]}" -- \
+        python3 tests/gpu/run_isolated.py --out "$OUT/$name" --json "$OUT/$name.json" \
+        --parallel "$parallel" --budget "$budget" "$@" -- -p no:cacheprovider
+}
+
 # ---------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------
@@ -245,18 +287,18 @@ if [ "$DRY" -eq 1 ]; then
     echo "# check.sh --dry-run: the commands a run would make, in order (nothing is run)"
     printf '# budget %ss; steps: %s\n' "$BUDGET" "$STEPS"
     printf 'cd %s\n' "$(quoted "$REPO")"
-    printf 'unset XLA_FLAGS JAX_PLATFORMS JAX_BLOCKSPARSE_IMPL\n'
+    printf 'unset XLA_FLAGS JAX_PLATFORMS JAX_BLOCKSPARSE_IMPL JAX_BLOCKSPARSE_HOPPER\n'
     printf 'export %s XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 %s\n' \
-        "$(quoted "PYTHONPATH=$REPO")" "$(quoted "JBS_COMMIT=$JBS_COMMIT")"
+        "$(quoted "PYTHONPATH=$PYTHONPATH")" "$(quoted "JBS_COMMIT=$JBS_COMMIT")"
     printf 'mkdir -p %s\n' "$(quoted "$OUT")"
     if [ -z "$ARCH" ]; then ARCH="<sm_XY from nvidia-smi --query-gpu=compute_cap>"; fi
 else
     mkdir -p "$OUT" || { echo "check.sh: cannot create $OUT" >&2; exit 2; }
     # Outputs of an earlier run in the same OUTDIR would be read as this run's.
-    (cd "$OUT" && rm -f steps.tsv meta.txt nvidia-smi.txt env_report.txt build.log pytest_gpu.log \
-        pytest_gpu.xml pytest_suite.log pytest_suite.xml sanitizer.log sanitizer_memcheck.log \
-        sanitizer_racecheck.log bench.log bench.json ncu.log ncu_raw.csv ncu_problems.json \
-        ncu_summary.txt ncu_summary.json summary.json)
+    (cd "$OUT" && rm -rf steps.tsv meta.txt nvidia-smi.txt env_report.txt build.log bench.log bench.json \
+        crossover.log crossovers.json gpu-tests gpu-tests.log gpu-tests.json training training.log training.json \
+        sanitizer.log sanitizer_memcheck.log sanitizer_racecheck.log suite suite.log suite.json ncu.log \
+        ncu_raw.csv ncu_problems.json ncu_summary.txt ncu_summary.json summary.json)
     : >"$OUT/steps.tsv"
     echo "check.sh: $REPO -> $OUT (budget ${BUDGET}s, commit $JBS_COMMIT, compute capability ${COMPUTE_CAP:-none}, arch ${ARCH:-default})"
 fi
@@ -269,6 +311,7 @@ if [ "$DRY" -eq 0 ]; then
         echo "git_head: $(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo none)"
         echo "host: $(hostname 2>/dev/null || echo unknown)"
         echo "gpu: $(timeout 20 nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader 2>/dev/null | head -n 1 || echo none)"
+        echo "device: $(timeout 20 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || echo none)"
         echo "cuda_arch: ${ARCH:-default of build.py}"
         echo "nproc: $(nproc)"
         echo "budget_s: $BUDGET"
@@ -283,7 +326,7 @@ fi
 if wanted build; then
     arch_args=()
     if [ -n "$ARCH" ]; then arch_args=(--cuda-arch "$ARCH"); fi
-    run_step build "$(limit_for 240)" "$OUT/build.log" -- \
+    run_step build "$(limit_for 150)" "$OUT/build.log" -- \
         python3 build.py "${arch_args[@]}" -j "$(nproc)"
 fi
 if wanted env; then
@@ -293,49 +336,65 @@ if wanted env; then
     meta "$OUT/meta.txt" ncu --version
     meta "$OUT/meta.txt" compute-sanitizer --version
     meta "$OUT/meta.txt" python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-    run_step env "$(limit_for 60)" "$OUT/env_report.txt" -- python3 -m jax_blocksparse
+    run_step env "$(limit_for 30)" "$OUT/env_report.txt" -- python3 -m jax_blocksparse
 fi
 
-# 2. The GPU tests.
-if wanted gpu-tests; then
-    run_step gpu-tests "$(limit_for 150)" "$OUT/pytest_gpu.log" JBS_REQUIRE_KERNELS=1 -- \
-        python3 -m pytest tests/gpu -n "$GPU_WORKERS" -q -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml"
-fi
-
-# 3. The whole suite through the kernels, XLA's default settings.
-if wanted suite; then
-    run_step suite "$(limit_for 240)" "$OUT/pytest_suite.log" JAX_BLOCKSPARSE_IMPL=kernels JBS_REQUIRE_KERNELS=1 -- \
-        python3 -m pytest tests -n "$SUITE_WORKERS" -q -p no:cacheprovider --junitxml="$OUT/pytest_suite.xml"
-fi
-
-# 4. compute-sanitizer: memcheck and racecheck.
-if wanted sanitizer; then
-    run_step sanitizer "$(limit_for 120)" "$OUT/sanitizer.log" -- \
-        bash tests/gpu/run_sanitizer.sh --log-dir "$OUT"
-fi
-
-# 5. The benchmark (it stops starting rows 30 s before its limit and keeps what it has).
+# 2. Measure first: the benchmark (it starts no product 25 s before its limit, and every
+#    row is in bench.json as soon as it is measured), then this device's crossover table.
 if wanted bench; then
-    limit="$(limit_for 180)"
-    deadline=$((limit > 60 ? limit - 30 : limit / 2))
+    limit="$(limit_for 150)"
+    deadline=$((limit > 50 ? limit - 25 : limit / 2))
     run_step bench "$limit" "$OUT/bench.log" JAX_BLOCKSPARSE_IMPL=kernels -- \
         python3 bench/bsmm.py --preset check --deadline "$deadline" --json "$OUT/bench.json"
 fi
+if wanted crossover; then
+    run_step crossover "$(limit_for 20)" "$OUT/crossover.log" -- \
+        python3 bench/crossover.py "$OUT/bench.json" --out "$OUT/crossovers.json"
+fi
 
-# 6. Nsight Compute: one launch per kernel family x dtype x block size at density 0.1.
+# 3. Correctness, each test function in its own process (a kernel fault ends only its own).
+if wanted gpu-tests; then
+    isolated gpu-tests "$(limit_for 150)" "$PARALLEL" JBS_REQUIRE_KERNELS=1 -- \
+        --split function --timeout 120 --sanitizer-timeout 60 "${GPU_TEST_FILES[@]}"
+fi
+
+# 4. Whole training steps (CUDA graphs), one process per model (each runs its own children).
+if wanted training; then
+    training_args=()
+    for model in "${TRAINING_MODELS[@]}"; do training_args+=(--keyword "$model]"); done
+    isolated training "$(limit_for 120)" "$PARALLEL" JBS_REQUIRE_KERNELS=1 -- \
+        "${training_args[@]}" --timeout 110 --sanitizer "" "$TRAINING_FILE" \
+        "$TRAINING_FILE::test_cases_cover_every_model" \
+        "$TRAINING_FILE::test_forced_graphs_cover_the_command_types_that_matter"
+fi
+
+# 5. compute-sanitizer: memcheck and racecheck on the kernel tests' sanitizer subset.
+if wanted sanitizer; then
+    run_step sanitizer "$(limit_for 60)" "$OUT/sanitizer.log" -- \
+        bash tests/gpu/run_sanitizer.sh --log-dir "$OUT"
+fi
+
+# 6. The whole suite through the kernels, XLA's default settings, one file per process.
+if wanted suite; then
+    suite_files=(tests/test_*.py)
+    isolated suite "$(limit_for 240)" "$SUITE_PARALLEL" JAX_BLOCKSPARSE_IMPL=kernels JBS_REQUIRE_KERNELS=1 -- \
+        --order size --timeout 200 --sanitizer-timeout 60 "${suite_files[@]}"
+fi
+
+# 7. Nsight Compute: one launch per kernel family x dtype x block size at density 0.1.
 if wanted ncu; then
-    run_step ncu "$(limit_for 150)" "$OUT/ncu.log" JAX_BLOCKSPARSE_IMPL=kernels -- \
+    run_step ncu "$(limit_for 90)" "$OUT/ncu.log" JAX_BLOCKSPARSE_IMPL=kernels -- \
         ncu --clock-control none --kernel-name-base demangled --kernel-name regex:jbs --csv --page raw \
         --metrics "$NCU_METRICS" --log-file "$OUT/ncu_raw.csv" \
         python3 bench/ncu_driver.py --density 0.1 --problems "$OUT/ncu_problems.json"
 fi
 if wanted ncu-summary; then
-    run_step ncu-summary "$(limit_for 30)" "$OUT/ncu_summary.txt" -- \
+    run_step ncu-summary "$(limit_for 20)" "$OUT/ncu_summary.txt" -- \
         python3 bench/ncu_summary.py "$OUT/ncu_raw.csv" "$OUT/ncu.log" --problems "$OUT/ncu_problems.json" \
         --json "$OUT/ncu_summary.json" --min-rows 1
 fi
 
-# 7. The summary table.
+# 8. The summary table.
 if [ "$DRY" -eq 1 ]; then
     printf '# summary\n'
     printf 'python3 bench/check_summary.py %s\n' "$(quoted "$OUT")"
@@ -343,7 +402,7 @@ if [ "$DRY" -eq 1 ]; then
 fi
 echo
 echo "================================ summary ================================"
-if ! timeout 60 python3 bench/check_summary.py "$OUT"; then
+if ! timeout "$((RESERVE > 5 ? RESERVE - 2 : 5))" python3 bench/check_summary.py "$OUT"; then
     if [ ! -s "$OUT/summary.json" ]; then  # the script itself failed: the bare table
         printf '%-12s %s\n' step status
         while IFS=$'\t' read -r name status rc secs limit log; do
