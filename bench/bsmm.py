@@ -52,8 +52,9 @@ The JSON (``--json``) holds the device, commit, date, the timing method and one 
 (product, path); it is rewritten (atomically: a temporary file, then a rename) after
 every row, so a run cut short, even killed, still leaves every finished row
 (``complete`` is false then). ``--deadline`` stops starting new products after that
-many seconds. A product that raises gets a row with ``error``; an error that leaves the
-CUDA context unusable (a kernel fault) ends the run there (``stopped`` says why).
+many seconds. A product that raises gets a row with ``error`` (and the exit status is
+1); an error that leaves the CUDA context unusable (a kernel fault) ends the run there
+(``stopped`` says why).
 
 Usage::
 
@@ -721,4 +722,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    # A product that raised (a kernel fault among them) fails the run; a deadline does not.
+    sys.exit(1 if any(r.get("error") for r in main()["results"]) else 0)

@@ -544,6 +544,30 @@ def test_bench_deadline_keeps_what_it_has(bsmm, tmp_path):
     assert report["complete"] is False and "deadline" in report["stopped"] and report["results"] == []
 
 
+def test_bench_errors_are_rows_and_a_dead_context_ends_the_run(bsmm, tmp_path, monkeypatch):
+    """A product that raises gets a row with its error and the run goes on; an error that
+    says the CUDA context is gone (a kernel fault) ends the run, keeping what it has."""
+    real, calls = bsmm.compile_checked, []
+
+    def flaky(fn, args, path):
+        calls.append(path)
+        if len(calls) == 3:  # the second product's chain
+            raise ValueError("a bad product")
+        if len(calls) == 7:  # the fourth product's single call
+            raise RuntimeError("INTERNAL: CUDA error: CUDA_ERROR_MISALIGNED_ADDRESS: misaligned address")
+        return real(fn, args, path)
+
+    monkeypatch.setattr(bsmm, "compile_checked", flaky)
+    path = tmp_path / "bench.json"
+    report = bsmm.main(["--preset", "quick", "--json", str(path)])
+    assert json.loads(path.read_text()) == json.loads(json.dumps(report))
+    rows = report["results"]
+    assert [r.get("error", "").split(":")[0] for r in rows] == ["", "ValueError", "", "RuntimeError"]
+    assert rows[1]["sparse_s"] is None and rows[1]["efficiency"] is None and rows[1]["dense_s"] > 0
+    assert rows[2]["sparse_s"] > 0
+    assert report["complete"] is False and report["stopped"].startswith("CUDA context lost at fprop float32")
+
+
 def test_bench_killed_keeps_every_finished_row(tmp_path):
     """A bench killed by `timeout` (SIGTERM) leaves a readable JSON with every row it had
     finished: the JSON is rewritten after each row through a temporary file and a rename."""
