@@ -94,7 +94,7 @@ PEERS = ("torch_bsr", "jax_bcoo")
 PATHS = ("ampere", "hopper", "native")
 
 PRESETS = {
-    # The CPU measurement: 4096 x 4096 weight, block 32, N = 256, float32.
+    # One CPU measurement: 4096 x 4096 weight, block 32, N = 256, float32.
     "cpu": dict(size=(4096, 4096, 256), block_sizes=[32], densities=[1.0, 0.5, 0.25, 0.1, 0.05],
                 dtypes=["float32"], ops=list(OPS)),
     "gpu": dict(size=(4096, 4096, 4096), block_sizes=[8, 16, 32, 64, 128],
@@ -105,6 +105,11 @@ PRESETS = {
     "check": dict(size=(4096, 4096, 4096), block_sizes=[32, 64, 128], densities=[1.0, 0.25, 0.1, 0.05],
                   dtypes=["bfloat16", "float16", "float32"], ops=list(OPS), repeats=3, min_time=0.01, chain=10,
                   peers=["torch_bsr"]),
+    # The CPU crossovers of "auto" (bench/crossover.py): the native kernels against the dense
+    # product at every block size, float32 and bfloat16, on a 2048 x 2048 weight, N = 512.
+    "crossover-cpu": dict(size=(2048, 2048, 512), block_sizes=[8, 16, 32, 64, 128],
+                          densities=[1.0, 0.5, 0.25, 0.1, 0.05], dtypes=["float32", "bfloat16"], ops=list(OPS),
+                          reference=False),
     # Seconds on a CPU: tests/test_gpu_check.py checks the JSON with it.
     "quick": dict(size=(256, 256, 64), block_sizes=[32], densities=[1.0, 0.25], dtypes=["float32"],
                   ops=list(OPS), repeats=1, min_time=0.0, chain=2, peers=[], reference=False),
