@@ -64,15 +64,18 @@ GATE_CLOSED = {
 }
 
 # JAX_BLOCKSPARSE_HOPPER=1: the sm_90 targets take every problem; float32 runs on TF32
-# below HIGHEST, 16-bit inputs never do.
+# below HIGHEST, 16-bit inputs never do. Except fprop and bprop at block 8: their TF32
+# kernel faulted on an H100 (a misaligned shared-memory address), so until a GPU runs the
+# fixed kernel clean they take the exact float32 kernels at every precision
+# (TF32_OFF in jax_blocksparse/ops/_sm90.py; cuda/sm90/bsmm_sm90_tf32.h).
 #                     float32  bfloat16  float16
 GATE_OPEN = {
-    ("fprop", 8):    ("TTTF", "FFFF", "FFFF"),
+    ("fprop", 8):    ("FFFF", "FFFF", "FFFF"),  # TF32 off (above)
     ("fprop", 16):   ("TTTF", "FFFF", "FFFF"),
     ("fprop", 32):   ("TTTF", "FFFF", "FFFF"),
     ("fprop", 64):   ("TTTF", "FFFF", "FFFF"),
     ("fprop", 128):  ("TTTF", "FFFF", "FFFF"),
-    ("bprop", 8):    ("TTTF", "FFFF", "FFFF"),
+    ("bprop", 8):    ("FFFF", "FFFF", "FFFF"),  # TF32 off (above)
     ("bprop", 16):   ("TTTF", "FFFF", "FFFF"),
     ("bprop", 32):   ("TTTF", "FFFF", "FFFF"),
     ("bprop", 64):   ("TTTF", "FFFF", "FFFF"),
