@@ -3,6 +3,7 @@
 #ifndef JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_COMMON_CUH_
 #define JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_COMMON_CUH_
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -57,6 +58,53 @@ using AtomFor = cute::conditional_t<
     cute::conditional_t<Width * sizeof(T) == 32, cute::GMMA::Layout_SW32_Atom<T, M>,
                         cute::conditional_t<Width * sizeof(T) == 64, cute::GMMA::Layout_SW64_Atom<T, M>,
                                             cute::GMMA::Layout_SW128_Atom<T, M>>>>;
+
+// Bytes after which a swizzle's pattern repeats: Swizzle<B, M, S> acts on byte addresses
+// (the smem_ptr_flag convention of the GMMA atoms), XOR-ing bits [M + S, M + S + B) into
+// [M, M + B): 128 unswizzled (INTER), 256 / 512 / 1024 for SW32 / SW64 / SW128.
+template <class Swizzle>
+constexpr int kSwizzleRepeatBytes =
+    1 << (Swizzle::num_bits + Swizzle::num_base + (Swizzle::num_shft < 0 ? -Swizzle::num_shft : Swizzle::num_shft));
+
+// Compile-time checks of one TMA copy (`Tma`, built by make_tma_copy from the shared-memory
+// box layout `Box` of elements T) against the GMMA atom `Atom` the box is tiled from; every
+// config asserts them for each of its TMA copies (CheckTmaBox<...>() in a static_assert).
+// * The box keeps the atom's swizzle, so the descriptor's swizzle mode is the one the GMMA
+//   descriptors read. CuTe's slice of a swizzled layout (slice_and_offset,
+//   cute/swizzle_layout.hpp) tests the swizzle's bits against element offsets although the
+//   swizzle acts on byte addresses: a slice whose offsets do not reach those bits decays to a
+//   plain layout, and make_tma_copy then builds an unswizzled, split box. (That happened to
+//   the 8 x 8 float32 B block of DsdPackedConfig, see there; the boxes are now built from
+//   unsliced atom tilings.)
+// * Each TMA instruction of the box (the box is issued as Tiler / AtomNumVal instructions,
+//   in order of shared-memory offset, see tma_partition) and each box of a buffer (box q at
+//   q * box bytes) starts at a multiple of the swizzle's repeat: at least 128 bytes, the TMA
+//   unit's alignment rule for shared-memory addresses ("misaligned shared address"
+//   otherwise), and the repeat, so that TMA and GMMA, which both swizzle on address bits,
+//   see the same pattern. The buffers themselves start at multiples of 1024 bytes
+//   (array_aligned<.., 1024> in each SharedStorage, asserted there).
+// * The box is compact (its offsets fill [0, size)), which the two rules above assume.
+template <typename T, class Tma, class Box, class Atom>
+constexpr bool CheckTmaBox() {
+  using SwizzleBox = decltype(cute::get_swizzle_portion(Box{}));
+  using SwizzleAtom = decltype(cute::get_swizzle_portion(Atom{}));
+  static_assert(cute::is_same_v<SwizzleBox, SwizzleAtom>,
+                "TMA box: the box layout lost the swizzle of its GMMA atom (a decayed slice?)");
+  using BoxLayout = decltype(cute::get_nonswizzle_portion(Box{}));
+  static_assert(cute::is_static<BoxLayout>::value, "TMA box: not a static layout");
+  constexpr int kBoxElems = decltype(cute::size(BoxLayout{}))::value;
+  if constexpr (cute::is_static<BoxLayout>::value) {
+    static_assert(decltype(cute::cosize(BoxLayout{}))::value == kBoxElems, "TMA box: not a compact layout");
+  }
+  constexpr int kRepeat = kSwizzleRepeatBytes<SwizzleAtom>;
+  constexpr int kInstrBytes = static_cast<int>(decltype(cute::size<1>(typename Tma::AtomLayoutRef{}))::value * sizeof(T));
+  constexpr int kBoxBytes = static_cast<int>(kBoxElems * sizeof(T));
+  static_assert(decltype(cute::size(typename Tma::Tiler_MN{}))::value == kBoxElems, "TMA box: the copy moves another tile");
+  static_assert(kInstrBytes % kRepeat == 0,
+                "TMA box: an instruction of the box starts off the 128-byte / swizzle-repeat alignment");
+  static_assert(kBoxBytes % kRepeat == 0, "TMA box: consecutive boxes start off the 128-byte / swizzle-repeat alignment");
+  return true;
+}
 
 __device__ __forceinline__ int Clamp(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 

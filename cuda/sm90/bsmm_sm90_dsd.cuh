@@ -83,6 +83,12 @@ struct DsdConfig {
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 CTA may have");
+  // Operand buffers at multiples of 1024 bytes (the SW128 repeat; CheckTmaBox), mbarriers 8-byte aligned.
+  static_assert(offsetof(SharedStorage, a) % 1024 == 0 && offsetof(SharedStorage, b) % 1024 == 0 &&
+                    offsetof(SharedStorage, c) % 1024 == 0,
+                "operand buffers off 1024-byte alignment");
+  static_assert(offsetof(SharedStorage, pipe) % 8 == 0 && alignof(typename Pipeline::SharedStorage) >= 8,
+                "mbarriers must be 8-byte aligned");
   static constexpr uint32_t kStageBytes = (kTileM * kTileK + kBs * kTileK) * sizeof(T);
 
   // Global views the TMA descriptors are built from (shapes int32, strides int64).
@@ -112,6 +118,9 @@ struct DsdConfig {
   using TmaB = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GlobalB(nullptr, 0),
                                             SmemLayoutB{}(cute::_, cute::_, 0)));
   using TmaC = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GlobalC(nullptr, 0, 0), SmemLayoutC{}));
+  static_assert(CheckTmaBox<T, TmaA, decltype(SmemLayoutA{}(cute::_, cute::_, 0)), cute::GMMA::Layout_K_SW128_Atom<T>>() &&
+                CheckTmaBox<T, TmaB, decltype(SmemLayoutB{}(cute::_, cute::_, 0)), SmemAtomB>() &&
+                CheckTmaBox<OutT, TmaC, SmemLayoutC, cute::GMMA::Layout_K_SW128_Atom<OutT>>());
 };
 
 template <class Cfg>

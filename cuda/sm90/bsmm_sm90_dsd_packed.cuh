@@ -63,6 +63,7 @@ struct DsdPackedConfig {
   using SmemLayoutA = decltype(cute::tile_to_shape(AtomA{}, cute::make_shape(TileM{}, Width{}, Stages{})));
   using SmemLayoutASlices =
       decltype(cute::tile_to_shape(AtomA{}, cute::make_shape(TileM{}, Bs{}, cute::Int<kStages * kPack>{})));
+  using SliceA = decltype(cute::tile_to_shape(AtomA{}, cute::make_shape(TileM{}, Bs{})));  // one TMA box
   // B: [BS, BS] blocks (N, K), each one contiguous atom tiling; tiled N-block first, then
   // K-block, then stage. Views: (64, 64, stage) for GMMA, (BS, BS, (stage * P + q) * P + p).
   using BlockB = decltype(cute::tile_to_shape(AtomFor<T, kMajorB, kBs>{}, cute::make_shape(Bs{}, Bs{})));
@@ -73,6 +74,7 @@ struct DsdPackedConfig {
   using AtomC = AtomFor<OutT, cute::GMMA::Major::K, kBs>;
   using SmemLayoutC = decltype(cute::tile_to_shape(AtomC{}, cute::make_shape(TileM{}, Width{})));
   using SmemLayoutCSlices = decltype(cute::tile_to_shape(AtomC{}, cute::make_shape(TileM{}, Bs{}, cute::Int<kPack>{})));
+  using SliceC = decltype(cute::tile_to_shape(AtomC{}, cute::make_shape(TileM{}, Bs{})));  // one TMA box
 
   using MmaOp = decltype(cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, Width, Width>,
                                                     cute::GMMA::Major::K, kMajorB>());
@@ -87,6 +89,12 @@ struct DsdPackedConfig {
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 limit");
+  // Operand buffers at multiples of 1024 bytes (the SW128 repeat; CheckTmaBox), mbarriers 8-byte aligned.
+  static_assert(offsetof(SharedStorage, a) % 1024 == 0 && offsetof(SharedStorage, b) % 1024 == 0 &&
+                    offsetof(SharedStorage, c) % 1024 == 0,
+                "operand buffers off 1024-byte alignment");
+  static_assert(offsetof(SharedStorage, pipe) % 8 == 0 && alignof(typename Pipeline::SharedStorage) >= 8,
+                "mbarriers must be 8-byte aligned");
   static constexpr uint32_t kStageBytes = kPack * (kTileM * kBs + kBs * kBs) * sizeof(T);
 
   // The same global views as DsdConfig (a as (M, K); w as (N, K); out as (M, N)).
@@ -108,12 +116,16 @@ struct DsdPackedConfig {
     return cute::make_tensor(cute::make_gmem_ptr(out), cute::make_shape(n, static_cast<int>(ldc)),
                              cute::make_stride(ldc, cute::_1{}));
   }
-  using TmaA = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GlobalA(nullptr, 0, 0),
-                                            SmemLayoutASlices{}(cute::_, cute::_, 0)));
-  using TmaB = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GlobalB(nullptr, 0),
-                                            SmemLayoutBBlocks{}(cute::_, cute::_, 0)));
-  using TmaC = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GlobalC(nullptr, 0, 0),
-                                            SmemLayoutCSlices{}(cute::_, cute::_, 0)));
+  // The TMA boxes come from the unsliced atom tilings SliceA, BlockB, SliceC, never from
+  // slices of the stage layouts: sliced, the float32 8 x 8 B block (256 bytes, SW32) lost
+  // its swizzle (CheckTmaBox says how), and make_tma_copy split it into four unswizzled
+  // 2-row boxes 64 bytes apart whose second TMA load faulted on the H100 ("misaligned
+  // shared or local address") and whose layout GMMA would have misread anyway.
+  using TmaA = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GlobalA(nullptr, 0, 0), SliceA{}));
+  using TmaB = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GlobalB(nullptr, 0), BlockB{}));
+  using TmaC = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GlobalC(nullptr, 0, 0), SliceC{}));
+  static_assert(CheckTmaBox<T, TmaA, SliceA, AtomA>() && CheckTmaBox<T, TmaB, BlockB, AtomFor<T, kMajorB, kBs>>() &&
+                CheckTmaBox<OutT, TmaC, SliceC, AtomC>());
 };
 
 template <class Cfg>
@@ -339,11 +351,11 @@ cudaError_t LaunchDsdPackedConfig(const DsdParams& p, const Launch& launch) {
   DsdPackedArgs<Cfg> args{
       p, plan::MakeDsdPlan(p.n, Cfg::kTileM, p.nseg, Cfg::kPack),
       cute::make_tma_copy(cute::SM90_TMA_LOAD{}, Cfg::GlobalA(static_cast<const T*>(p.a), n, int64_t{p.nin} * Cfg::kBs),
-                          typename Cfg::SmemLayoutASlices{}(cute::_, cute::_, 0)),
+                          typename Cfg::SliceA{}),
       cute::make_tma_copy(cute::SM90_TMA_LOAD{}, Cfg::GlobalB(static_cast<const T*>(p.w), p.cap),
-                          typename Cfg::SmemLayoutBBlocks{}(cute::_, cute::_, 0)),
+                          typename Cfg::BlockB{}),
       cute::make_tma_copy(cute::SM90_TMA_STORE{}, Cfg::GlobalC(static_cast<OutT*>(p.out), n, int64_t{p.nseg} * Cfg::kBs),
-                          typename Cfg::SmemLayoutCSlices{}(cute::_, cute::_, 0))};
+                          typename Cfg::SliceC{})};
   const int grid = plan::PersistentGrid(plan::DsdNumItems(args.plan), launch.num_sms > 0 ? launch.num_sms : 1, 1);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, launch.stream>>>(args);
   return cudaGetLastError();

@@ -77,6 +77,12 @@ struct SddConfig {
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 CTA may have");
+  // Operand buffers at multiples of 1024 bytes (the SW128 repeat; CheckTmaBox), mbarriers 8-byte aligned.
+  static_assert(offsetof(SharedStorage, a) % 1024 == 0 && offsetof(SharedStorage, b) % 1024 == 0 &&
+                    offsetof(SharedStorage, c) % 1024 == 0,
+                "operand buffers off 1024-byte alignment");
+  static_assert(offsetof(SharedStorage, pipe) % 8 == 0 && alignof(typename Pipeline::SharedStorage) >= 8,
+                "mbarriers must be 8-byte aligned");
   static constexpr uint32_t kTileBytes = kBs * kTileK * sizeof(T);
 
   // x [n, cb * BS] as (M = cb * BS, K = n); dy [n, kb * BS] as (N = kb * BS, K = n).
@@ -100,6 +106,9 @@ struct SddConfig {
                                                SmemLayoutA{}(cute::_, cute::_, 0)));
   using TmaC = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GlobalOut<OutT>(nullptr, 0), SmemLayoutC{}));
   using TmaW = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GlobalOut<float>(nullptr, 0), SmemLayoutW{}));
+  static_assert(CheckTmaBox<T, TmaLoad, decltype(SmemLayoutA{}(cute::_, cute::_, 0)), SmemAtom>() &&
+                CheckTmaBox<OutT, TmaC, SmemLayoutC, cute::GMMA::Layout_K_SW128_Atom<OutT>>() &&
+                CheckTmaBox<float, TmaW, SmemLayoutW, cute::GMMA::Layout_K_SW128_Atom<float>>());
 };
 
 template <class Cfg>

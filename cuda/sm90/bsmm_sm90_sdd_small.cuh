@@ -138,6 +138,13 @@ struct SddSmallConfig {
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 CTA may have");
+  // Operand buffers at multiples of 1024 bytes (CheckTmaBox), the epilogue tile 16-byte
+  // aligned (16-byte stores), mbarriers 8-byte aligned.
+  static_assert(offsetof(SharedStorage, a) % 1024 == 0 && offsetof(SharedStorage, b) % 1024 == 0,
+                "operand buffers off 1024-byte alignment");
+  static_assert(offsetof(SharedStorage, c) % 16 == 0, "epilogue tile off 16-byte alignment");
+  static_assert(offsetof(SharedStorage, pipe) % 8 == 0 && alignof(typename Pipeline::SharedStorage) >= 8,
+                "mbarriers must be 8-byte aligned");
   static constexpr uint32_t kTileBytes = kBs * kTileK * sizeof(T);
 
   // x [n, cb * BS] as (M = cb * BS, K = n); dy [n, kb * BS] as (N = kb * BS, K = n).
@@ -153,6 +160,7 @@ struct SddSmallConfig {
   }
   using TmaLoad = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GlobalOperand(nullptr, 0, 0),
                                                SmemLayoutBoxes{}(cute::_, cute::_, 0)));
+  static_assert(CheckTmaBox<T, TmaLoad, decltype(SmemLayoutBoxes{}(cute::_, cute::_, 0)), Atom>());
 };
 
 template <class Cfg>
