@@ -3,6 +3,7 @@
 // Always holds the CPU handlers. When build.py found nvcc it also holds the CUDA
 // handlers (and defines JBS_WITH_CUDA); the CUDA runtime is linked statically and
 // nothing here touches a GPU, so the module imports on machines without one.
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,9 @@
 
 #ifdef JBS_WITH_CUDA
 #include "bsmm_cuda_info.h"
+#endif
+#ifdef JBS_WITH_SM90
+#include "sm90/bsmm_sm90_tf32.h"  // no CUDA headers
 #endif
 
 namespace py = pybind11;
@@ -185,6 +189,14 @@ PYBIND11_MODULE(_jbs_kernels, m) {
 #ifdef JBS_WITH_SM90
     // CUDA only, Hopper (sm_90a) kernels: chosen by the lowering behind the Hopper gate.
     d["sm90_targets"] = py::make_tuple("jbs_bsmm_fprop_sm90", "jbs_bsmm_bprop_sm90", "jbs_bsmm_updat_sm90");
+    // Block sizes at which those targets run float32 on TF32 (cuda/sm90/bsmm_sm90_tf32.h).
+    py::dict tf32;
+    tf32["fprop"] = py::tuple(py::cast(std::vector<int>(std::begin(jbs::sm90::kDsdTF32BlockSizes),
+                                                        std::end(jbs::sm90::kDsdTF32BlockSizes))));
+    tf32["bprop"] = tf32["fprop"];
+    tf32["updat"] = py::tuple(py::cast(std::vector<int>(std::begin(jbs::sm90::kSddTF32BlockSizes),
+                                                        std::end(jbs::sm90::kSddTF32BlockSizes))));
+    d["sm90_tf32_block_sizes"] = tf32;
 #else
     d["sm90_targets"] = py::tuple();
 #endif

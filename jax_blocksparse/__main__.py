@@ -16,7 +16,7 @@ import jax
 
 import jax_blocksparse as jbs
 from jax_blocksparse import _native, crossover
-from jax_blocksparse.ops import _lowering
+from jax_blocksparse.ops import _lowering, _sm90
 
 
 def _version(dist: str) -> str:
@@ -47,6 +47,7 @@ def report() -> str:
     lines.append("bsmm path by platform:")
     for plat in ("cpu", "cuda"):
         lines.append(f"  {plat:5} {_lowering.describe_path(plat, impl)}")
+    lines.append(f"  float32 on the Hopper targets' TF32 below HIGHEST: {_sm90.tf32_summary()}")
     lines.append("")
     lines.extend(crossover_lines(crossover.table_in_force()))
     return "\n".join(lines)

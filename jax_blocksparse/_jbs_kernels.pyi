@@ -17,6 +17,9 @@ class _BuildInfo(TypedDict, total=False):
     archs: list[str]
     targets: tuple[str, ...]
     sm90_targets: tuple[str, ...]  # CUDA Hopper targets, empty unless built for sm_90a
+    # op ("fprop", "bprop", "updat") -> block sizes where those targets run float32 on TF32
+    # (cuda/sm90/bsmm_sm90_tf32.h); only when built for sm_90a
+    sm90_tf32_block_sizes: dict[str, tuple[int, ...]]
     block_sizes: tuple[int, ...]
 
 class _SddPlan(TypedDict):

@@ -1,7 +1,8 @@
 """jax_blocksparse/_jbs_kernels.pyi describes the extension that build.py builds.
 
 Every public function of the module has a stub with the same parameter names (read
-from pybind11's signature line), and the stub declares nothing the module lacks.
+from pybind11's signature line), and the stub declares nothing the module lacks; every
+key that build_info() returns is declared in the stub's _BuildInfo.
 """
 
 from __future__ import annotations
@@ -50,3 +51,18 @@ def test_stub_matches_the_extension():
             assert len(stub[name]) == len(params), name
         else:
             assert stub[name] == params, name
+
+
+def _stub_build_info_keys() -> set[str]:
+    tree = ast.parse(STUB.read_text())
+    (cls,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "_BuildInfo")
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
+
+
+def test_stub_declares_every_build_info_key():
+    require_kernels("cpu")
+    from jax_blocksparse import _jbs_kernels
+
+    undeclared = set(_jbs_kernels.build_info()) - _stub_build_info_keys()
+    assert not undeclared, f"declare {sorted(undeclared)} in _BuildInfo of jax_blocksparse/_jbs_kernels.pyi"
+    assert "sm90_tf32_block_sizes" in _stub_build_info_keys()

@@ -7,12 +7,15 @@ operands of the portable targets, updat_sm90 with its uint8 workspace result; wi
 gate closed, the portable targets only. The workspace size mirrors the C++ work plan.
 Float32 at DEFAULT/HIGH precision calls the sm_90 targets with ``tf32 = true`` and the
 K-major operands TF32 wgmma needs (fprop: w's blocks transposed; updat: x^T, dy^T);
-HIGHEST with ``tf32 = false`` and the operands as they are.
+HIGHEST, and fprop/bprop at block 8 where TF32 is off (``_sm90.TF32_OFF``), with
+``tf32 = false`` and the operands as they are. The TF32 block sizes of the Python
+fallback table, of cuda/sm90/bsmm_sm90_tf32.h and of the extension's build_info agree.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -306,7 +309,8 @@ def test_16bit_never_tf32(monkeypatch, op, dtype):
 def test_f32_small_blocks_tf32_below_highest(monkeypatch, op, bs, precision):
     # Blocks 8/16/32 in float32 run the packed TF32 kernels at DEFAULT, with the K-major
     # operands of blocks 64/128 (fprop: w blocks transposed; updat: x^T, dy^T padded to 4
-    # rows, and the 16-bit plan's workspace over them); HIGHEST keeps the exact kernels.
+    # rows, and the 16-bit plan's workspace over them); HIGHEST keeps the exact kernels,
+    # and so does DEFAULT for fprop/bprop at block 8, where TF32 is off.
     monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
     n = 42  # not a multiple of 4: updat pads x^T / dy^T to 44 rows
     lay = jbs.Layout.from_mask(np.eye(4, 6, dtype=bool), bs)
@@ -322,7 +326,7 @@ def test_f32_small_blocks_tf32_below_highest(monkeypatch, op, bs, precision):
     target = f"jbs_bsmm_{op}_sm90"
     line = _call_line(text, target)
     a_arg, b_arg = (v.strip() for v in _operands(text, target)[0][:2])
-    if precision == "highest":
+    if precision == "highest" or (op != "updat" and bs == 8):
         assert not _tf32_attr(line)
         assert "stablehlo.transpose" not in text and "stablehlo.pad" not in text
         assert a_arg.startswith("%arg") and b_arg.startswith("%arg"), line
@@ -361,13 +365,62 @@ def test_use_tf32_rule():
     from jax import lax
 
     f32, bf16 = np.dtype(np.float32), jnp.bfloat16
-    for prec in (None, lax.Precision.DEFAULT, lax.Precision.HIGH):
+    for target in (*BASE, *SM90):
+        op = _sm90.BASE_TARGETS.get(target, target).removeprefix("jbs_bsmm_")
+        for prec in (None, lax.Precision.DEFAULT, lax.Precision.HIGH):
+            for bs in (8, 16, 32, 64, 128):
+                # TF32 everywhere but fprop/bprop at block 8 (the switched-off kernel).
+                assert _sm90.use_tf32(target, f32, bs, prec) == (op == "updat" or bs != 8), (target, bs)
+                assert _sm90.use_tf32(op, f32, bs, prec) == _sm90.use_tf32(target, f32, bs, prec)
+                assert not _sm90.use_tf32(target, bf16, bs, prec)
+            assert not _sm90.use_tf32(target, f32, 4, prec)  # no kernel at other block sizes
         for bs in (8, 16, 32, 64, 128):
-            assert _sm90.use_tf32(f32, bs, prec)
-            assert not _sm90.use_tf32(bf16, bs, prec)
-        assert not _sm90.use_tf32(f32, 4, prec)  # no kernel at other block sizes
-    for bs in (8, 16, 32, 64, 128):
-        assert not _sm90.use_tf32(f32, bs, lax.Precision.HIGHEST)
+            assert not _sm90.use_tf32(target, f32, bs, lax.Precision.HIGHEST)
+    with pytest.raises(ValueError, match="unknown target"):
+        _sm90.use_tf32("jbs_bsmm_nope", f32, 64, None)
+
+
+# cuda/sm90/bsmm_sm90_tf32.h, the one C++ table of the TF32 block sizes.
+TF32_HEADER = Path(__file__).resolve().parents[1] / "cuda" / "sm90" / "bsmm_sm90_tf32.h"
+
+
+def _header_sizes(name):
+    m = re.search(rf"{name}\[\] = \{{([^}}]*)\}}", TF32_HEADER.read_text())
+    assert m, name
+    return tuple(int(v) for v in m.group(1).split(","))
+
+
+def test_tf32_tables_agree():
+    # The Python fallback is the header's table (DSD: fprop and bprop; SDD: updat) ...
+    dsd, sdd = _header_sizes("kDsdTF32BlockSizes"), _header_sizes("kSddTF32BlockSizes")
+    assert _sm90.TF32_BLOCK_SIZES == {"fprop": dsd, "bprop": dsd, "updat": sdd}
+    # ... TF32_OFF names exactly the block sizes it leaves out, each with its reason ...
+    left_out = {
+        (op, bs) for op, sizes in _sm90.TF32_BLOCK_SIZES.items() for bs in _sm90.SDD_BLOCK_SIZES if bs not in sizes
+    }
+    assert set(_sm90.TF32_OFF) == left_out == {("fprop", 8), ("bprop", 8)}
+    assert all(why.strip() for why in _sm90.TF32_OFF.values())
+    assert _sm90.tf32_off() == _sm90.TF32_OFF
+    assert "fprop/bprop at block 8" in _sm90.tf32_summary()
+    # ... and an extension that exports its own table (built from the header) agrees.
+    built = jbs._native.extension_info().get("sm90_tf32_block_sizes")
+    if built is not None:
+        assert {op: tuple(v) for op, v in built.items()} == _sm90.TF32_BLOCK_SIZES
+    for op in ("fprop", "bprop", "updat"):
+        assert _sm90.tf32_block_sizes(op) == _sm90.TF32_BLOCK_SIZES[op]
+
+
+def test_tf32_falls_back_without_the_exported_table(monkeypatch):
+    # An extension without build_info()["sm90_tf32_block_sizes"] (an older build) gets the
+    # Python table; one with it is followed, whatever the Python table says.
+    monkeypatch.setattr(jbs._native, "extension_info", lambda: {"sm90_targets": SM90})
+    assert _sm90.tf32_block_sizes("jbs_bsmm_fprop") == (16, 32, 64, 128)
+    table = {"fprop": (8, 16, 32, 64, 128), "bprop": (16,), "updat": (64,)}
+    monkeypatch.setattr(jbs._native, "extension_info", lambda: {"sm90_tf32_block_sizes": table})
+    assert _sm90.tf32_block_sizes("jbs_bsmm_fprop_sm90") == (8, 16, 32, 64, 128)
+    assert _sm90.tf32_block_sizes("bprop") == (16,)
+    assert _sm90.updat_workspace_bytes(jnp.float32, 4096, 1, 16, tf32=True) == 0  # updat TF32 only at 64 there
+    assert _sm90.tf32_off()[("updat", 8)].startswith("off in this build")
 
 
 def test_tf32_operands_values():

@@ -4,8 +4,9 @@
 // The problems are the ones of the Ampere kernels (bsmm_problem.h): DSD for fprop and
 // bprop, SDD for updat. The sm_90a kernels (bsmm_sm90_dsd.cuh, bsmm_sm90_dsd_packed.cuh,
 // bsmm_sm90_sdd.cuh, bsmm_sm90_sdd_small.cuh) take 16-bit inputs (float16, bfloat16):
-// DSD and SDD at every block size. Both also run float32 inputs on TF32 tensor cores at
-// every block size when the caller asks for TF32 (LaunchDsdTF32, LaunchSddTF32). Every
+// DSD and SDD at every block size. Both also run float32 inputs on TF32 tensor cores when
+// the caller asks for TF32 (LaunchDsdTF32, LaunchSddTF32), at the block sizes of
+// bsmm_sm90_tf32.h (DSD not at block 8). Every
 // other problem (exact float32) runs the Ampere kernels (bsmm_kernels.h),
 // which also run on Hopper. Sm90Runs{Dsd,Sdd}{,TF32}() say which one a
 // problem gets.
@@ -22,6 +23,7 @@
 #include <cuda_runtime_api.h>
 
 #include "bsmm_problem.h"
+#include "sm90/bsmm_sm90_tf32.h"
 
 namespace jbs {
 namespace sm90 {
@@ -54,7 +56,8 @@ bool Sm90RunsSdd(DType in, const SddParams& p);
 cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
 
 // DSD on TF32 tensor cores (float32 inputs at DEFAULT/HIGH precision, float32 output),
-// every block size (8/16/32 packed, bsmm_sm90_dsd_packed.cuh), no zero-sized dimension.
+// the block sizes kDsdTF32BlockSizes (bsmm_sm90_tf32.h: 16/32 packed,
+// bsmm_sm90_dsd_packed.cuh, and 64/128; not 8), no zero-sized dimension.
 // TF32 GMMA reads B K-major only, so w is read as bprop reads it, w[s] viewed [n, k]: bprop passes w, fprop passes w with its
 // blocks transposed (the lowering's jnp.swapaxes(w, -1, -2)); the tables of `p` say
 // which product it is. Inputs are rounded towards zero to TF32 (10 mantissa bits) by the
@@ -71,7 +74,8 @@ size_t SddWorkspaceBytes(DType in, const SddParams& p, int num_sms, bool tf32 = 
 cudaError_t LaunchSdd(DType in, bool out_f32, const SddParams& p, const Launch& launch);
 
 // SDD on TF32 tensor cores (float32 inputs at DEFAULT/HIGH precision, float32 output),
-// every block size (8/16/32: bsmm_sm90_sdd_small.cuh, same plan as 16-bit), n a positive
+// the block sizes kSddTF32BlockSizes (all: 8/16/32 in bsmm_sm90_sdd_small.cuh, same plan
+// as 16-bit), n a positive
 // multiple of 4, no zero-sized dimension. TF32 GMMA
 // reads both operands K-major only, so p.x and p.dy hold x^T [cb * bs, n] and dy^T
 // [kb * bs, n] (row-major; p.n, p.cb, p.kb are those of the product, as for LaunchSdd).

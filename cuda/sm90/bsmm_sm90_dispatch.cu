@@ -18,8 +18,8 @@ bool Sm90RunsDsd(DType in, const DsdParams& p) {
 }
 
 bool Sm90RunsDsdTF32(DType in, const DsdParams& p) {
-  const bool block = p.bs == 8 || p.bs == 16 || p.bs == 32 || p.bs == 64 || p.bs == 128;
-  return in == DType::kF32 && block && p.n > 0 && p.nin > 0 && p.nseg > 0 && p.cap > 0;
+  // Not every block size: bsmm_sm90_tf32.h says where TF32 is off, and why.
+  return in == DType::kF32 && DsdTF32Block(p.bs) && p.n > 0 && p.nin > 0 && p.nseg > 0 && p.cap > 0;
 }
 
 bool Sm90RunsSdd(DType in, const SddParams& p) {
@@ -29,8 +29,7 @@ bool Sm90RunsSdd(DType in, const SddParams& p) {
 
 bool Sm90RunsSddTF32(DType in, const SddParams& p) {
   // n % 4: the rows of x^T / dy^T are TMA tensors, whose strides are multiples of 16 bytes.
-  const bool block = p.bs == 8 || p.bs == 16 || p.bs == 32 || p.bs == 64 || p.bs == 128;
-  return in == DType::kF32 && block && p.n > 0 && p.n % 4 == 0 && p.cb > 0 && p.kb > 0 &&
+  return in == DType::kF32 && SddTF32Block(p.bs) && p.n > 0 && p.n % 4 == 0 && p.cb > 0 && p.kb > 0 &&
          p.cap > 0;
 }
 
@@ -68,9 +67,13 @@ cudaError_t PrepareKernelsSm90() {
     dsd.bs = bs;
     SddParams sdd{};
     sdd.bs = bs;
-    // float32 on TF32 tensor cores
-    if (cudaError_t err = LaunchDsdTF32(dsd, prepare); err != cudaSuccess) return err;
-    if (cudaError_t err = LaunchSddTF32(sdd, prepare); err != cudaSuccess) return err;
+    // float32 on TF32 tensor cores, where it is on (bsmm_sm90_tf32.h)
+    if (DsdTF32Block(bs)) {
+      if (cudaError_t err = LaunchDsdTF32(dsd, prepare); err != cudaSuccess) return err;
+    }
+    if (SddTF32Block(bs)) {
+      if (cudaError_t err = LaunchSddTF32(sdd, prepare); err != cudaSuccess) return err;
+    }
     for (DType in : {DType::kF16, DType::kBF16}) {
       for (bool out_f32 : {false, true}) {
         for (bool transpose_w : {false, true}) {

@@ -13,8 +13,10 @@
 // kernels, which Hopper runs too.
 //
 // Every sm90 target takes one attribute, `tf32` (bool): float32 inputs run on TF32
-// tensor cores (ops/_lowering.py sets it for float32 at DEFAULT/HIGH precision, every
-// block size, as jnp.dot on GPU; HIGHEST gives false: the exact float32 kernels). TF32 GMMA
+// tensor cores (ops/_lowering.py sets it for float32 at DEFAULT/HIGH precision, as
+// jnp.dot on GPU, at the block sizes of bsmm_sm90_tf32.h; HIGHEST gives false: the exact
+// float32 kernels). tf32=true at a block size where TF32 is off (fprop and bprop at block
+// 8) is an InvalidArgument error, never a launch: the lowering does not ask for it. TF32 GMMA
 // reads both operands K-major only, so with tf32 some operands come transposed:
 //   fprop: w holds the blocks transposed (w[s]^T), x as usual;
 //   bprop: as usual (w[s] viewed [n, k] is already K-major);
@@ -175,6 +177,11 @@ ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::Any
     return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true needs float32 inputs, got " +
                                        DescribeDsd(a, w, *out).str());
   }
+  if (tf32 && !DsdTF32Block(p.bs)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true at block size " + std::to_string(p.bs) +
+                                       ", where the TF32 kernel is off (cuda/sm90/bsmm_sm90_tf32.h; the lowering "
+                                       "passes tf32=false there), got " + DescribeDsd(a, w, *out).str());
+  }
   DeviceInfo info;
   if (ffi::Error e = RequireDevice(op, stream, &info); e.failure()) return e;
   if (IsEmpty(p)) return ffi::Error::Success();
@@ -235,6 +242,11 @@ ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
     }
     if (dt.in != DType::kF32 || p.n % 4 != 0) {
       return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true needs float32 inputs and n a multiple of 4, got " +
+                                         DescribeSdd(x, dy, *dw).str() + " (x^T, dy^T)");
+    }
+    if (!SddTF32Block(p.bs)) {
+      return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true at block size " + std::to_string(p.bs) +
+                                         ", where the TF32 kernel is off (cuda/sm90/bsmm_sm90_tf32.h), got " +
                                          DescribeSdd(x, dy, *dw).str() + " (x^T, dy^T)");
     }
   } else if (ffi::Error e = CheckSdd(op, x, dy, block_rows, block_cols, col_ptr, row_ptr, row_slots, *dw, &dt, &p);

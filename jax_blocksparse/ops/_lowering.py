@@ -125,7 +125,7 @@ def _kernel_call(target: str, out_shape, out_dtype, *operands, precision=None):
     base = _sm90.BASE_TARGETS.get(target, target)
     if base == target:  # a portable target
         return jax.ffi.ffi_call(target, result)(*_KERNEL_OPERANDS[base](a, b, LayoutTables(*tables))).astype(out_dtype)
-    tf32 = _sm90.use_tf32(in_dtype, out_shape[-1] if base == "jbs_bsmm_updat" else b.shape[-1], precision)
+    tf32 = _sm90.use_tf32(base, in_dtype, out_shape[-1] if base == "jbs_bsmm_updat" else b.shape[-1], precision)
     if tf32:
         a, b = _sm90.tf32_operands(base, a, b)
     args = _KERNEL_OPERANDS[base](a, b, LayoutTables(*tables))
@@ -166,7 +166,7 @@ def device_kind(platform: str) -> str | None:
 def kernel_mode(target: str, dtype, block_size: int, precision) -> str:
     """The arithmetic a kernel target runs: "tf32" for float32 on an sm_90 target's TF32
     tensor cores (``_sm90.use_tf32``), else the dtype's name."""
-    if target in _sm90.BASE_TARGETS and _sm90.use_tf32(dtype, block_size, precision):
+    if target in _sm90.BASE_TARGETS and _sm90.use_tf32(target, dtype, block_size, precision):
         return "tf32"
     return np.dtype(dtype).name
 

@@ -4,7 +4,7 @@ The extension built for sm_90a registers, for CUDA, ``jbs_bsmm_{fprop,bprop,upda
 (cuda/sm90/): persistent, warp-specialized kernels with TMA loads, wgmma and TMA stores,
 for 16-bit inputs (fprop, bprop and updat at every block size: at blocks 8/16/32 fprop/bprop
 pack 64 / bs outputs per tile and updat stacks 64 / bs slots along wgmma's M) and for
-float32 inputs on TF32 tensor cores (all three at every block size, see below). The other
+float32 inputs on TF32 tensor cores (see below; not fprop/bprop at block 8). The other
 problems (exact float32) run the portable kernels from inside the same targets. They take
 the operands of the portable targets; ``jbs_bsmm_updat_sm90`` returns a second result,
 a uint8 workspace for the float32 partial sums of a split N reduction, sized here
@@ -12,10 +12,13 @@ a uint8 workspace for the float32 partial sums of a split N reduction, sized her
 cuda/bsmm_work_plan.h).
 
 Float32 precision (:func:`use_tf32`): every sm_90 target takes a bool attribute
-``tf32``. It is true for float32 inputs (every block size) when the primitive's
-``precision`` is None, DEFAULT or HIGH: the products then run on TF32 tensor cores
-(10-bit mantissa inputs, float32 accumulation), as ``jnp.dot`` does on the GPU. HIGHEST
-gives false: the exact float32 kernels. TF32 wgmma reads both operands K-major only, so
+``tf32``. It is true for float32 inputs when the primitive's ``precision`` is None,
+DEFAULT or HIGH, at the block sizes where the target's TF32 kernel is on
+(:func:`tf32_block_sizes`): the products then run on TF32 tensor cores (10-bit mantissa
+inputs, float32 accumulation), as ``jnp.dot`` does on the GPU. HIGHEST, and the block
+sizes where TF32 is off (:data:`TF32_OFF`: fprop and bprop at block 8, whose TF32 kernel
+faulted on an H100), give false: the exact float32 kernels, which also satisfy
+DEFAULT/HIGH. The targets refuse ``tf32=true`` where TF32 is off. TF32 wgmma reads both operands K-major only, so
 with ``tf32`` the lowering passes some operands transposed (:func:`tf32_operands`):
 fprop's w as ``jnp.swapaxes(w, -1, -2)`` (each block transposed), updat's x and dy as
 x^T [C, n] and dy^T [K, n] with n padded by zero rows to a multiple of 4 (TMA strides
@@ -63,23 +66,78 @@ SDD_BLOCK_SIZES = (8, 16, 32, 64, 128)
 SM90_DTYPES = (np.dtype(np.float16), np.dtype("bfloat16"))
 SDD_TILE_K = 32
 SDD_SMALL_TILE_K = 64
-# Float32 on TF32 tensor cores: block sizes, and the multiple of rows the transposed updat
-# operands are padded to (Sm90RunsDsdTF32 / Sm90RunsSddTF32).
-TF32_BLOCK_SIZES = (8, 16, 32, 64, 128)
+# Float32 on TF32 tensor cores: the block sizes per product (op -> sizes), the fallback
+# for an extension that does not export its own (build_info()["sm90_tf32_block_sizes"],
+# from cuda/sm90/bsmm_sm90_tf32.h: an older build, or cross-lowering with a CPU-only one);
+# and the multiple of rows the transposed updat operands are padded to (Sm90RunsSddTF32).
+TF32_BLOCK_SIZES = {
+    "fprop": (16, 32, 64, 128),
+    "bprop": (16, 32, 64, 128),
+    "updat": (8, 16, 32, 64, 128),
+}
 TF32_ROW_MULTIPLE = 4
+# Where TF32 is off, and why: (op, block size) -> reason. Until a GPU runs the fixed
+# kernel clean, these products take the exact float32 kernels.
+_DSD_BLOCK_8 = (
+    "its TF32 kernel faulted on an H100 (misaligned shared address: each 8 x 8 float32 w block "
+    "went out as four unswizzled TMA boxes 64 bytes apart); fixed and checked at compile time, "
+    "not yet run on a GPU"
+)
+TF32_OFF = {("fprop", 8): _DSD_BLOCK_8, ("bprop", 8): _DSD_BLOCK_8}
 
 
-def use_tf32(dtype, bs: int, precision) -> bool:
-    """Whether an sm_90 target runs a product of ``dtype`` inputs at block size ``bs`` on
-    TF32 tensor cores: float32 at ``precision`` None, DEFAULT or HIGH (a
-    :class:`jax.lax.Precision` or None, as the primitives carry it), every block size of
-    the kernels (8, 16, 32, 64, 128)."""
+def _op(target: str) -> str:
+    """The op ("fprop", "bprop" or "updat") of a portable or sm_90 target name, or of the op itself."""
+    op = BASE_TARGETS.get(target, target).removeprefix("jbs_bsmm_")
+    if op not in TF32_BLOCK_SIZES:
+        raise ValueError(f"unknown target {target!r}: expected one of {sorted(SM90_TARGETS)} or their _sm90 variants")
+    return op
+
+
+def tf32_block_sizes(target: str) -> tuple[int, ...]:
+    """Block sizes at which the sm_90 target of ``target`` (a portable or sm_90 target name,
+    or "fprop" / "bprop" / "updat") runs float32 on TF32 tensor cores: the extension's own
+    table when it exports one, else :data:`TF32_BLOCK_SIZES`."""
+    op = _op(target)
+    built = _native.extension_info().get("sm90_tf32_block_sizes") or {}
+    return tuple(built.get(op, TF32_BLOCK_SIZES[op]))
+
+
+def tf32_off() -> dict[tuple[str, int], str]:
+    """(op, block size) -> why TF32 is off there, for the block sizes of the kernels where
+    :func:`tf32_block_sizes` leaves it out (the reason of :data:`TF32_OFF` where it has one)."""
+    return {
+        (op, bs): TF32_OFF.get((op, bs), "off in this build (cuda/sm90/bsmm_sm90_tf32.h)")
+        for op in TF32_BLOCK_SIZES
+        for bs in SDD_BLOCK_SIZES
+        if bs not in tf32_block_sizes(op)
+    }
+
+
+def tf32_summary() -> str:
+    """One line: where the sm_90 targets do not run float32 on TF32, and why."""
+    off = tf32_off()
+    if not off:
+        return "on for every op and block size below HIGHEST"
+    by_reason: dict[tuple[int, str], list[str]] = {}
+    for (op, bs), why in off.items():
+        by_reason.setdefault((bs, why), []).append(op)
+    parts = [f"{'/'.join(ops)} at block {bs}: {why}" for (bs, why), ops in sorted(by_reason.items())]
+    return "exact float32 instead for " + "; ".join(parts)
+
+
+def use_tf32(target: str, dtype, bs: int, precision) -> bool:
+    """Whether the sm_90 target of ``target`` (a portable or sm_90 target name, or "fprop" /
+    "bprop" / "updat") runs a product of ``dtype`` inputs at block size ``bs`` on TF32
+    tensor cores: float32 at ``precision`` None, DEFAULT or HIGH (a
+    :class:`jax.lax.Precision` or None, as the primitives carry it), at the block sizes of
+    :func:`tf32_block_sizes` (not fprop/bprop at block 8: :data:`TF32_OFF`)."""
     from jax import lax  # noqa: PLC0415
 
     return (
         np.dtype(dtype) == np.dtype(np.float32)
-        and bs in TF32_BLOCK_SIZES
         and precision in (None, lax.Precision.DEFAULT, lax.Precision.HIGH)
+        and bs in tf32_block_sizes(target)
     )
 
 
@@ -167,7 +225,7 @@ def updat_workspace_bytes(dtype, n: int, capacity: int, bs: int, num_sms: int = 
             return 0
     elif np.dtype(dtype) not in SM90_DTYPES:
         return 0
-    if bs not in (TF32_BLOCK_SIZES if tf32 else SDD_BLOCK_SIZES) or capacity <= 0 or n <= 0:
+    if bs not in (tf32_block_sizes("updat") if tf32 else SDD_BLOCK_SIZES) or capacity <= 0 or n <= 0:
         return 0
     group = sdd_group(bs)
     slot_groups = math.ceil(capacity / group)

@@ -50,8 +50,10 @@ gives it to XLA's dot: on GPU, float32 at DEFAULT may use TF32 tensor cores, as
 ``jnp.dot`` does, and HIGHEST is exact float32. The CPU and Ampere CUDA kernels compute
 float32 exactly at every precision (DEFAULT allows TF32; it does not require it). The
 Hopper kernels (behind ``JAX_BLOCKSPARSE_HOPPER=1``, see :mod:`jax_blocksparse.ops._sm90`)
-run float32 at DEFAULT and HIGH on TF32 tensor cores at every block size, as ``jnp.dot``
-does there, and exactly at HIGHEST.
+run float32 at DEFAULT and HIGH on TF32 tensor cores, as ``jnp.dot`` does there, and
+exactly at HIGHEST; at block size 8, :func:`bsmm` (fprop, and its transpose, bprop) runs
+float32 exactly at every precision: its TF32 kernel is off until it has run clean on a
+GPU (``_sm90.TF32_OFF``), while :func:`bsmm_updat` keeps TF32 there.
 
 Implementation
 --------------

@@ -7,7 +7,9 @@ empty, single, full, empty rows/columns, a long column, padding with garbage tab
 odd row counts; f32 outputs) with the Hopper gate open (JAX_BLOCKSPARSE_HOPPER=1), and
 checks that the lowering really called the *_sm90 targets. Float32 inputs at every
 block size (8/16/32 packed as above): TF32 tensor cores at DEFAULT/HIGH (within TF32 tolerance, and measurably less
-exact than float32, so the TF32 kernels really ran), exact at HIGHEST. Split and unsplit updat
+exact than float32, so the TF32 kernels really ran) where TF32 is on (``_sm90.tf32_block_sizes``;
+off for fprop/bprop at block 8, ``_sm90.TF32_OFF``: there DEFAULT is exact and the targets
+refuse tf32=true), exact at HIGHEST. Split and unsplit updat
 reductions are both reached (few slots split N; a large N with many slots does not).
 Skips without a GPU (tests/gpu/conftest.py) and on a GPU that is not compute 9.x.
 
@@ -233,6 +235,11 @@ def _tf32_flag(text, op):
     return "tf32 = true" in lines[0]
 
 
+def _tf32_on(op, bs):
+    """Whether the lowering asks for TF32 for ``op`` at block size ``bs`` below HIGHEST."""
+    return bs in _sm90.tf32_block_sizes(op)
+
+
 def _length(op, layout, rows):
     """Reduction length of ``op`` with ``rows`` rows of x: C (fprop), K (bprop), rows (updat)."""
     return rows if op == "updat" else layout.shape[1 if op == "bprop" else 0]
@@ -255,7 +262,7 @@ def _rel_err(got, want):
 def test_tf32_layouts(bs, op, kind):
     mask, layout = _layout(kind, bs)
     got, want, text = _run_f32(op, layout, mask, (129,), precision="default")
-    assert _tf32_flag(text, op)
+    assert _tf32_flag(text, op) == _tf32_on(op, bs)
     assert _rel_err(got, want) <= TF32_TOL
 
 
@@ -266,7 +273,7 @@ def test_tf32_rows(bs, op, n):
     # Odd n: updat pads x^T / dy^T to a multiple of 4; small n splits the updat reduction.
     mask, layout = _layout("random", bs)
     got, want, text = _run_f32(op, layout, mask, (n,), precision="high")
-    assert _tf32_flag(text, op)
+    assert _tf32_flag(text, op) == _tf32_on(op, bs)
     assert _rel_err(got, want) <= TF32_TOL
 
 
@@ -275,12 +282,27 @@ def test_tf32_rows(bs, op, n):
 def test_tf32_really_runs_and_highest_is_exact(bs, op):
     mask, layout = _layout("random", bs)
     got, want, text = _run_f32(op, layout, mask, (3, 43), precision="default")
-    assert _tf32_flag(text, op)
-    err = _rel_err(got, want)
-    assert TF32_MIN_ERR < err <= TF32_TOL, err  # TF32, not exact float32
+    assert _tf32_flag(text, op) == _tf32_on(op, bs)
+    if _tf32_on(op, bs):
+        err = _rel_err(got, want)
+        assert TF32_MIN_ERR < err <= TF32_TOL, err  # TF32, not exact float32
+    else:  # TF32 off here: DEFAULT runs the exact kernel
+        _check(got, want, jnp.float32, _length(op, layout, 129))
     got, want, text = _run_f32(op, layout, mask, (3, 43), precision="highest")
     assert not _tf32_flag(text, op)
     _check(got, want, jnp.float32, _length(op, layout, 129))
+
+
+@pytest.mark.parametrize("op", ("fprop", "bprop"))
+def test_tf32_off_block_is_refused_by_the_target(monkeypatch, op):
+    # Where TF32 is off (fprop/bprop at block 8), a tf32=true call (here forced through the
+    # lowering) gets the target's InvalidArgument error, never the switched-off kernel.
+    bs = 8
+    assert not _tf32_on(op, bs)
+    monkeypatch.setattr(_sm90, "tf32_block_sizes", lambda target: (8, 16, 32, 64, 128))
+    mask, layout = _layout("random", bs)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="where the TF32 kernel is off"):
+        _run_f32(op, layout, mask, (129,), precision="default")
 
 
 @pytest.mark.parametrize("bs", (16, 128))

@@ -1,0 +1,37 @@
+// Where the Hopper targets run float32 on TF32 tensor cores: the block sizes per product.
+// No CUDA headers: the launchers (bsmm_sm90_dispatch.cu), the FFI handlers and the
+// pybind11 module (module.cc, host compiler only; build_info()["sm90_tf32_block_sizes"],
+// which jax_blocksparse/ops/_sm90.py reads) all include it.
+//
+// DSD (fprop, bprop) at block 8 is off: its TF32 kernel,
+// DsdPackedSm90Kernel<DsdPackedConfig<tfloat32_t, float, 8, true>>, faulted on an H100
+// ("misaligned shared or local address" at its second TMA load of a w block: the 8 x 8
+// float32 block was issued as four unswizzled 2-row boxes 64 bytes apart). The box is fixed
+// and checked at compile time (bsmm_sm90_dsd_packed.cuh, CheckTmaBox), but no GPU has run
+// the fixed kernel yet; until one does, float32 at block 8 runs the exact kernels. The
+// FFI targets refuse tf32=true there (the lowering never asks for it).
+#ifndef JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_TF32_H_
+#define JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_TF32_H_
+
+namespace jbs {
+namespace sm90 {
+
+// DSD (fprop, bprop: bsmm_sm90_dsd_packed.cuh below 64, bsmm_sm90_dsd.cuh at 64/128).
+constexpr int kDsdTF32BlockSizes[] = {16, 32, 64, 128};
+// SDD (updat: bsmm_sm90_sdd_small.cuh below 64, bsmm_sm90_sdd.cuh at 64/128).
+constexpr int kSddTF32BlockSizes[] = {8, 16, 32, 64, 128};
+
+template <int N>
+constexpr bool BlockSizeIn(const int (&sizes)[N], int bs) {
+  for (int s : sizes) {
+    if (s == bs) return true;
+  }
+  return false;
+}
+constexpr bool DsdTF32Block(int bs) { return BlockSizeIn(kDsdTF32BlockSizes, bs); }
+constexpr bool SddTF32Block(int bs) { return BlockSizeIn(kSddTF32BlockSizes, bs); }
+
+}  // namespace sm90
+}  // namespace jbs
+
+#endif  // JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_TF32_H_
