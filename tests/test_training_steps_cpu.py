@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import training_steps as ts
-from helpers import require_kernels, xla_optimizations_off
+from helpers import KEEP_ROUNDINGS_FLAG, require_kernels, xla_optimizations_off
 
 CASES = [
     ("mlp", "bfloat16"),
@@ -144,6 +144,9 @@ def test_child_process_end_to_end():
     assert child.returncode == 0 and child.result is not None, child.describe()
     out = child.result
     assert out["platform"] == "cpu" and "--xla_gpu_graph_min_graph_size=1" in out["xla_flags"], out
+    # Every child keeps each rounding its program asks for (no excess precision).
+    assert KEEP_ROUNDINGS_FLAG in ts.KEEP_ROUNDINGS_FLAGS
+    assert set(ts.KEEP_ROUNDINGS_FLAGS) <= set(out["xla_flags"].split()), out["xla_flags"]
     result = out["results"]["float32"]
     assert "exception" not in result and result["errors"] == [], (result, child.describe())
     assert result["steps"] == 2 and np.all(np.isfinite(result["losses_kernels"]))

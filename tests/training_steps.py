@@ -713,6 +713,17 @@ def command_buffer_types() -> tuple[str, ...]:
     return ()
 
 
+#: XLA flags of every child process, whatever the setting. XLA:GPU's default
+#: ``--xla_allow_excess_precision=true`` lets its SimplifyFPConversions pass delete any
+#: f32 -> bf16 -> f32 round trip: a reference product's float32 accumulation, cast to
+#: bfloat16 and widened again by the next op, then reaches that op unrounded, while the
+#: kernels' custom calls hand over bfloat16. The bfloat16 check would then compare
+#: rounded products against unrounded ones, not two summation orders of one program
+#: (bench/training_noise.py emulates that pass on CPU: ``excess_precision``). The flag
+#: makes XLA keep every rounding the program asks for, on any backend (tests/helpers.py's
+#: KEEP_ROUNDINGS_FLAG).
+KEEP_ROUNDINGS_FLAGS = ("--xla_allow_excess_precision=false",)
+
 #: The two XLA settings of the GPU tests: extra XLA_FLAGS. "default": XLA's own
 #: command-buffer settings. "graphs": every command type XLA has, in graphs of any size.
 SETTINGS = ("default", "graphs")
@@ -749,17 +760,25 @@ class Child:
         return text + f"\nstderr tail:\n{self.stderr[-limit:]}"
 
 
-def run_child(model: str, flags=(), *, dtypes=DTYPES, steps: int = STEPS, timeout: float = 600,
-              env: dict | None = None) -> Child:
-    """Runs this file as a script for ``model`` in a fresh Python (``sys.executable``)
-    with ``flags`` appended to XLA_FLAGS (read once, when the backend starts), the
-    checkout first on PYTHONPATH, XLA_PYTHON_CLIENT_PREALLOCATE=false (processes share
-    the GPU) and PYTHONUNBUFFERED=1."""
+def child_environment(flags=(), env: dict | None = None) -> dict:
+    """The environment of a child process: ``env`` (default ``os.environ``) with
+    :data:`KEEP_ROUNDINGS_FLAGS` and ``flags`` appended to XLA_FLAGS (read once, when the
+    backend starts), the checkout first on PYTHONPATH, XLA_PYTHON_CLIENT_PREALLOCATE=false
+    (processes share the GPU) and PYTHONUNBUFFERED=1."""
     child_env = dict(os.environ if env is None else env)
-    child_env["XLA_FLAGS"] = " ".join([child_env.get("XLA_FLAGS", "")] + list(flags)).strip()
+    added = [f for f in KEEP_ROUNDINGS_FLAGS + tuple(flags) if f not in child_env.get("XLA_FLAGS", "").split()]
+    child_env["XLA_FLAGS"] = " ".join([child_env.get("XLA_FLAGS", "")] + added).strip()
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, child_env.get("PYTHONPATH")) if p)
     child_env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     child_env["PYTHONUNBUFFERED"] = "1"
+    return child_env
+
+
+def run_child(model: str, flags=(), *, dtypes=DTYPES, steps: int = STEPS, timeout: float = 600,
+              env: dict | None = None) -> Child:
+    """Runs this file as a script for ``model`` in a fresh Python (``sys.executable``),
+    in :func:`child_environment` of ``flags`` and ``env``."""
+    child_env = child_environment(flags, env)
     cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--dtypes", ",".join(dtypes),
            "--steps", str(steps)]
     t0 = time.perf_counter()
