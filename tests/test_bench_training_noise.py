@@ -1,10 +1,12 @@
 """bench/training_noise.py: its second summation orders compute the reference's sums, its
 emulation of XLA:GPU's excess precision removes exactly the round trips that pass
-removes, and its floors."""
+removes, its floors; and tests/training_steps.py's tolerances are the stated multiple
+of the floors in the committed result."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
+import training_steps as ts
 from jax_blocksparse.ops import matmul
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,3 +127,16 @@ def test_floors_take_the_largest_order(bench):
     assert bench.floors(models) == {"bfloat16": {"mlp": {"step_grad_err": 3e-3, "loss_err": 5e-4}}}
     comparisons["cpu_kernels"]["loss_err"] = math.nan
     assert math.isnan(bench.floors(models)["bfloat16"]["mlp"]["loss_err"])
+
+
+def test_tolerances_are_the_stated_multiples_of_the_committed_floors():
+    report = json.loads((ROOT / ts.NOISE_FLOORS).read_text())
+    assert report["device"] == "cpu" and report["steps"] == ts.STEPS and report["commit"] != "unknown"
+    for dtype in ts.DTYPES:
+        for model in ts.MODELS:
+            floors, tolerances = report["floors"][dtype][model], ts.tolerances(model, dtype)
+            assert set(floors) == set(tolerances), (dtype, model)
+            for quantity, floor in floors.items():
+                want = ts.MULTIPLE * max(floor, ts.FLOAT32_EPS)
+                # Written with two significant digits, rounded up.
+                assert want <= tolerances[quantity] <= 1.1 * want, (dtype, model, quantity, floor)

@@ -57,37 +57,56 @@ def test_training_steps_match_reference(model, dtype):
         assert result["layouts_changed"] and result["update_layouts_equal"]
 
 
-def _passing_result():
-    return {
-        "model": "mlp", "dtype": "float32", "all_finite": True,
+def _passing_result(model="mlp"):
+    """A float32 result of ``model`` that passes: every difference half its tolerance."""
+    tol = ts.tolerances(model, "float32")
+    out = {
+        "model": model, "dtype": "float32", "all_finite": True,
         "losses_kernels": [1.0, 0.9], "losses_reference": [1.0, 0.9],
-        "step_loss_err": 0.0, "step_grad_err": 1e-6, "loss_err": 0.0, "param_err": 1e-5,
         "expected_calls": {"train": list(ts.TARGETS)},
         "kernels_calls": {"train": sorted(ts.TARGETS)}, "reference_calls": {"train": []},
     }
+    out.update({key: tol[key] / 2 for key in ("step_loss_err", "step_grad_err", "loss_err", "param_err")})
+    if model == "rigl":
+        out.update(layouts_equal=True, update_layouts_equal=True, layouts_changed=True,
+                   update_param_diff=tol["update_param_diff"] / 2)
+    return out
 
 
 @pytest.mark.parametrize(
-    "change, message",
+    "model, change, message",
     [
-        ({"all_finite": False}, "non-finite"),
-        ({"step_grad_err": float("nan")}, "gradients on the same inputs"),
-        ({"step_loss_err": 1e-3}, "loss on the same inputs"),
-        ({"loss_err": 1e-3}, "losses differ"),
-        ({"param_err": 0.5}, "final params differ"),
-        ({"kernels_calls": {"train": ["jbs_bsmm_fprop"]}}, "lacks \\['jbs_bsmm_bprop', 'jbs_bsmm_updat'\\]"),
-        ({"reference_calls": {"train": ["jbs_bsmm_fprop"]}}, "under 'reference' calls"),
-        ({"layouts_equal": True, "update_layouts_equal": False, "layouts_changed": True,
-          "update_param_diff": 0.0}, "chose different layouts"),
-        ({"layouts_equal": True, "update_layouts_equal": True, "layouts_changed": False,
-          "update_param_diff": 0.0}, "changed no layout"),
+        ("mlp", {"all_finite": False}, "non-finite"),
+        ("mlp", {"step_grad_err": float("nan")}, "gradients on the same inputs"),
+        ("mlp", {"step_loss_err": 1e-3}, "loss on the same inputs"),
+        ("mlp", {"loss_err": 1e-3}, "losses differ"),
+        ("mlp", {"param_err": 0.5}, "final params differ"),
+        ("mlp", {"kernels_calls": {"train": ["jbs_bsmm_fprop"]}}, "lacks \\['jbs_bsmm_bprop', 'jbs_bsmm_updat'\\]"),
+        ("mlp", {"reference_calls": {"train": ["jbs_bsmm_fprop"]}}, "under 'reference' calls"),
+        ("rigl", {"update_layouts_equal": False}, "chose different layouts"),
+        ("rigl", {"layouts_changed": False}, "changed no layout"),
+        ("rigl", {"update_param_diff": 1e-3}, "a layout update on the same inputs moved params differently"),
     ],
 )
-def test_check_flags_wrong_results(change, message):
-    assert ts.check(_passing_result()) == []
+def test_check_flags_wrong_results(model, change, message):
+    assert ts.check(_passing_result(model)) == []
     assert np.isnan(ts._worst([0.1, float("nan"), 0.2]))  # a NaN anywhere is the worst
-    errors = ts.check({**_passing_result(), **change})
+    errors = ts.check({**_passing_result(model), **change})
     assert len(errors) == 1 and re.search(message, errors[0]), errors
+
+
+def test_tolerances_cover_every_model_and_dtype():
+    for dtype in ts.DTYPES:
+        assert sorted(ts.TOLERANCES[dtype]) == sorted(ts.MODELS)
+        for model in ts.MODELS:
+            quantities = {"step_loss_err", "step_grad_err", "loss_err", "param_err"}
+            if model == "rigl":
+                quantities.add("update_param_diff")
+            assert set(ts.tolerances(model, dtype)) == quantities, (model, dtype)
+    with pytest.raises(ValueError, match="model"):
+        ts.tolerances("resnet", "float32")
+    with pytest.raises(ValueError, match="dtype"):
+        ts.tolerances("mlp", "float16")
 
 
 def test_command_buffer_scan():
