@@ -48,34 +48,39 @@ def _operands(dtype, integers=False):
     return layout, draw((2, 3, 64)), draw(layout.w_shape), draw((2, 3, 128))
 
 
-def _bind(prim, fn, layout, x, w, dy, out_dtype):
+def _all_orders(bench, prim, layout, x, w, dy):
+    """One jit: the reference (float32 out) and, per split, the split (float32 and
+    bfloat16 out) of ``prim``'s operands among x, w, dy."""
     a, b = {matmul.bsmm_fprop_p: (x, w), matmul.bsmm_bprop_p: (dy, w), matmul.bsmm_updat_p: (x, dy)}[prim]
-    params = dict(block_size=layout.block_size, out_dtype=np.dtype(out_dtype), impl="reference",
-                  lhs_dtype=None, precision=jax.lax.Precision.HIGHEST)
-    return jax.jit(lambda a, b: fn(a, b, *layout.tables, **params))(a, b)
+    params = dict(block_size=layout.block_size, impl="reference", lhs_dtype=None, precision=jax.lax.Precision.HIGHEST)
+
+    def call(fn, a, b, dtype):
+        return fn(a, b, *layout.tables, out_dtype=np.dtype(dtype), **params)
+
+    def every(a, b):
+        splits = {s: bench.split_reference(prim, s) for s in bench.SPLITS}
+        return call(bench._CONTRACTIONS[prim][0], a, b, jnp.float32), {
+            s: (call(fn, a, b, jnp.float32), call(fn, a, b, jnp.bfloat16)) for s, fn in splits.items()}
+
+    return jax.jit(every)(a, b)
 
 
 @pytest.mark.parametrize("prim", [matmul.bsmm_fprop_p, matmul.bsmm_bprop_p, matmul.bsmm_updat_p],
                          ids=lambda p: p.name)
 def test_split_references_sum_the_same_terms(bench, prim):
-    for split in bench.SPLITS:
-        _check_split(bench, prim, split)
-
-
-def _check_split(bench, prim, split):
-    reference = bench._CONTRACTIONS[prim][0]
-    fn = bench.split_reference(prim, split)
     # Small integers: every partial sum is exact, so any order gives the same bits.
-    layout, x, w, dy = _operands(jnp.float32, integers=True)
-    np.testing.assert_array_equal(_bind(prim, fn, layout, x, w, dy, jnp.float32),
-                                  _bind(prim, reference, layout, x, w, dy, jnp.float32))
+    want, splits = _all_orders(bench, prim, *_operands(jnp.float32, integers=True))
+    for split, (got, _) in splits.items():
+        np.testing.assert_array_equal(got, want, err_msg=split)
     # Random bfloat16 operands: float32 sums that differ by their order, then the cast.
-    layout, x, w, dy = _operands(jnp.bfloat16)
-    got = np.asarray(_bind(prim, fn, layout, x, w, dy, jnp.float32))
-    want = np.asarray(_bind(prim, reference, layout, x, w, dy, jnp.float32))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
-    rounded = np.asarray(_bind(prim, fn, layout, x, w, dy, jnp.bfloat16), np.float32)
-    np.testing.assert_array_equal(rounded, np.asarray(jnp.asarray(got, jnp.bfloat16), np.float32))
+    want, splits = _all_orders(bench, prim, *_operands(jnp.bfloat16))
+    want = np.asarray(want)
+    for split, (got, rounded) in splits.items():
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=split)
+        np.testing.assert_array_equal(np.asarray(rounded, np.float32),
+                                      np.asarray(jnp.asarray(got, jnp.bfloat16), np.float32), err_msg=split)
+    # ... and another order indeed: some float32 bits differ from the reference's.
+    assert any(not np.array_equal(got, want) for got, _ in splits.values())
 
 
 def test_part_masks_partition_the_contraction(bench):
