@@ -1,0 +1,295 @@
+"""``impl="auto"`` beside the dense product: the crossover table and where it flips.
+
+* bench/crossover.py: crossovers from measured points; the package's table is the one
+  computed from the committed results (never edited by hand).
+* :mod:`jax_blocksparse.crossover`: the table's checks, lookups, ``use_table``.
+* The lowering on the CPU kernels, with a table written for the test: "auto" runs the
+  kernels up to the crossover and the dense product above it, with the same values and
+  gradients on both sides; a layout that changes within its capacity is not recompiled;
+  ``impl="kernels"`` and ``impl="dense"`` are not moved by the table.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_blocksparse as jbs
+from helpers import assert_close, cpu_devices, rand, require_kernels
+from jax_blocksparse.crossover import Crossover, CrossoverTable, prefers_dense, use_table
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TARGETS = {"fprop": "jbs_bsmm_fprop", "bprop": "jbs_bsmm_bprop", "updat": "jbs_bsmm_updat"}
+BS = 16
+GRID = (4, 4)
+CROSSOVER = 0.5
+# The targets _loss calls (its gradient calls all three).
+FORWARD = {TARGETS["fprop"], TARGETS["updat"]}
+
+
+def _load_bench(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+crossover_script = _load_bench("crossover")
+
+
+# ---------------------------------------------------------------------------------
+# bench/crossover.py
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "points, want",
+    [
+        ([(1.0, 2.0), (0.5, 3.0), (0.1, 9.0)], 1.0),  # wins everywhere
+        ([(1.0, 0.2), (0.5, 0.5), (0.1, 0.9)], 0.0),  # loses everywhere
+        ([(0.1, 3.0), (0.25, 1.5), (0.5, 0.5), (1.0, 0.2)], 0.375),  # 1.5 -> 0.5 crosses 1 halfway
+        ([(0.1, 2.0), (0.25, 0.9), (0.5, 1.1), (1.0, 0.3)], 0.236),  # the first loss counts
+        ([(0.5, 1.0), (1.0, 0.5)], 0.5),  # a tie is no loss
+    ],
+)
+def test_crossover_density(points, want):
+    assert crossover_script.crossover_density(points) == pytest.approx(want, abs=1e-3)
+
+
+def _report(kind, stamp, rows):
+    return dict(platform="gpu", device_kind=kind, datetime=stamp, results=rows)
+
+
+def _row(bs, density, sparse, dense, target="jbs_bsmm_fprop_sm90", mode="bfloat16"):
+    return dict(op="fprop", dtype="bfloat16", block_size=bs, density=density, target=target, mode=mode,
+                sparse_s=sparse, dense_s=dense * 0.9, dense_path_s=dense)
+
+
+def test_table_of_reports_takes_the_newest_measurement_per_kernel():
+    old = _report("H", "2026-01-01T00:00:00", [_row(64, 0.1, 1.0, 2.0), _row(64, 1.0, 4.0, 2.0),
+                                                _row(32, 0.1, 1.0, 2.0), _row(32, 1.0, 1.0, 2.0)])
+    new = _report("H", "2026-02-01T00:00:00", [_row(64, 0.1, 1.0, 3.0), _row(64, 1.0, 1.0, 0.5)])
+    no_rows = dict(platform="cpu", device_kind="cpu", results=[dict(op="fprop", sparse_s=1.0)])
+    table = crossover_script.table_of([("old.json", old), ("new.json", new), ("x.json", no_rows)])
+    got = {(e["block_size"], e["source"]): e["crossover"] for e in table["entries"]}
+    # bs 64: 3.0 at 0.1 -> 0.5 at 1.0 crosses 1 at 0.1 + 0.8 * 0.9; bs 32 only in the old file.
+    assert got == {(64, "new.json"): pytest.approx(0.82), (32, "old.json"): 1.0}
+    assert {e["platform"] for e in table["entries"]} == {"cuda"}
+    CrossoverTable.from_json(table)  # the library reads what the script writes
+
+
+def test_package_table_is_the_one_computed_from_committed_results():
+    shipped = json.loads((ROOT / "jax_blocksparse" / "crossovers.json").read_text())
+    assert shipped == crossover_script.package_table(), "run: python bench/crossover.py --package"
+    assert crossover_script.main(["--package", "--check"]) == 0
+    table = CrossoverTable.from_json(shipped)
+    assert table == jbs.crossover.default_table()
+    for e in table.entries:
+        assert (ROOT / e.source).exists(), e.source
+
+
+def test_every_cpu_kernel_on_this_device_kind_has_a_measured_crossover():
+    """The committed CPU measurement covers blocks 8 to 128, float32 and bfloat16, all three ops."""
+    cpu = jbs.crossover.default_table().for_device("cpu", "cpu")
+    got = {(e.target, e.mode, e.block_size) for e in cpu}
+    want = {(t, m, bs) for t in TARGETS.values() for m in ("float32", "bfloat16") for bs in (8, 16, 32, 64, 128)}
+    assert want <= got
+
+
+# ---------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------
+
+
+def _entry(**kw):
+    base = dict(platform="cpu", device_kind="cpu", target="jbs_bsmm_fprop", mode="float32",
+                block_size=BS, crossover=CROSSOVER)
+    return {**base, **kw}
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(crossover=1.5), "crossover must be a density"),
+        (dict(crossover=float("nan")), "crossover must be a density"),
+        (dict(mode="int8"), "mode must be one of"),
+        (dict(block_size=0), "block_size must be a positive int"),
+        (dict(block_size=True), "block_size must be a positive int"),
+    ],
+)
+def test_bad_entries_raise(bad, match):
+    with pytest.raises(ValueError, match=match):
+        Crossover(**_entry(**bad))
+
+
+def test_table_checks_and_lookups():
+    with pytest.raises(TypeError, match="device_kind must be a str"):
+        Crossover(**_entry(device_kind=None))
+    with pytest.raises(ValueError, match="more than one entry"):
+        CrossoverTable.from_entries([_entry(), _entry(crossover=0.2)])
+    with pytest.raises(TypeError, match="Crossover instances"):
+        CrossoverTable((_entry(),))
+    with pytest.raises(ValueError, match="format 1"):
+        CrossoverTable.from_json({"entries": []})
+    with pytest.raises(TypeError, match="must be a CrossoverTable"):
+        with use_table({"entries": []}):
+            pass
+    table = CrossoverTable.from_entries([_entry(), _entry(block_size=32, crossover=1.0)])
+    assert hash(table) == hash(CrossoverTable.from_json(table.to_json()))
+    assert table.lookup("cpu", "cpu", "jbs_bsmm_fprop", "float32", BS) == CROSSOVER
+    assert table.lookup("cpu", "cpu", "jbs_bsmm_fprop", "bfloat16", BS) is None
+    assert table.lookup("cuda", None, "jbs_bsmm_fprop", "float32", BS) is None
+    assert not prefers_dense("cpu", "cpu", "jbs_bsmm_fprop", "float32", BS, CROSSOVER, table)
+    assert prefers_dense("cpu", "cpu", "jbs_bsmm_fprop", "float32", BS, CROSSOVER + 0.01, table)
+    assert not prefers_dense("cpu", "cpu", "jbs_bsmm_fprop", "float32", 32, 1.0, table)  # wins everywhere
+    assert not prefers_dense("cpu", "cpu", "jbs_bsmm_bprop", "float32", BS, 1.0, table)  # unmeasured
+    assert len(table.for_device("cpu", "cpu")) == 2 and table.for_device("cuda", "x") == ()
+
+
+def test_use_table_nests_and_restores():
+    a, b = CrossoverTable.from_entries([_entry()]), CrossoverTable()
+    default = jbs.crossover.table_in_force()
+    with use_table(a):
+        assert jbs.crossover.table_in_force() is a
+        with use_table(b):
+            assert jbs.crossover.table_in_force() is b
+        assert jbs.crossover.table_in_force() is a
+    assert jbs.crossover.table_in_force() is default
+
+
+# ---------------------------------------------------------------------------------
+# The lowering on the CPU kernels with a test table
+# ---------------------------------------------------------------------------------
+
+# Every product of float32 at block 16 flips at density 0.5 on this machine's CPU.
+TEST_TABLE = CrossoverTable.from_entries(
+    [_entry(target=t) for t in TARGETS.values()] + [_entry(target=t, mode="bfloat16") for t in TARGETS.values()]
+)
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu_kernels():
+    require_kernels("cpu")
+    with jax.default_device(cpu_devices(1)[0]):
+        yield
+
+
+def _layout(n_blocks: int, capacity: int, seed: int = 0) -> jbs.Layout:
+    """A layout of ``n_blocks`` random blocks of the 4 x 4 grid, stored with ``capacity`` slots."""
+    cells = np.random.default_rng(seed).permutation(GRID[0] * GRID[1])[:n_blocks]
+    mask = np.zeros(GRID, bool)
+    mask.flat[cells] = True
+    return jbs.Layout.from_mask(mask, BS, capacity=capacity)
+
+
+def _loss(impl):
+    def loss(x, w, dy, layout):
+        y = jbs.bsmm(x, w, layout, impl=impl)
+        return jnp.sum(y * dy) + jnp.sum(jbs.bsmm_updat(x, dy, layout, impl=impl) ** 2)
+
+    return loss
+
+
+def _calls(fun, *args) -> set:
+    text = jax.jit(fun).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+    return {t for t in TARGETS.values() if f"@{t}(" in text}
+
+
+def _args(layout, dtype=jnp.float32):
+    c, k = layout.shape
+    return rand((6, c), dtype, 1), rand(layout.w_shape, dtype, 2), rand((6, k), dtype, 3), layout
+
+
+# capacity of 16 blocks -> fraction; at or below 0.5 the kernels, above it the dense product.
+@pytest.mark.parametrize("capacity, kernels", [(4, True), (8, True), (9, False), (16, False)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_auto_flips_at_the_crossover_with_equal_values_and_gradients(capacity, kernels, dtype):
+    layout = _layout(min(capacity, 6), capacity)
+    args = _args(layout, dtype)
+    grad = jax.value_and_grad(_loss("auto"), argnums=(0, 1, 2))
+    with use_table(TEST_TABLE):
+        got_calls = _calls(grad, *args)
+        got = jax.jit(grad)(*args)
+    assert got_calls == (set(TARGETS.values()) if kernels else set())
+    want = jax.jit(jax.value_and_grad(_loss("reference"), argnums=(0, 1, 2)))(*args)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, r, dtype, length=layout.shape[0])
+
+
+def test_kernels_and_dense_are_not_moved_by_the_table():
+    layout = _layout(16, 16)
+    args = _args(layout)
+    with use_table(TEST_TABLE):
+        assert _calls(_loss("kernels"), *args) == FORWARD
+        assert _calls(_loss("dense"), *args) == set()
+    with use_table(CrossoverTable()):  # an empty table: "auto" runs the kernels everywhere
+        assert _calls(_loss("auto"), *args) == FORWARD
+        assert _calls(_loss("dense"), *args) == set()
+    got = jax.jit(_loss("dense"))(*args)
+    assert_close(got, jax.jit(_loss("reference"))(*args), jnp.float32, length=layout.shape[0])
+
+
+def test_the_table_decides_per_mode_and_block_size():
+    """An entry for bfloat16 does not move float32, nor one for block 16 block 32."""
+    only_bf16 = CrossoverTable.from_entries([_entry(target=t, mode="bfloat16") for t in TARGETS.values()])
+    layout = _layout(16, 16)
+    with use_table(only_bf16):
+        assert _calls(_loss("auto"), *_args(layout, jnp.float32)) == FORWARD
+        assert _calls(_loss("auto"), *_args(layout, jnp.bfloat16)) == set()
+    big = jbs.Layout.from_mask(np.ones((2, 2), bool), 32)
+    with use_table(TEST_TABLE):
+        assert _calls(_loss("auto"), *_args(big)) == FORWARD
+
+
+@pytest.mark.parametrize("capacity", [6, 12])  # one below the crossover, one above
+def test_a_layout_changing_within_its_capacity_is_not_recompiled(capacity):
+    traces = []
+
+    def loss(x, w, dy, layout):
+        traces.append(1)
+        return _loss("auto")(x, w, dy, layout)
+
+    step = jax.jit(jax.grad(loss, argnums=1))
+    first, second = _layout(3, capacity, seed=0), _layout(5, capacity, seed=1)
+    assert not np.array_equal(np.asarray(first.mask), np.asarray(second.mask))
+    with use_table(TEST_TABLE):
+        g1 = step(*_args(first))
+        g2 = step(*_args(second))
+    assert len(traces) == 1 and step._cache_size() == 1
+    for layout, g in ((first, g1), (second, g2)):
+        want = jax.grad(_loss("reference"), argnums=1)(*_args(layout))
+        assert_close(g, want, jnp.float32, length=layout.shape[0])
+
+
+def test_the_table_in_force_is_part_of_the_jit_key():
+    layout = _layout(16, 16)
+    f = jax.jit(_loss("auto"))
+    args = _args(layout)
+    with use_table(TEST_TABLE):
+        a = f(*args)
+    with use_table(CrossoverTable()):
+        b = f(*args)
+    assert f._cache_size() == 2
+    assert_close(a, b, jnp.float32, length=layout.shape[0])
+
+
+def test_cuda_cross_lowering_without_a_gpu_has_no_device_to_look_up():
+    from jax_blocksparse.ops import _lowering
+
+    assert _lowering.device_kind("cpu") == "cpu"
+    if not jax.devices()[0].platform == "gpu":
+        assert _lowering.device_kind("cuda") is None
+
+
+def test_the_report_prints_the_crossovers_in_force():
+    from jax_blocksparse.__main__ import crossover_lines
+
+    lines = crossover_lines(TEST_TABLE)
+    assert any("jbs_bsmm_updat" in line and "bs16 0.50" in line for line in lines), lines
+    assert any("none measured" in line for line in crossover_lines(CrossoverTable())), lines
