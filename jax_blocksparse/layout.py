@@ -166,7 +166,7 @@ def _tables_traced(mask: jax.Array, capacity: int) -> LayoutTables:
     )
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class Layout:
     """Which blocks of a [C, K] weight exist, and where each one is stored.
 
@@ -269,6 +269,12 @@ class Layout:
         # Runs on every jit call that takes the layout: returns prebuilt objects only.
         return self._leaves(), self._static
 
+    def tree_flatten_with_keys(self):
+        # The tables by name (paths ``...block_rows``, ``...col_ptr``): what path-keyed
+        # serialisers such as orbax name the arrays of a layout in a checkpoint.
+        leaves = self._leaves()
+        return [(jax.tree_util.GetAttrKey(name), leaf) for name, leaf in zip(leaves._fields, leaves)], self._static
+
     def _leaves(self) -> LayoutTables:
         """The tables as pytree leaves: host (numpy) tables become device arrays, once.
 
@@ -328,8 +334,14 @@ class Layout:
         return m.at[t.block_rows, t.block_cols].max(self.valid, mode="drop")
 
     def __repr__(self):
-        nnz = self.nnz
-        nnz_s = str(nnz) if isinstance(nnz, int) else "traced"
+        col_ptr = self.tables.col_ptr
+        if not _is_concrete(col_ptr):
+            nnz_s = "traced"
+        elif not isinstance(col_ptr, (np.ndarray, jax.Array)):
+            nnz_s = "?"  # abstract leaves: jax.eval_shape's ShapeDtypeStructs, shardings
+        else:
+            nnz = np.asarray(col_ptr)[..., -1]  # one count per layout of a stack (split_columns)
+            nnz_s = str(nnz.tolist())
         return (
             f"Layout(block_size={self.block_size}, grid={self.grid}, shape={self.shape}, "
             f"capacity={self.capacity}, nnz={nnz_s})"

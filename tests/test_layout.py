@@ -195,6 +195,23 @@ def test_pytree_leaves_and_treedef():
     assert isinstance(doubled, jbs.Layout) and doubled.capacity == 9
 
 
+def test_pytree_paths_name_the_tables():
+    # Path-keyed serialisers (orbax) store a layout's tables under these names.
+    layout = jbs.Layout.from_mask(make_mask("random", (3, 4)), 32, capacity=9)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path({"w": layout})[0]]
+    assert paths == [f"['w'].{name}" for name in TABLE_NAMES]
+
+
+def test_repr_of_stacked_traced_and_abstract_layouts():
+    layout = jbs.Layout.from_mask(np.eye(4, 8, dtype=bool), 8)
+    assert repr(layout).endswith("capacity=4, nnz=4)")
+    assert repr(jbs.sharding.split_columns(layout, 4)).endswith("capacity=2, nnz=[2, 2, 0, 0])")
+    assert repr(jax.eval_shape(lambda: layout)).endswith("nnz=?)")  # ShapeDtypeStruct tables
+    seen = []
+    jax.jit(lambda m: seen.append(repr(jbs.Layout.from_mask(m, 8, capacity=4))))(jnp.eye(4, 8, dtype=bool))
+    assert seen[0].endswith("nnz=traced)")
+
+
 def test_new_mask_same_capacity_does_not_recompile():
     traces = []
 
