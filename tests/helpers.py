@@ -21,10 +21,12 @@ it states here:
 """
 
 import contextlib
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 # Must run before jax is imported so that pmap / shard_map tests see 8 CPU devices.
 _FLAG = "--xla_force_host_platform_device_count"
@@ -167,6 +169,17 @@ def require_cuda_extension():
     require_kernels("cuda")
 
 
+# A custom call of the library in StableHLO (``@name(``) or compiled HLO text.
+_LIBRARY_CALL_RE = re.compile(r'(?:@|custom_call_target=")(' + jbs.targets.PREFIX + r'\w+?)(?:\(|")')
+
+
+def kernel_calls(text: str) -> set[str]:
+    """The kernels (short names: ``"jbs_bsmm_fprop"``, ``"jbs_bsmm_updat_sm90"``) whose
+    versioned FFI targets (:mod:`jax_blocksparse.targets`) a lowered or compiled
+    program's text calls."""
+    return {jbs.targets.kernel_of(t) or t for t in _LIBRARY_CALL_RE.findall(text)}
+
+
 @contextlib.contextmanager
 def xla_optimizations_off(off: bool = True):
     """Skips most of XLA's optimisation passes inside (about 2x faster compiles), for
@@ -274,3 +287,20 @@ def eqns_named(jaxpr, names) -> list:
         for inner in jaxprs_in_params(eqn.params):
             found += eqns_named(inner, names)
     return found
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relpath: str, name: str | None = None):
+    """A script of bench/ or examples/ (not packages) imported by its path, e.g.
+    ``load_script("bench/crossover.py")``. It is registered in ``sys.modules`` (under
+    ``name``, default the path with "/" and "." as "_") before it runs: flax's dataclasses
+    look their module up there."""
+    path = ROOT / relpath
+    name = name or relpath.removesuffix(".py").replace("/", "_").replace(".", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

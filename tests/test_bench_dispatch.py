@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from helpers import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "dispatch.py"
 
 
 def test_dispatch_bench_writes_its_json(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_dispatch", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("bench/dispatch.py")
     out = tmp_path / "dispatch.json"
     module.main(["--calls", "3", "--json", str(out)])
     result = json.loads(out.read_text())

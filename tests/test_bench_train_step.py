@@ -3,10 +3,8 @@ computes what the fused block-sparse LSTM computes (no timing asserted)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import jax
@@ -15,21 +13,14 @@ import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
+from helpers import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "train_step.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_train_step", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    # Registered before it runs: dataclasses (the flax modules) look their module up there.
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    return load_script("bench/train_step.py")
 
 
 def test_quick_run_writes_rows_for_both_models(bench, tmp_path, capsys):

@@ -5,10 +5,8 @@ of the floors in the committed result."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import jax
@@ -18,6 +16,7 @@ import pytest
 
 import jax_blocksparse as jbs
 import training_steps as ts
+from helpers import load_script
 from jax_blocksparse.ops import matmul
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,14 +25,7 @@ BENCH = ROOT / "bench" / "training_noise.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_training_noise", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    return load_script("bench/training_noise.py")
 
 
 def _operands(dtype, integers=False):

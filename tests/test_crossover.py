@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
-from helpers import assert_close, cpu_devices, rand, require_kernels
+from helpers import assert_close, cpu_devices, kernel_calls, load_script, rand, require_kernels
 from jax_blocksparse.crossover import Crossover, CrossoverTable, prefers_dense, use_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,14 +32,7 @@ CROSSOVER = 0.5
 FORWARD = {TARGETS["fprop"], TARGETS["updat"]}
 
 
-def _load_bench(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-crossover_script = _load_bench("crossover")
+crossover_script = load_script("bench/crossover.py")
 
 
 # ---------------------------------------------------------------------------------
@@ -198,7 +190,7 @@ def _loss(impl):
 
 def _calls(fun, *args) -> set:
     text = jax.jit(fun).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
-    return {t for t in TARGETS.values() if f"@{t}(" in text}
+    return kernel_calls(text) & set(TARGETS.values())
 
 
 def _args(layout, dtype=jnp.float32):

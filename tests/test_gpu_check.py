@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import math
 import os
@@ -37,6 +36,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "gpu" / "check.sh"
@@ -54,14 +55,7 @@ METRICS = (
 
 def _load(name):
     """A bench/ script as a module (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module
+    return load_script(f"bench/{name}.py")
 
 
 def _check(*args, env=None, timeout=60):
@@ -628,14 +622,16 @@ def test_bench_paths_lower_to_their_own_targets(bsmm, monkeypatch):
 
 def test_bench_target_and_mode_from_hlo(bsmm):
     compiled = ('%custom-call.1 = f32[16,128]{1,0} custom-call(f32[16,128]{1,0} %p0, ...), '
-                'custom_call_target="jbs_bsmm_fprop_sm90", api_version=API_VERSION_TYPED_FFI, '
+                'custom_call_target="jax_blocksparse_bsmm_fprop_sm90_v1", api_version=API_VERSION_TYPED_FFI, '
                 'backend_config={tf32 = true}')
-    lowered = ('%0 = stablehlo.custom_call @jbs_bsmm_updat_sm90(%arg0, %arg1) {backend_config = "", '
+    lowered = ('%0 = stablehlo.custom_call @jax_blocksparse_bsmm_updat_sm90_v1(%arg0, %arg1) {backend_config = "", '
                'mhlo.backend_config = {tf32 = true}} : (tensor<16x128xf32>) -> tensor<8x32x32xf32>')
     assert bsmm.kernel_target(compiled) == "jbs_bsmm_fprop_sm90"
     assert bsmm.kernel_target(lowered) == "jbs_bsmm_updat_sm90"
     assert bsmm.kernel_target("%dot.1 = f32[16,128] dot(...)") is None
-    assert bsmm.kernel_target(compiled + "\n" + compiled.replace("_sm90", "")) == "jbs_bsmm_fprop,jbs_bsmm_fprop_sm90"
+    assert bsmm.kernel_target('custom_call_target="lapack_sgetrf_ffi"') is None  # not one of ours
+    both = compiled + "\n" + compiled.replace("_sm90_v1", "_v1")
+    assert bsmm.kernel_target(both) == "jbs_bsmm_fprop,jbs_bsmm_fprop_sm90"
     assert bsmm.arithmetic_mode("float32", "jbs_bsmm_updat_sm90", lowered, "gpu") == "tf32"
     assert bsmm.arithmetic_mode("float32", "jbs_bsmm_updat_sm90", lowered.replace("true", "false"), "gpu") == "float32"
     assert bsmm.arithmetic_mode("float32", "jbs_bsmm_fprop", "", "gpu") == "float32"  # exact portable kernels
@@ -666,7 +662,7 @@ def test_bench_chains_keep_every_product(bsmm):
             sparse, dense = ops[op]
             s_args, d_args = bsmm._args(op, x, x, W, w, layout)
             hlo = jax.jit(bsmm.chained(sparse, 3)).lower(*s_args).compile().as_text()
-            assert hlo.count(f'custom_call_target="jbs_bsmm_{op}"') == 3, op
+            assert hlo.count(f'custom_call_target="{jbs.targets.target_name(f"jbs_bsmm_{op}")}"') == 3, op
             hlo = jax.jit(bsmm.chained(dense, 3)).lower(*d_args).compile().as_text()
             assert hlo.count(" dot(") == 3, op
 
@@ -770,7 +766,4 @@ def test_check_summary_reads_a_real_runner_json(tmp_path, capsys):
 
 
 def _load_runner():
-    spec = importlib.util.spec_from_file_location("jbs_run_isolated", RUNNER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tests/gpu/run_isolated.py")

@@ -11,10 +11,8 @@ default device), whatever the default backend is.
 * Model parallel: jbs.sharding, weights split by output block columns.
 """
 
-import importlib.util
 import pathlib
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +30,7 @@ from helpers import (
     collectives,
     cpu_devices,
     cpu_mesh,
+    load_script,
     make_mask,
     make_problem,
     rand,
@@ -189,13 +188,7 @@ def test_eight_device_training_equals_one_device(monkeypatch):
     cpus = cpu_devices(NUM_DEVICES)
     monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: list(cpus))
     monkeypatch.setattr(jax, "local_device_count", lambda *args, **kwargs: len(cpus))
-    spec = importlib.util.spec_from_file_location("data_parallel", ROOT / "examples" / "data_parallel.py")
-    example = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = example  # flax dataclasses look their module up
-    try:
-        spec.loader.exec_module(example)
-    finally:
-        del sys.modules[spec.name]
+    example = load_script("examples/data_parallel.py")
     data = example.load_data(0)
     kw = dict(steps=4, batch_size=64, data=data, hidden=64)
     single, m1 = example.train("single", **kw)

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import jax_blocksparse as jbs
+from helpers import load_script
 from jax_blocksparse import training as jst
 from jax_blocksparse.nn import BlockSparseDense
 from jax_blocksparse.nnx import BlockSparseLinear
@@ -578,16 +579,8 @@ def test_nnx_dynamic_training_loop_compiles_once():
     assert np.all(np.asarray(mu)[model.layers[0].layout.nnz :] == 0)
 
 
-def test_example_runs(capsys, monkeypatch):
-    import importlib.util
-    import pathlib
-    import sys
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "sparse_training.py"
-    spec = importlib.util.spec_from_file_location("sparse_training_example", path)
-    example = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, example)  # flax dataclasses look their module up
-    spec.loader.exec_module(example)
+def test_example_runs(capsys):
+    example = load_script("examples/sparse_training.py")
     result = example.main(["--method", "set", "--density", "0.3", "--epochs", "2", "--quiet", "--log"])
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1] == f"test_accuracy={result['test_accuracy']:.4f}"
