@@ -84,6 +84,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_blocksparse as jbs
+from jax_blocksparse import targets
 from jax_blocksparse.ops import _sm90
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
@@ -265,7 +266,7 @@ def roofline_bound(op, c, k, n, density, dtype, device_kind):
 # ---------------------------------------------------------------------------------
 
 # A custom call's target in compiled HLO text, or in StableHLO (lowered) text.
-_TARGET_RE = re.compile(r'custom_call_target="(jbs_\w+)"|stablehlo\.custom_call @(jbs_\w+)\(')
+_TARGET_RE = re.compile(r'custom_call_target="(\w+)"|stablehlo\.custom_call @(\w+)\(')
 
 
 def kernel_paths(device) -> list[str]:
@@ -298,10 +299,12 @@ def hopper_gate(path: str):
 
 
 def kernel_target(hlo_text: str) -> str | None:
-    """The jbs FFI target a program calls, from its compiled HLO (or StableHLO) text; None
-    where it calls none (the pure-JAX reference ran); several are joined by commas."""
-    targets = sorted({a or b for a, b in _TARGET_RE.findall(hlo_text)})
-    return ",".join(targets) if targets else None
+    """The kernel a program calls (its short name, ``jbs_bsmm_fprop``, read from the
+    versioned FFI target: jax_blocksparse/targets.py), from its compiled HLO (or StableHLO)
+    text; None where it calls none (the pure-JAX reference ran); several are joined by
+    commas. Rows and the crossover table keep these unversioned names."""
+    kernels = sorted(filter(None, (targets.kernel_of(a or b) for a, b in _TARGET_RE.findall(hlo_text))))
+    return ",".join(sorted(set(kernels))) if kernels else None
 
 
 def path_of(target: str | None, platform_name: str, requested: str) -> str:

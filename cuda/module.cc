@@ -50,6 +50,19 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmInitializeSm90);
 
 namespace {
 
+// The FFI target names, versioned: jax_blocksparse/targets.py holds the table (kernel,
+// versions, platforms) and its compatibility promise; tests/test_export.py checks that
+// registrations() reports exactly its names. A new version of a target is registered
+// beside the old one, which stays for the releases that promise says.
+constexpr char kFpropV1[] = "jax_blocksparse_bsmm_fprop_v1";
+constexpr char kBpropV1[] = "jax_blocksparse_bsmm_bprop_v1";
+constexpr char kUpdatV1[] = "jax_blocksparse_bsmm_updat_v1";
+#ifdef JBS_WITH_SM90
+constexpr char kFpropSm90V1[] = "jax_blocksparse_bsmm_fprop_sm90_v1";
+constexpr char kBpropSm90V1[] = "jax_blocksparse_bsmm_bprop_sm90_v1";
+constexpr char kUpdatSm90V1[] = "jax_blocksparse_bsmm_updat_sm90_v1";
+#endif
+
 template <typename Fn>
 py::capsule Capsule(Fn* fn) {
   return py::capsule(reinterpret_cast<void*>(fn));
@@ -130,9 +143,9 @@ PYBIND11_MODULE(_jbs_kernels, m) {
   m.doc() = "jax-blocksparse native kernels (XLA FFI handlers for CPU and, when built, CUDA)";
   m.def("registrations", []() {
     py::dict cpu;
-    cpu["jbs_bsmm_fprop"] = Capsule(JbsBsmmFpropCpu);
-    cpu["jbs_bsmm_bprop"] = Capsule(JbsBsmmBpropCpu);
-    cpu["jbs_bsmm_updat"] = Capsule(JbsBsmmUpdatCpu);
+    cpu[kFpropV1] = Capsule(JbsBsmmFpropCpu);
+    cpu[kBpropV1] = Capsule(JbsBsmmBpropCpu);
+    cpu[kUpdatV1] = Capsule(JbsBsmmUpdatCpu);
     py::dict by_platform;
     by_platform["cpu"] = cpu;
 #ifdef JBS_WITH_CUDA
@@ -145,9 +158,9 @@ PYBIND11_MODULE(_jbs_kernels, m) {
       return d;
     };
     py::dict cuda;
-    cuda["jbs_bsmm_fprop"] = stages(Capsule(JbsBsmmFpropCuda));
-    cuda["jbs_bsmm_bprop"] = stages(Capsule(JbsBsmmBpropCuda));
-    cuda["jbs_bsmm_updat"] = stages(Capsule(JbsBsmmUpdatCuda));
+    cuda[kFpropV1] = stages(Capsule(JbsBsmmFpropCuda));
+    cuda[kBpropV1] = stages(Capsule(JbsBsmmBpropCuda));
+    cuda[kUpdatV1] = stages(Capsule(JbsBsmmUpdatCuda));
 #ifdef JBS_WITH_SM90
     auto sm90_stages = [](py::capsule execute) {
       py::dict d;
@@ -155,14 +168,15 @@ PYBIND11_MODULE(_jbs_kernels, m) {
       d["execute"] = execute;
       return d;
     };
-    cuda["jbs_bsmm_fprop_sm90"] = sm90_stages(Capsule(JbsBsmmFpropSm90));
-    cuda["jbs_bsmm_bprop_sm90"] = sm90_stages(Capsule(JbsBsmmBpropSm90));
-    cuda["jbs_bsmm_updat_sm90"] = sm90_stages(Capsule(JbsBsmmUpdatSm90));
+    cuda[kFpropSm90V1] = sm90_stages(Capsule(JbsBsmmFpropSm90));
+    cuda[kBpropSm90V1] = sm90_stages(Capsule(JbsBsmmBpropSm90));
+    cuda[kUpdatSm90V1] = sm90_stages(Capsule(JbsBsmmUpdatSm90));
 #endif
     by_platform["CUDA"] = cuda;
 #endif
     return by_platform;
-  }, "platform ('cpu', 'CUDA') -> {FFI target name -> handler capsule, or {stage -> capsule}} (api_version 1).");
+  }, "platform ('cpu', 'CUDA') -> {FFI target name -> handler capsule, or {stage -> capsule}} (api_version 1); "
+     "the CUDA Hopper targets (*_sm90_v*) only in a build for sm_90a.");
   m.def("work_plan_dsd", &WorkPlanDsd, py::arg("rows"), py::arg("tile_m"), py::arg("seg_ptr"), py::arg("order"),
         py::arg("pack"),
         "DSD work items in launch order: (m_tile, group, row_begin, row_end, [(output, [entry or -1 per step])]).");
@@ -185,10 +199,7 @@ PYBIND11_MODULE(_jbs_kernels, m) {
 #else
     d["cuda"] = false;
 #endif
-    d["targets"] = py::make_tuple("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat");
 #ifdef JBS_WITH_SM90
-    // CUDA only, Hopper (sm_90a) kernels: chosen by the lowering behind the Hopper gate.
-    d["sm90_targets"] = py::make_tuple("jbs_bsmm_fprop_sm90", "jbs_bsmm_bprop_sm90", "jbs_bsmm_updat_sm90");
     // Block sizes at which those targets run float32 on TF32 (cuda/sm90/bsmm_sm90_tf32.h).
     py::dict tf32;
     tf32["fprop"] = py::tuple(py::cast(std::vector<int>(std::begin(jbs::sm90::kDsdTF32BlockSizes),
@@ -197,8 +208,6 @@ PYBIND11_MODULE(_jbs_kernels, m) {
     tf32["updat"] = py::tuple(py::cast(std::vector<int>(std::begin(jbs::sm90::kSddTF32BlockSizes),
                                                         std::end(jbs::sm90::kSddTF32BlockSizes))));
     d["sm90_tf32_block_sizes"] = tf32;
-#else
-    d["sm90_targets"] = py::tuple();
 #endif
     d["block_sizes"] = py::make_tuple(8, 16, 32, 64, 128);
     return d;

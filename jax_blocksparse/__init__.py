@@ -13,7 +13,7 @@ Example::
     (8, 512)
 """
 
-from jax_blocksparse import attention, config, crossover, layouts, sharding
+from jax_blocksparse import _native, attention, config, crossover, export, layouts, sharding, targets
 from jax_blocksparse._native import has_cpu_kernels, has_cuda_kernels
 from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
 from jax_blocksparse.ops.conv import (
@@ -28,6 +28,10 @@ from jax_blocksparse.ops.matmul import bsmm, bsmm_reference, bsmm_updat, from_de
 
 __version__ = "0.1.0"
 
+# Register the native kernels' FFI targets now, not at first use: a program deserialized
+# with jax.export in this process finds them (jax_blocksparse.export). Never raises.
+_native.register()
+
 __all__ = [
     "Layout",
     "SUPPORTED_BLOCK_SIZES",
@@ -41,6 +45,7 @@ __all__ = [
     "bsmm_updat",
     "config",
     "crossover",
+    "export",
     "conv_from_dense",
     "conv_to_dense",
     "from_dense",
@@ -50,6 +55,7 @@ __all__ = [
     "layouts",
     "mixed_precision",
     "sharding",
+    "targets",
     "nn",
     "nnx",
     "training",

@@ -1,7 +1,8 @@
 """``python -m jax_blocksparse``: an environment report.
 
 Prints versions, devices, whether the native extension is built (the CPU instruction
-set its kernels use; CUDA or not, and for which architectures), the implementation
+set its kernels use; CUDA or not, and for which architectures) and the FFI targets it
+registered (the names a ``jax.export`` artifact calls), the implementation
 switch in force, for each platform which path bsmm takes there, and the crossovers in
 force for this machine's devices (where "auto" computes a product densely instead).
 """
@@ -41,6 +42,10 @@ def report() -> str:
         lines.append("native extension: built and loaded " + ", ".join(f"{k}={v}" for k, v in info.items()))
     else:
         lines.append(f"native extension: not available: {_native.load_error()}")
+    # Registered at import; jax.export artifacts name these (jbs.export.disabled_checks()).
+    for plat in ("cpu", "cuda"):
+        if names := sorted(_native.registered_targets(plat)):
+            lines.append(f"  FFI targets for {plat}: {', '.join(names)}")
     impl = jbs.config.get_implementation()
     lines.append(f"implementation:   {impl} (env {jbs.config.ENV_VAR}, or jbs.config.implementation(...))")
     lines.append("")

@@ -15,8 +15,6 @@ class _BuildInfo(TypedDict, total=False):
     cudart_version: int
     cudart_runtime_version: int
     archs: list[str]
-    targets: tuple[str, ...]
-    sm90_targets: tuple[str, ...]  # CUDA Hopper targets, empty unless built for sm_90a
     # op ("fprop", "bprop", "updat") -> block sizes where those targets run float32 on TF32
     # (cuda/sm90/bsmm_sm90_tf32.h); only when built for sm_90a
     sm90_tf32_block_sizes: dict[str, tuple[int, ...]]
@@ -29,7 +27,11 @@ class _SddPlan(TypedDict):
     items: list[tuple[int, int, int, int, int]]
 
 def registrations() -> dict[str, dict[str, CapsuleType | dict[str, CapsuleType]]]:
-    """Platform ("cpu", "CUDA") -> {FFI target name -> handler capsule, or {stage -> capsule}}."""
+    """Platform ("cpu", "CUDA") -> {FFI target name -> handler capsule, or {stage -> capsule}}.
+
+    The names are the versioned targets of jax_blocksparse/targets.py
+    (``jax_blocksparse_bsmm_fprop_v1``, ...); the Hopper ones (``*_sm90_v1``, CUDA) only
+    in a build for sm_90a."""
 
 def build_info() -> _BuildInfo:
     """Facts about this build: CPU instruction set in use, CUDA version and architectures."""

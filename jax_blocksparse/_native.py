@@ -4,7 +4,10 @@ The extension (``jax_blocksparse/_jbs_kernels*.so``, built by ``build.py`` durin
 ``pip install``) always holds the CPU kernels, compiled with the host C++ compiler,
 and holds the CUDA kernels too when nvcc was found at build time. It links the CUDA
 runtime statically, so it imports on a machine without a GPU. Every handler it
-exports through ``registrations()`` is registered here, once, for its platform.
+exports through ``registrations()`` is registered here, once, for its platform, when
+``jax_blocksparse`` is imported (:func:`register`): a program deserialized with
+:mod:`jax.export` then finds its targets (names: :mod:`jax_blocksparse.targets`).
+A missing or broken extension leaves the package importable: the reference runs.
 """
 
 from __future__ import annotations
@@ -13,31 +16,62 @@ import functools
 
 import jax
 
+from jax_blocksparse import targets
+
 # registrations() keys -> jax platform names used by lowerings.
 _PLATFORMS = {"cpu": "cpu", "CUDA": "cuda"}
+# The kernels every build holds for a platform it has; the Hopper ones are optional.
+_PORTABLE = tuple(k for k in targets.VERSIONS if not k.endswith("_sm90"))
 
 
 @functools.cache
 def _load():
-    """Returns (module, registered platforms, None) or (None, frozenset(), reason)."""
+    """Returns (module, {platform: registered target names}, None) or (None, {}, reason)."""
     try:
         from jax_blocksparse import _jbs_kernels  # type: ignore[attr-defined]
-    except ImportError as err:
-        return None, frozenset(), f"extension not built ({err}); build it with `python build.py`"
-    registered = set()
+    except ImportError as err:  # not built, or built for another Python / missing symbols
+        return None, {}, f"extension not built ({err}); build it with `python build.py`"
+    except Exception as err:  # noqa: BLE001  (a module whose initialization fails: keep the package importable)
+        return None, {}, f"extension failed to load ({err!r}); rebuild it with `python build.py`"
+    registered: dict[str, frozenset[str]] = {}
     try:
-        for ffi_platform, targets in _jbs_kernels.registrations().items():
-            for name, capsule in targets.items():
+        for ffi_platform, handlers in _jbs_kernels.registrations().items():
+            for name, capsule in handlers.items():
                 jax.ffi.register_ffi_target(name, capsule, platform=ffi_platform, api_version=1)
-            registered.add(_PLATFORMS.get(ffi_platform, ffi_platform.lower()))
+            registered[_PLATFORMS.get(ffi_platform, ffi_platform.lower())] = frozenset(handlers)
     except Exception as err:  # noqa: BLE001  (report any registration failure as "not loaded")
-        return None, frozenset(), f"extension loaded but its FFI targets could not be registered ({err!r})"
-    return _jbs_kernels, frozenset(registered), None
+        return None, {}, f"extension loaded but its FFI targets could not be registered ({err!r})"
+    return _jbs_kernels, registered, None
+
+
+def register() -> None:
+    """Loads the extension and registers its FFI targets (once; ``import jax_blocksparse``
+    calls it). Never raises: :func:`load_error` says what went wrong."""
+    _load()
+
+
+def registered_targets(platform: str) -> frozenset[str]:
+    """The FFI target names the extension registered for ``platform`` ("cpu", "cuda")."""
+    return _load()[1].get(platform, frozenset())
+
+
+def _stale(platform: str) -> str | None:
+    """Why the extension's targets for ``platform`` are not the ones this package calls
+    (an extension built from older sources), or None when they are."""
+    names = registered_targets(platform)
+    missing = sorted(targets.target_name(k) for k in _PORTABLE if targets.target_name(k) not in names)
+    if not missing:
+        return None
+    return (
+        f"the extension is out of date: it registers {sorted(names)} for {platform!r}, this jax_blocksparse "
+        f"calls {missing}; rebuild it with `python build.py` (or reinstall)"
+    )
 
 
 def has_kernels(platform: str) -> bool:
-    """Whether native kernels for ``platform`` ("cpu" or "cuda") are built and registered."""
-    return platform in _load()[1]
+    """Whether native kernels for ``platform`` ("cpu" or "cuda") are built and registered
+    under the target names this package calls."""
+    return platform in _load()[1] and _stale(platform) is None
 
 
 def has_cuda_kernels() -> bool:
@@ -52,11 +86,13 @@ def has_cpu_kernels() -> bool:
 
 def load_error(platform: str | None = None) -> str | None:
     """Why kernels for ``platform`` (any platform if None) are not available, or None."""
-    module, platforms, reason = _load()
+    module, registered, reason = _load()
     if module is None:
         return reason
-    if platform is None or platform in platforms:
-        return None
+    if platform is None:
+        return next(filter(None, map(_stale, registered)), None)
+    if platform in registered:
+        return _stale(platform)
     if platform == "cuda":
         return "the extension was built without CUDA (nvcc was not found at build time); rebuild with nvcc"
     return f"the extension has no kernels for platform {platform!r}"

@@ -20,6 +20,7 @@ import jax_blocksparse as jbs
 from helpers import (
     assert_close,
     dense_of,
+    kernel_calls,
     make_mask,
     rand,
     require_cuda_extension,
@@ -670,7 +671,7 @@ def test_cuda_lowering_uses_bsmm_kernels(cuda_extension, name, dtype):
     w = rand((layout.capacity, 3, 3, 16, 16), dtype, 1)
     with jbs.config.implementation("kernels"):
         text = jax.jit(fun).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    calls = {t for t in CUDA_TARGETS if f"@{t}(" in text}
+    calls = kernel_calls(text) & set(CUDA_TARGETS)
     assert calls == expected, (name, calls)
     for dense in ("tensor<3x3x32x48x", "tensor<3x3x48x32x", "tensor<288x48x", "tensor<32x432x", "tensor<432x32x"):
         assert dense not in text, f"{name}: a dense kernel {dense} appears in the lowering"

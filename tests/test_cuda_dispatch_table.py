@@ -122,14 +122,15 @@ def _lower(op, bs, dtype, precision, n=N):
 
 
 def _custom_calls(text):
-    """(target, backend_config attributes, result types) of each jbs custom call."""
+    """(kernel, backend_config attributes, result types) of each custom call of the library
+    (the kernel's short name, read from its versioned FFI target)."""
     calls = []
     for line in text.splitlines():
-        m = re.search(r"stablehlo\.custom_call @(jbs_\w+)\(", line)
-        if m:
+        m = re.search(r"stablehlo\.custom_call @(\w+)\(", line)
+        if m and jbs.targets.kernel_of(m.group(1)):
             config = re.search(r"mhlo\.backend_config = \{([^}]*)\}", line)
             results = re.findall(r"tensor<[^>]*>", line.rsplit(" -> ", 1)[1])
-            calls.append((m.group(1), config.group(1).strip() if config else None, results))
+            calls.append((jbs.targets.kernel_of(m.group(1)), config.group(1).strip() if config else None, results))
     return calls
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import require_kernels
-from jax_blocksparse import _native
+from jax_blocksparse import _native, targets
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
 TARGETS = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
@@ -92,7 +92,7 @@ def test_launchers_prepare_instead_of_launching():
 def test_handlers_register_an_initialize_stage():
     require_kernels("cuda")
     registrations = _native._load()[0].registrations()
-    for target in TARGETS:
+    for target in map(targets.target_name, TARGETS):
         stages = registrations["CUDA"][target]
         assert isinstance(stages, dict) and set(stages) == {"initialize", "execute"}, (target, stages)
         assert stages["initialize"] is not stages["execute"]
@@ -101,7 +101,7 @@ def test_handlers_register_an_initialize_stage():
 def test_hopper_handlers_register_an_initialize_stage():
     require_kernels("cuda")
     registrations = _native._load()[0].registrations()["CUDA"]
-    hopper = [t + "_sm90" for t in TARGETS]
+    hopper = [targets.target_name(t + "_sm90") for t in TARGETS]
     if not any(t in registrations for t in hopper):
         pytest.skip("extension built without sm_90a")
     for target in hopper:

@@ -32,6 +32,8 @@ API_PAGES = {
     "jax_blocksparse.layouts": ("api/layouts.html", set()),
     "jax_blocksparse.config": ("api/config.html", set()),
     "jax_blocksparse.crossover": ("api/crossover.html", set()),
+    "jax_blocksparse.export": ("api/export.html", set()),
+    "jax_blocksparse.targets": ("api/targets.html", set()),
     "jax_blocksparse.sharding": ("api/sharding.html", set()),
     "jax_blocksparse.nn": ("api/nn.html", set()),
     "jax_blocksparse.nnx": ("api/nnx.html", set()),

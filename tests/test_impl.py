@@ -9,7 +9,7 @@ ops is traced anew inside it, while a user's jitted function called outside is n
 traced or compiled again because a context was entered and left.
 
 Which path a call takes is read from the CPU lowering: under "kernels" the StableHLO
-calls the ``jbs_bsmm_*`` FFI targets, under "reference" none of them.
+calls the FFI targets of the ``jbs_bsmm_*`` kernels, under "reference" none of them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
-from helpers import eqns_named, rand, require_kernels
+from helpers import eqns_named, kernel_calls, rand, require_kernels
 
 PRIMITIVES = ("bsmm_fprop", "bsmm_bprop", "bsmm_updat")
 TARGETS = tuple(f"jbs_{p}" for p in PRIMITIVES)
@@ -98,7 +98,7 @@ def _path(fun, *args, platform="cpu"):
     ``platform``)."""
     impls = {e.params["impl"] for e in _bsmm_eqns(jax.make_jaxpr(fun)(*args).jaxpr)}
     text = jax.jit(fun).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-    return impls, {t for t in TARGETS if f"@{t}(" in text}
+    return impls, kernel_calls(text) & set(TARGETS)
 
 
 @pytest.mark.parametrize("transform", sorted(TRANSFORMS))

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
-from helpers import require_cuda_extension
+from helpers import kernel_calls, require_cuda_extension
 from jax_blocksparse.ops import _lowering, _sm90
 
 BASE = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
@@ -64,16 +64,22 @@ def _lower(op, dtype=jnp.bfloat16, precision=None, n=N):
         return jax.jit(fun).trace(x, w, dy).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _at(kernel):
+    """How a call of ``kernel`` ("jbs_bsmm_fprop_sm90") starts in StableHLO text: its
+    versioned FFI target (jax_blocksparse/targets.py)."""
+    return f"@{jbs.targets.target_name(kernel)}("
+
+
 def _operands(text, target):
     """Operand lists of every call of ``target`` in the StableHLO text."""
-    return [m.split(",") for m in re.findall(rf"@{target}\(([^)]*)\)", text)]
+    return [m.split(",") for m in re.findall(rf"{re.escape(_at(target))}([^)]*)\)", text)]
 
 
 def test_targets_registered_with_initialize_stage():
     regs = jbs._native._load()[0].registrations()["CUDA"]
     for target in SM90:
-        assert set(regs[target]) == {"initialize", "execute"}, target
-    assert set(jbs._native.extension_info()["sm90_targets"]) == set(SM90)
+        assert set(regs[jbs.targets.target_name(target)]) == {"initialize", "execute"}, target
+    assert _sm90.built_targets() == set(SM90)
 
 
 def test_nothing_verified_on_hardware():
@@ -84,7 +90,7 @@ def test_nothing_verified_on_hardware():
 @pytest.mark.parametrize("op", ["fprop", "bprop", "updat"])
 def test_gate_closed_lowers_to_portable_targets(op):
     text = _lower(op)
-    assert f"@jbs_bsmm_{op}(" in text
+    assert _at(f"jbs_bsmm_{op}") in text
     assert "_sm90" not in text
 
 
@@ -96,7 +102,7 @@ def test_gate_open_dsd(monkeypatch, op, dtype):
     calls = _operands(text, f"jbs_bsmm_{op}_sm90")
     assert len(calls) == 1, text
     assert len(calls[0]) == 8  # a, w, five tables, order
-    assert f"@jbs_bsmm_{op}(" not in text
+    assert _at(f"jbs_bsmm_{op}") not in text
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
@@ -108,7 +114,7 @@ def test_gate_open_updat_has_workspace(monkeypatch, dtype):
     lay, _ = _layout()
     ws = _sm90.updat_workspace_bytes(dtype, N, lay.capacity, BLOCK)
     assert ws > 0  # 6 slots and 2 k-steps: the plan splits N
-    line = next(l for l in text.splitlines() if "@jbs_bsmm_updat_sm90(" in l)
+    line = next(l for l in text.splitlines() if _at("jbs_bsmm_updat_sm90") in l)
     assert f"tensor<{ws}xui8>" in line, line
     assert f"tensor<{lay.capacity}x{BLOCK}x{BLOCK}x" in line
 
@@ -118,14 +124,14 @@ def test_gate_requires_sm90_device(monkeypatch):
     monkeypatch.setattr(_sm90, "_cuda_compute_capability", lambda: "8.0")
     assert "_sm90" not in _lower("fprop")
     monkeypatch.setattr(_sm90, "_cuda_compute_capability", lambda: "9.0")
-    assert "@jbs_bsmm_fprop_sm90(" in _lower("fprop")
+    assert _at("jbs_bsmm_fprop_sm90") in _lower("fprop")
 
 
 def test_verified_target_opens_gate_only_on_sm90(monkeypatch):
     monkeypatch.setattr(_lowering, "VERIFIED_CUDA_TARGETS", frozenset({"jbs_bsmm_fprop_sm90"}))
     assert "_sm90" not in _lower("fprop")  # cross-lowering: only the env var counts
     monkeypatch.setattr(_sm90, "_cuda_compute_capability", lambda: "9.0")
-    assert "@jbs_bsmm_fprop_sm90(" in _lower("fprop")
+    assert _at("jbs_bsmm_fprop_sm90") in _lower("fprop")
     assert "_sm90" not in _lower("bprop")  # not verified
 
 
@@ -138,13 +144,13 @@ def test_auto_uses_a_verified_hopper_target_on_sm90(monkeypatch):
         with jbs.config.implementation("auto"):
             return jax.jit(lambda x, w: jbs.bsmm(x, w, lay)).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
 
-    assert "@jbs_bsmm_fprop" not in lower()  # nothing verified: the reference
+    assert not kernel_calls(lower())  # nothing verified: the reference
     monkeypatch.setattr(_lowering, "VERIFIED_CUDA_TARGETS", frozenset({"jbs_bsmm_fprop_sm90"}))
-    assert "@jbs_bsmm_fprop" not in lower()  # no sm_90 device at lowering: still the reference
+    assert not kernel_calls(lower())  # no sm_90 device at lowering: still the reference
     monkeypatch.setattr(_sm90, "_cuda_compute_capability", lambda: "9.0")
-    assert "@jbs_bsmm_fprop_sm90(" in lower()
+    assert _at("jbs_bsmm_fprop_sm90") in lower()
     monkeypatch.setattr(_sm90, "_cuda_compute_capability", lambda: "8.0")
-    assert "@jbs_bsmm_fprop" not in lower()
+    assert not kernel_calls(lower())
 
 
 @pytest.mark.parametrize("bs", [8, 16, 32], ids=lambda b: f"b{b}")
@@ -161,7 +167,7 @@ def test_gate_open_small_block_updat_has_workspace(monkeypatch, dtype, bs):
     text = lowered.as_text()
     calls = _operands(text, "jbs_bsmm_updat_sm90")
     assert len(calls) == 1 and len(calls[0]) == 7, text
-    assert "@jbs_bsmm_updat(" not in text
+    assert _at("jbs_bsmm_updat") not in text
     ws = _sm90.updat_workspace_bytes(dtype, n, lay.capacity, bs)
     assert ws == 4 * lay.capacity * bs * bs * 4  # splits = k-steps = 4
     line = _call_line(text, "jbs_bsmm_updat_sm90")
@@ -201,7 +207,7 @@ def test_workspace_mirrors_the_work_plan(bs, n, capacity):
 
 
 def _call_line(text, target):
-    lines = [l for l in text.splitlines() if f"@{target}(" in l]
+    lines = [l for l in text.splitlines() if _at(target) in l]
     assert len(lines) == 1, text
     return lines[0]
 
@@ -222,7 +228,7 @@ def _defs(text, target):
         m = re.match(r"\s*(%[\w#]+)(?::\d+)? = ", l)
         if m:
             out[m.group(1)] = l
-        if f"@{target}(" in l:
+        if _at(target) in l:
             return out
     raise AssertionError(f"no call of {target}")
 
@@ -413,7 +419,7 @@ def test_tf32_tables_agree():
 def test_tf32_falls_back_without_the_exported_table(monkeypatch):
     # An extension without build_info()["sm90_tf32_block_sizes"] (an older build) gets the
     # Python table; one with it is followed, whatever the Python table says.
-    monkeypatch.setattr(jbs._native, "extension_info", lambda: {"sm90_targets": SM90})
+    monkeypatch.setattr(jbs._native, "extension_info", lambda: {})
     assert _sm90.tf32_block_sizes("jbs_bsmm_fprop") == (16, 32, 64, 128)
     table = {"fprop": (8, 16, 32, 64, 128), "bprop": (16,), "updat": (64,)}
     monkeypatch.setattr(jbs._native, "extension_info", lambda: {"sm90_tf32_block_sizes": table})

@@ -116,13 +116,14 @@ def test_command_buffer_scan():
         "HloModule jit_train_step, is_scheduled=true",
         "",
         "%fused_add (p0: f32[4], p1: f32[4]) -> f32[4] {",
-        '  ROOT %x = f32[4]{0} custom-call(%p0), custom_call_target="jbs_bsmm_fprop"',
+        '  ROOT %x = f32[4]{0} custom-call(%p0), custom_call_target="jax_blocksparse_bsmm_fprop_v1"',
         "}",
         "",
         "%command_buffer (p: f32[4]) -> (f32[4], f32[4]) {",
         "  %p = f32[4]{0} parameter(0)",
-        '  %a = f32[4]{0} custom-call(%p), custom_call_target="jbs_bsmm_fprop", api_version=API_VERSION_TYPED_FFI',
-        '  %b = f32[4]{0} custom-call(%a), custom_call_target="jbs_bsmm_updat", backend_config={}',
+        '  %a = f32[4]{0} custom-call(%p), custom_call_target="jax_blocksparse_bsmm_fprop_v1", '
+        "api_version=API_VERSION_TYPED_FFI",
+        '  %b = f32[4]{0} custom-call(%a), custom_call_target="jax_blocksparse_bsmm_updat_v1", backend_config={}',
         "  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%a, %b)",
         "}",
         "",
@@ -132,7 +133,7 @@ def test_command_buffer_scan():
         "",
         "ENTRY %main.3 (a: f32[4]) -> f32[4] {",
         "  %call = (f32[4]{0}, f32[4]{0}) call(%a), to_apply=%command_buffer",
-        '  ROOT %c = f32[4]{0} custom-call(%call), custom_call_target="jbs_bsmm_bprop"',
+        '  ROOT %c = f32[4]{0} custom-call(%call), custom_call_target="jax_blocksparse_bsmm_bprop_v1"',
         "}",
     ])
     assert ts.command_buffer_calls(hlo) == {"computations": 2, "jbs_calls_inside": 2}

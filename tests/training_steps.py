@@ -22,8 +22,9 @@ the dense layers), which the float32 kernels do not use. :func:`check` then asse
   losses and the final params agree; a layout update picks the same blocks and moves
   params the same way (tolerances per model and dtype, :data:`TOLERANCES`: 3x the
   noise floor that bench/training_noise.py measures on CPU);
-* the compiled kernels program calls every expected custom call (``jbs_bsmm_fprop``,
-  ``jbs_bsmm_bprop``, ``jbs_bsmm_updat``) and the reference program none.
+* the compiled kernels program calls every expected kernel (``jbs_bsmm_fprop``,
+  ``jbs_bsmm_bprop``, ``jbs_bsmm_updat``, through their versioned FFI targets) and the
+  reference program none.
 
 Models (``MODELS``), each in float32 and in mixed precision (``dtype=bfloat16``,
 ``param_dtype=float32``), batch 16-64, hidden 256, blocks of 32 (one layer 64), GELU
@@ -608,9 +609,13 @@ def replay(problem: Problem, programs: dict, reference: Run) -> dict:
     return out
 
 
+_LIBRARY_TARGET = 'custom_call_target="' + jbs.targets.PREFIX
+
+
 def _custom_calls(hlo_text: str) -> list[str]:
-    """The jbs custom-call targets in compiled HLO text, sorted, without repeats."""
-    return sorted(set(re.findall(r'custom_call_target="(jbs_[a-z_]+)"', hlo_text)))
+    """The kernels (short names) whose FFI targets compiled HLO text calls, sorted, without repeats."""
+    found = re.findall(re.escape(_LIBRARY_TARGET) + r'(\w+)"', hlo_text)
+    return sorted({jbs.targets.kernel_of(jbs.targets.PREFIX + t) or t for t in found})
 
 
 def command_buffer_calls(hlo_text: str) -> dict:
@@ -629,7 +634,7 @@ def command_buffer_calls(hlo_text: str) -> dict:
         if header:
             current = header.group(1)
             computations += current.startswith("command_buffer")
-        elif current.startswith("command_buffer") and 'custom_call_target="jbs_' in line:
+        elif current.startswith("command_buffer") and _LIBRARY_TARGET in line:
             inside += 1
     return {"computations": computations, "jbs_calls_inside": inside}
 

@@ -22,7 +22,9 @@ native extension, which registers the same target names for both platforms
 The kernel lowering is itself ``mlir.lower_fun`` of a small jnp function
 (:func:`_kernel_call`): it picks the operands a target takes (see
 :data:`_KERNEL_OPERANDS`), calls ``jax.ffi.ffi_call`` and casts the result to the
-requested dtype. The layout stays data: no host reads, no recompiles when it changes,
+requested dtype. Here a "target" is the kernel's short name (``jbs_bsmm_fprop``); the
+custom call names its versioned FFI target (``jax_blocksparse_bsmm_fprop_v1``:
+:mod:`jax_blocksparse.targets`). The layout stays data: no host reads, no recompiles when it changes,
 and no device work besides the product (the work plan, ``col_order``/``row_order``,
 is part of the layout's tables).
 
@@ -44,7 +46,7 @@ import jax
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_blocksparse import _native, crossover
+from jax_blocksparse import _native, crossover, targets
 from jax_blocksparse.layout import LayoutTables
 from jax_blocksparse.ops import _sm90
 from jax_blocksparse.ops._partitioning import partitioned
@@ -123,8 +125,10 @@ def _kernel_call(target: str, out_shape, out_dtype, *operands, precision=None):
     a, b, *tables = operands
     result = jax.ShapeDtypeStruct(tuple(out_shape), kernel_dtype)
     base = _sm90.BASE_TARGETS.get(target, target)
+    ffi_target = targets.target_name(target)
     if base == target:  # a portable target
-        return jax.ffi.ffi_call(target, result)(*_KERNEL_OPERANDS[base](a, b, LayoutTables(*tables))).astype(out_dtype)
+        args = _KERNEL_OPERANDS[base](a, b, LayoutTables(*tables))
+        return jax.ffi.ffi_call(ffi_target, result)(*args).astype(out_dtype)
     tf32 = _sm90.use_tf32(base, in_dtype, out_shape[-1] if base == "jbs_bsmm_updat" else b.shape[-1], precision)
     if tf32:
         a, b = _sm90.tf32_operands(base, a, b)
@@ -132,9 +136,9 @@ def _kernel_call(target: str, out_shape, out_dtype, *operands, precision=None):
     if target == "jbs_bsmm_updat_sm90":  # + its split-reduction workspace (ops/_sm90.py)
         n = a.shape[-1] if tf32 else int(np.prod(a.shape[:-1], dtype=np.int64))
         ws = _sm90.updat_workspace_bytes(in_dtype, n, out_shape[0], out_shape[-1], tf32=tf32)
-        call = jax.ffi.ffi_call(target, (result, jax.ShapeDtypeStruct((ws,), np.uint8)))
+        call = jax.ffi.ffi_call(ffi_target, (result, jax.ShapeDtypeStruct((ws,), np.uint8)))
         return call(*args, tf32=np.bool_(tf32))[0].astype(out_dtype)
-    return jax.ffi.ffi_call(target, result)(*args, tf32=np.bool_(tf32)).astype(out_dtype)
+    return jax.ffi.ffi_call(ffi_target, result)(*args, tf32=np.bool_(tf32)).astype(out_dtype)
 
 
 def _kernel_rule(target: str):
@@ -209,7 +213,8 @@ def register_lowerings(
       primitive: the primitive; its params must include ``impl``, ``block_size`` and
         ``precision``.
       reference: pure-JAX function ``(*operands, **params) -> out``.
-      target: the FFI target name the native extension registers (for both platforms).
+      target: the kernel's short name (its versioned FFI target, registered by the native
+        extension for both platforms, is ``targets.target_name(target)``).
       dense: pure-JAX function ``(*operands, **params) -> out``: the product through a
         dense weight and XLA's dot (``impl="dense"``, and "auto" above the crossover).
       cpu_reference: an optional CPU-tuned variant of ``reference``.

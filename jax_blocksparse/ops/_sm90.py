@@ -1,15 +1,15 @@
 """The Hopper (sm_90a) targets: when the lowering picks them, and what they take.
 
 The extension built for sm_90a registers, for CUDA, ``jbs_bsmm_{fprop,bprop,updat}_sm90``
-(cuda/sm90/): persistent, warp-specialized kernels with TMA loads, wgmma and TMA stores,
-for 16-bit inputs (fprop, bprop and updat at every block size: at blocks 8/16/32 fprop/bprop
-pack 64 / bs outputs per tile and updat stacks 64 / bs slots along wgmma's M) and for
-float32 inputs on TF32 tensor cores (see below; not fprop/bprop at block 8). The other
-problems (exact float32) run the portable kernels from inside the same targets. They take
-the operands of the portable targets; ``jbs_bsmm_updat_sm90`` returns a second result,
-a uint8 workspace for the float32 partial sums of a split N reduction, sized here
-(:func:`updat_workspace_bytes`, a mirror of ``SddWorkspaceBytes`` and the work plan of
-cuda/bsmm_work_plan.h).
+(cuda/sm90/; FFI targets ``jax_blocksparse_bsmm_*_sm90_v1``): persistent, warp-specialized
+kernels with TMA loads, wgmma and TMA stores, for 16-bit inputs (fprop, bprop and updat
+at every block size: at blocks 8/16/32 fprop/bprop pack 64 / bs outputs per tile and updat
+stacks 64 / bs slots along wgmma's M) and for float32 inputs on TF32 tensor cores (see
+below; not fprop/bprop at block 8). The other problems (exact float32) run the portable
+kernels from inside the same targets. They take the operands of the portable targets;
+``jbs_bsmm_updat_sm90`` returns a second result, a uint8 workspace for the float32
+partial sums of a split N reduction, sized here (:func:`updat_workspace_bytes`, a mirror
+of ``SddWorkspaceBytes`` and the work plan of cuda/bsmm_work_plan.h).
 
 Float32 precision (:func:`use_tf32`): every sm_90 target takes a bool attribute
 ``tf32``. It is true for float32 inputs when the primitive's ``precision`` is None,
@@ -43,7 +43,7 @@ import os
 
 import numpy as np
 
-from jax_blocksparse import _native
+from jax_blocksparse import _native, targets
 
 HOPPER_ENV = "JAX_BLOCKSPARSE_HOPPER"
 
@@ -182,10 +182,12 @@ def hopper_env() -> bool:
 
 
 def built_targets() -> frozenset[str]:
-    """The Hopper targets this extension registered (empty unless built for sm_90a)."""
+    """The Hopper kernels (``jbs_bsmm_*_sm90``) whose current FFI targets this extension
+    registered (empty unless built for sm_90a)."""
     if not _native.has_kernels("cuda"):
         return frozenset()
-    return frozenset(_native.extension_info().get("sm90_targets", ()))
+    registered = _native.registered_targets("cuda")
+    return frozenset(k for k in SM90_TARGETS.values() if targets.target_name(k) in registered)
 
 
 def _cuda_compute_capability() -> str | None:

@@ -59,7 +59,7 @@ def _lowers_to_sm90(op, layout, dtype, *, precision):
         fun = lambda x: jbs.bsmm(x, w, layout, transpose=op == "bprop", precision=precision)  # noqa: E731
     with jbs.config.implementation("kernels"):
         text = jax.jit(fun).lower(x).as_text()
-    return f"@jbs_bsmm_{op}_sm90(" in text
+    return f"@{jbs.targets.target_name(f'jbs_bsmm_{op}_sm90')}(" in text
 
 
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
@@ -229,7 +229,7 @@ def _run_f32(op, layout, mask, lead, seed=0, *, precision):
 
 
 def _tf32_flag(text, op):
-    lines = [l for l in text.splitlines() if f"@jbs_bsmm_{op}_sm90(" in l]
+    lines = [l for l in text.splitlines() if f"@{jbs.targets.target_name(f'jbs_bsmm_{op}_sm90')}(" in l]
     assert len(lines) == 1, f"expected one call of jbs_bsmm_{op}_sm90 in:\n{text}"
     assert "tf32 = " in lines[0], lines[0]
     return "tf32 = true" in lines[0]
