@@ -1,7 +1,7 @@
 // The Python binding `_jbs_kernels`: exports the FFI handler capsules and build facts.
 //
-// Always holds the CPU handlers. When build.py found nvcc it also holds the CUDA
-// handlers (and defines JBS_WITH_CUDA); the CUDA runtime is linked statically and
+// Always holds the CPU handlers. When built for CUDA architectures (CMakeLists.txt) it
+// also holds the CUDA handlers (and defines JBS_WITH_CUDA); the CUDA runtime is linked statically and
 // nothing here touches a GPU, so the module imports on machines without one.
 #include <iterator>
 #include <string>
@@ -40,7 +40,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmUpdatSm90);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmInitializeSm90);
 #endif
 
-// build.py writes build/jbs_build_info.h with JBS_CUDA_ARCHS ("sm_80,sm_90a,...").
+// The build (CMakeLists.txt) writes jbs_build_info.h with JBS_CUDA_ARCHS ("sm_80,sm_90a,...").
 #if __has_include("jbs_build_info.h")
 #include "jbs_build_info.h"
 #endif

@@ -1,7 +1,7 @@
-"""Type stub of the native extension built from cuda/module.cc (see build.py).
+"""Type stub of the native extension built from cuda/module.cc (see CMakeLists.txt).
 
-The module holds the XLA FFI handlers of the CPU kernels and, when nvcc was found at
-build time, of the CUDA kernels; ``jax_blocksparse._native`` registers them with JAX.
+The module holds the XLA FFI handlers of the CPU kernels and, when built for CUDA
+architectures, of the CUDA kernels; ``jax_blocksparse._native`` registers them with JAX.
 """
 
 from typing import Literal, TypedDict

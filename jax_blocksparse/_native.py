@@ -1,8 +1,9 @@
 """Loads the native extension and registers its XLA FFI targets, per platform.
 
-The extension (``jax_blocksparse/_jbs_kernels*.so``, built by ``build.py`` during
-``pip install``) always holds the CPU kernels, compiled with the host C++ compiler,
-and holds the CUDA kernels too when nvcc was found at build time. It links the CUDA
+The extension (``jax_blocksparse/_jbs_kernels*.so``, built by ``CMakeLists.txt`` during
+``pip install``, or in place by ``build.py``) always holds the CPU kernels, compiled with
+the host C++ compiler, and holds the CUDA kernels too when it was built with nvcc for a
+GPU seen at build time or for the architectures ``CUDAARCHS`` named. It links the CUDA
 runtime statically, so it imports on a machine without a GPU. Every handler it
 exports through ``registrations()`` is registered here, once, for its platform, when
 ``jax_blocksparse`` is imported (:func:`register`): a program deserialized with
@@ -94,7 +95,9 @@ def load_error(platform: str | None = None) -> str | None:
     if platform in registered:
         return _stale(platform)
     if platform == "cuda":
-        return "the extension was built without CUDA (nvcc was not found at build time); rebuild with nvcc"
+        return ("the extension was built without CUDA (no GPU seen and no CUDA architecture named, or no nvcc, "
+                "at build time); rebuild with nvcc: `python build.py` on the GPU machine, or "
+                "CUDAARCHS=\"80-real;90a-real;90-virtual\" pip install ...")
     return f"the extension has no kernels for platform {platform!r}"
 
 
