@@ -128,7 +128,7 @@ def test_sdist_and_wheel_build_and_the_wheel_works_in_a_fresh_venv(tmp_path):
     # The dependencies, from this interpreter: appended to sys.path after the venv's own
     # site-packages (path entries of a .pth file are not scanned for .pth files, so an
     # editable install of this package here stays out of the venv).
-    deps = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    deps = dict.fromkeys(p for p in sys.path if Path(p).name in ("site-packages", "dist-packages"))
     (site / "_jbs_test_dependencies.pth").write_text("\n".join(deps) + "\n")
     env = _env(JAX_PLATFORMS="cpu")
     assert "smoke ok" in _run([str(python), "-c", SMOKE], cwd=tmp_path, env=env)
