@@ -49,6 +49,8 @@ API_PAGES = {
     "jax_blocksparse.training": ("api/training.html", {"LossScaleState", "all_finite", "dynamic_loss_scaling",
                                                        "loss_scale", "scale_loss", "ProbedLayout",
                                                        "probe_product", "unwrap"}),
+    # The sparsify reports are documented where jax_blocksparse.training exports them.
+    "jax_blocksparse.training.sparsify": ("api/training.html", {"LayerReport", "SparsifyReport"}),
     "jax_blocksparse.mixed_precision": ("api/mixed_precision.html", set()),
     "jax_blocksparse.attention": ("api/attention.html", set()),
 }

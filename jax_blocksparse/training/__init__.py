@@ -4,7 +4,10 @@
 :mod:`jax_blocksparse.mixed_precision`.)
 
 Block-level versions of sparse momentum, RigL, SET, gradual magnitude pruning and
-a static-sparse baseline, with layer budgets (uniform, ERK). Layouts live beside
+a static-sparse baseline, with layer budgets (uniform, ERK). A trained dense model
+becomes block-sparse in one call, and back: :func:`nnx_sparsify` /
+:func:`nnx_densify` (Flax NNX), :func:`linen_sparsify` / :func:`linen_densify` (an
+unmodified linen model, through method interception). Layouts live beside
 the params (a linen "layout" variable collection, or any pytree of
 :class:`~jax_blocksparse.Layout`) and change inside jit with fixed capacities, so
 nothing recompiles. Works with any optax optimizer: the update moves every
@@ -82,6 +85,9 @@ from jax_blocksparse.training.probe import ProbedLayout, dense_grads, grid_view,
 from jax_blocksparse.training.remap import remap_blocks, remap_tree, slot_map
 from jax_blocksparse.training.schedules import annealed_fraction, cosine_decay, cubic_density
 from jax_blocksparse.training.select import block_magnitude, grid_scores, redistribute
+from jax_blocksparse.training.sparsify import LayerReport, SparsifyReport
+from jax_blocksparse.training.sparsify_linen import SparsifiedModule, linen_densify, linen_sparsify
+from jax_blocksparse.training.sparsify_nnx import nnx_densify, nnx_sparsify
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -89,12 +95,15 @@ __all__ = [
     "SET",
     "DynamicSparsity",
     "LayerPlan",
+    "LayerReport",
     "LayoutChangeLog",
     "LossScaleState",
     "MagnitudePruning",
     "ProbedLayout",
     "RigL",
     "SparseMomentum",
+    "SparsifiedModule",
+    "SparsifyReport",
     "SparsityUpdate",
     "StaticSparse",
     "all_finite",
@@ -111,10 +120,14 @@ __all__ = [
     "grid_scores",
     "grid_view",
     "is_layout",
+    "linen_densify",
+    "linen_sparsify",
     "log_rows",
     "loss_scale",
     "named_layouts",
+    "nnx_densify",
     "nnx_dense_grads",
+    "nnx_sparsify",
     "nnx_update",
     "plan_layouts",
     "probe_product",

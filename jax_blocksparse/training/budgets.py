@@ -5,7 +5,8 @@ A budget turns a global target density into a number of blocks per layer:
 * ``"uniform"``: every layer gets the target density (up to rounding).
 * ``"erk"`` (Erdos-Renyi(-Kernel), Mocanu et al. 2018, Evci et al. 2020): the density
   of a [C, K] layer is proportional to ``(C + K) / (C * K)`` (sum of dims over their
-  product), scaled so that the layers together hold the target fraction of all weights.
+  product; a convolution's [*kernel_size, C, K] counts its kernel dims too), scaled so
+  that the layers together hold the target fraction of all weights.
   A layer whose density would exceed 1 is made dense and the rest is rescaled
   (repeated until no layer exceeds 1).
 
@@ -51,9 +52,23 @@ def _check_shapes(shapes) -> list[tuple[int, int]]:
     return out
 
 
+def _check_dims(shapes) -> list[tuple[int, ...]]:
+    """Weight shapes of any rank >= 1 (a dense [C, K], a conv [*kernel_size, C, K]), checked."""
+    out = []
+    for shape in shapes:
+        try:
+            dims = tuple(int(s) for s in shape)
+        except (TypeError, ValueError):
+            raise TypeError(f"each layer shape must be a sequence of ints, e.g. (C, K), got {shape!r}") from None
+        if not dims or min(dims) <= 0:
+            raise ValueError(f"layer shapes must be non-empty and positive, got {shape!r}")
+        out.append(dims)
+    return out
+
+
 def uniform_densities(shapes, density: float) -> np.ndarray:
     """The target ``density`` for every layer: float64 [num_layers]."""
-    shapes = _check_shapes(shapes)
+    shapes = _check_dims(shapes)
     return np.full(len(shapes), check_density(density))
 
 
@@ -63,12 +78,14 @@ def erk_densities(shapes, density: float) -> np.ndarray:
     ``density_l = min(1, eps * (C_l + K_l) / (C_l * K_l))`` with ``eps`` chosen so
     that ``sum_l density_l * C_l * K_l == density * sum_l C_l * K_l`` (the global
     target, counted in weights). Layers capped at 1 are dense; the remaining budget
-    is spread over the others with a new ``eps``.
+    is spread over the others with a new ``eps``. A shape of another rank (a
+    convolution's [*kernel_size, C, K]) counts all its dims: the sum of its dims over
+    their product (Evci et al.'s Erdos-Renyi-Kernel), and its size is their product.
     """
-    shapes = _check_shapes(shapes)
+    shapes = _check_dims(shapes)
     density = check_density(density)
-    sizes = np.array([c * k for c, k in shapes], np.float64)
-    raw = np.array([(c + k) / (c * k) for c, k in shapes], np.float64)
+    sizes = np.array([math.prod(s) for s in shapes], np.float64)
+    raw = np.array([sum(s) / math.prod(s) for s in shapes], np.float64)
     target = density * sizes.sum()
     dense = np.zeros(len(shapes), bool)
     for _ in range(len(shapes) + 1):

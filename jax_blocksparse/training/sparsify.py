@@ -1,0 +1,505 @@
+"""Sparsifying a dense model, framework-neutral: which layers, which blocks, and a report.
+
+The Flax entry points (:func:`~jax_blocksparse.training.nnx_sparsify`,
+:func:`~jax_blocksparse.training.linen_sparsify`) find the model's dense and conv
+layers and hand them here as :class:`Candidate` s; :func:`plan_sparsity` decides,
+for all frameworks alike:
+
+* **what fits**: a layer whose input and output features (channels) are multiples of
+  the block size, which the caller found no other reason to keep dense, and which no
+  ``keep_dense`` pattern names (:func:`shape_reason`, :func:`path_filter`);
+* **how many blocks** each layer keeps: a per-layer budget over the converted layers,
+  ``"uniform"`` or ``"erk"`` (:mod:`~jax_blocksparse.training.budgets`; a conv's ERK
+  counts its kernel dims), rounded to whole blocks;
+* **which blocks**: by default those of largest norm (:func:`block_scores`: the
+  norm of a [bs, bs] block of a dense kernel, or of a conv's [*kernel_size, bs, bs]
+  block over all its taps), or a mask or a mask generator per layer;
+* **the report** (:class:`SparsifyReport`): every layer's path, kernel shape,
+  density and parameters before and after; the layers left dense with their reason.
+
+The kernels themselves move with :func:`sparse_kernel` (the selected blocks of a
+dense kernel) and :func:`dense_kernel` (back, zeros elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_blocksparse.layers.dense import StaticMask, layout_for
+from jax_blocksparse.layout import Layout, check_block_size
+from jax_blocksparse.ops.conv import conv_from_dense, conv_to_dense
+from jax_blocksparse.ops.matmul import from_dense, to_dense
+from jax_blocksparse.training import budgets, select
+
+__all__ = [
+    "Candidate", "LayerReport", "LayerSparsity", "SparsifyReport", "block_scores", "dense_kernel", "non_default",
+    "path_filter",
+    "plan_sparsity", "shape_reason", "sparse_kernel",
+]
+
+#: The layer kinds a model's layers convert to: a dense layer, a convolution.
+KINDS = ("linear", "conv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One dense layer of a model, as an entry point found it.
+
+    Attributes:
+      path: the layer's path in the model, "/"-joined ("encoder/layers/0").
+      kind: ``"linear"`` (kernel [C, K]) or ``"conv"`` (kernel [*kernel_size, C, K]).
+      layer_type: the layer's class name, for the report ("Linear", "Dense", "Conv").
+      kernel: the dense kernel, a concrete array.
+      bias_size: the number of bias parameters (0 without a bias).
+      reason: why the layer cannot be converted whatever its shape (a custom
+        ``dot_general``, a grouped convolution, ...); None if it can.
+      dynamic_reason: why the layer cannot have a dynamic layout (None if it can);
+        with ``dynamic=True`` it is converted with a static one.
+    """
+
+    path: str
+    kind: str
+    layer_type: str
+    kernel: Any
+    bias_size: int = 0
+    reason: str | None = None
+    dynamic_reason: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Candidate {self.path!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if isinstance(self.kernel, jax.core.Tracer):
+            raise TypeError(
+                f"sparsify needs the model's weights as concrete arrays (the block masks are static), but the "
+                f"kernel of {self.path!r} is traced: call it outside jit/grad"
+            )
+        ndim = np.ndim(self.kernel)
+        # A layer kept dense for another reason may hold any kernel (e.g. stacked by nn.scan).
+        if self.reason is None and ((self.kind == "linear" and ndim != 2) or (self.kind == "conv" and ndim < 3)):
+            expected = "[C, K]" if self.kind == "linear" else "[*kernel_size, C, K]"
+            raise ValueError(
+                f"Candidate {self.path!r}: a {self.kind} kernel must be {expected}, got shape {np.shape(self.kernel)}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in np.shape(self.kernel))
+
+    @property
+    def params(self) -> int:
+        return math.prod(self.shape) + int(self.bias_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSparsity:
+    """What one converted layer becomes: hashable (a static configuration).
+
+    Attributes:
+      mask: the block mask, a :class:`~jax_blocksparse.layers.StaticMask` [C // bs, K // bs].
+      block_size: the block edge.
+      capacity: the number of storage slots (None: the mask's block count).
+      dynamic: whether the layout is state that dynamic sparse training moves.
+    """
+
+    mask: StaticMask
+    block_size: int
+    capacity: int | None = None
+    dynamic: bool = False
+
+    @property
+    def layout(self) -> Layout:
+        """The (cached) layout of ``mask``: the layer's initial one if dynamic."""
+        return layout_for(self.mask, self.block_size, self.capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReport:
+    """One row of a :class:`SparsifyReport`.
+
+    Attributes:
+      path: the layer's path.
+      layer_type: its class name.
+      shape: its dense kernel's shape.
+      params_before: kernel and bias parameters of the dense layer.
+      params_after: the same after conversion (the stored blocks, up to the
+        capacity, and the bias); equal to ``params_before`` for a layer left dense.
+      block_size: the converted layer's block size (None for a layer left dense).
+      blocks: its number of blocks (None for a layer left dense).
+      grid_blocks: the number of blocks of its grid (None for a layer left dense).
+      capacity: its storage slots (None for a layer left dense).
+      dynamic: whether its layout is dynamic.
+      reason: why the layer was left dense (None if it was converted).
+      note: something else worth saying (e.g. a static layout where a dynamic one
+        was asked for), or None.
+    """
+
+    path: str
+    layer_type: str
+    shape: tuple[int, ...]
+    params_before: int
+    params_after: int
+    block_size: int | None = None
+    blocks: int | None = None
+    grid_blocks: int | None = None
+    capacity: int | None = None
+    dynamic: bool = False
+    reason: str | None = None
+    note: str | None = None
+
+    @property
+    def converted(self) -> bool:
+        return self.reason is None
+
+    @property
+    def density(self) -> float:
+        """The fraction of the kernel's blocks kept (1.0 for a layer left dense)."""
+        return 1.0 if self.blocks is None else self.blocks / self.grid_blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsifyReport:
+    """What a sparsify call did, layer by layer (``print(report)`` shows a table).
+
+    Attributes:
+      layers: one :class:`LayerReport` per dense or conv layer found, in model order.
+      block_size: the block size asked for.
+      density: the target density.
+      distribution: the budget (``"uniform"`` or ``"erk"``).
+    """
+
+    layers: tuple[LayerReport, ...]
+    block_size: int
+    density: float
+    distribution: str
+
+    @property
+    def converted(self) -> tuple[str, ...]:
+        """The paths of the converted layers."""
+        return tuple(r.path for r in self.layers if r.converted)
+
+    @property
+    def left_dense(self) -> dict[str, str]:
+        """``{path: reason}`` of the layers left dense."""
+        return {r.path: r.reason for r in self.layers if not r.converted}
+
+    @property
+    def params_before(self) -> int:
+        """Kernel and bias parameters of all listed layers, before."""
+        return sum(r.params_before for r in self.layers)
+
+    @property
+    def params_after(self) -> int:
+        """Kernel and bias parameters of all listed layers, after."""
+        return sum(r.params_after for r in self.layers)
+
+    def row(self, path: str) -> LayerReport:
+        """The row of the layer at ``path`` (KeyError if there is none)."""
+        for r in self.layers:
+            if r.path == path:
+                return r
+        raise KeyError(f"no layer {path!r} in the report; layers: {[r.path for r in self.layers]}")
+
+    def __str__(self) -> str:
+        head = ("layer", "type", "kernel", "density", "blocks", "params before", "params after", "")
+        rows = []
+        for r in self.layers:
+            blocks = "" if r.blocks is None else f"{r.blocks}/{r.grid_blocks}"
+            if r.capacity is not None and r.capacity != r.blocks:
+                blocks += f" (capacity {r.capacity})"
+            what = f"left dense: {r.reason}" if r.reason else ("dynamic" if r.dynamic else "")
+            if r.note:
+                what = f"{what}; {r.note}" if what else r.note
+            density = "dense" if r.blocks is None else f"{r.density:.3f}"
+            rows.append((r.path, r.layer_type, str(r.shape), density, blocks, f"{r.params_before:,}",
+                         f"{r.params_after:,}", what))
+        before, after = self.params_before, self.params_after
+        share = f" ({after / before:.1%})" if before else ""
+        rows.append(("total", "", "", "", "", f"{before:,}", f"{after:,}{share}", ""))
+        widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
+        lines = [
+            f"sparsify: {len(self.converted)} of {len(self.layers)} layers block-sparse "
+            f"(block {self.block_size}, density {self.density:g}, {self.distribution} budget)"
+        ]
+        for row in [head, *rows]:
+            lines.append("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
+        return "\n".join(lines)
+
+
+def shape_reason(kind: str, shape, block_size: int) -> str | None:
+    """Why a kernel of ``shape`` does not fit ``block_size`` (None if it does).
+
+    A dense kernel [C, K] or a conv kernel [*kernel_size, C, K] fits when C and K
+    are multiples of the block size.
+
+    Example::
+
+        >>> from jax_blocksparse.training.sparsify import shape_reason
+        >>> shape_reason("linear", (64, 10), 16)
+        'output features 10 not a multiple of block_size 16'
+        >>> shape_reason("conv", (3, 3, 32, 64), 16) is None
+        True
+    """
+    c, k = (int(s) for s in tuple(shape)[-2:])
+    what = "channels" if kind == "conv" else "features"
+    bad = [f"{side} {what} {n}" for side, n in (("input", c), ("output", k)) if n % block_size]
+    if not bad:
+        return None
+    return f"{' and '.join(bad)} not a multiple of block_size {block_size}"
+
+
+def non_default(layer, defaults: Mapping[str, Any], names: Sequence[str]) -> str | None:
+    """Why ``layer`` computes something else than its class's default (None if it does not).
+
+    The first of ``names`` whose attribute is not the default in ``defaults``
+    (compared by identity, as the defaults are functions and dtypes): ``"custom
+    dot_general"`` for a function, ``"preferred_element_type=float32"`` for a dtype.
+    Names missing from ``defaults`` (another Flax version) are skipped.
+    """
+    for name in names:
+        if name not in defaults:
+            continue
+        value = getattr(layer, name, defaults[name])
+        if value is defaults[name]:
+            continue
+        if name.endswith("_type"):  # a dtype (jnp.float32 is callable too)
+            return f"{name}={np.dtype(value).name}"
+        return f"custom {name}" if callable(value) else f"{name}={value!r}"
+    return None
+
+
+def path_filter(keep_dense) -> Callable[[str], bool]:
+    """``keep_dense`` as a predicate on "/"-joined layer paths.
+
+    ``keep_dense`` is None (keep nothing), a glob pattern (``fnmatch``, matched
+    against the whole path: ``"head"``, ``"*/embed*"``), a sequence of patterns, or
+    a callable ``fn(path: str) -> bool``.
+
+    Example::
+
+        >>> from jax_blocksparse.training.sparsify import path_filter
+        >>> keep = path_filter(["head", "blocks/*/attn*"])
+        >>> keep("head"), keep("blocks/0/attn_out"), keep("blocks/0/mlp")
+        (True, True, False)
+    """
+    if keep_dense is None:
+        return lambda path: False
+    if isinstance(keep_dense, str):
+        keep_dense = (keep_dense,)
+    if callable(keep_dense):
+        return lambda path: bool(keep_dense(path))
+    if isinstance(keep_dense, Sequence) and all(isinstance(p, str) for p in keep_dense):
+        patterns = tuple(keep_dense)
+        return lambda path: any(fnmatch.fnmatchcase(path, p) for p in patterns)
+    raise TypeError(
+        f"keep_dense must be a glob pattern, a sequence of patterns or a callable(path) -> bool, got {keep_dense!r}"
+    )
+
+
+def block_scores(kernel, block_size: int, norm: str = "l2") -> np.ndarray:
+    """float64 [C // bs, K // bs]: the norm of every block of a dense or conv kernel.
+
+    ``kernel`` is [C, K] or [*kernel_size, C, K]; a conv block's norm runs over all
+    its taps (the block is kept or dropped at every tap at once). ``norm`` is
+    ``"l2"`` (Frobenius) or ``"l1"``.
+    """
+    if norm not in select.NORMS:
+        raise ValueError(f"norm must be one of {select.NORMS}, got {norm!r}")
+    w = np.asarray(kernel, np.float64)
+    c, k = w.shape[-2:]
+    blocks = w.reshape(-1, c // block_size, block_size, k // block_size, block_size)
+    if norm == "l2":
+        return np.sqrt(np.square(blocks).sum(axis=(0, 2, 4)))
+    return np.abs(blocks).sum(axis=(0, 2, 4))
+
+
+def _top_blocks(scores: np.ndarray, count: int) -> np.ndarray:
+    """bool mask of the ``count`` largest scores; ties toward the lower row-major index."""
+    order = np.argsort(-scores.reshape(-1), kind="stable")[:count]
+    mask = np.zeros(scores.size, bool)
+    mask[order] = True
+    return mask.reshape(scores.shape)
+
+
+def sparse_kernel(kernel, layout: Layout):
+    """The layout's blocks of a dense kernel: [C, K] -> [capacity, bs, bs], or a conv's
+    [*kernel_size, C, K] -> [capacity, *kernel_size, bs, bs] (padding slots zero)."""
+    return from_dense(kernel, layout) if np.ndim(kernel) == 2 else conv_from_dense(kernel, layout)
+
+
+def dense_kernel(blocks, layout: Layout):
+    """Back from :func:`sparse_kernel`: the dense kernel, zero outside the layout's blocks."""
+    return to_dense(blocks, layout) if np.ndim(blocks) == 3 else conv_to_dense(blocks, layout)
+
+
+def _check_density(density) -> float:
+    if isinstance(density, bool) or not isinstance(density, (int, float, np.integer, np.floating)):
+        raise TypeError(f"density must be a number in (0, 1], got {type(density).__name__} {density!r}")
+    return budgets.check_density(density)
+
+
+def _given_mask(path: str, mask, grid) -> np.ndarray:
+    if isinstance(mask, jax.core.Tracer):
+        raise TypeError(f"selection for {path!r}: the mask must be concrete (numpy), got a traced array")
+    array = np.asarray(mask)
+    if array.dtype != np.bool_:
+        if not np.issubdtype(array.dtype, np.integer) or not np.isin(array, (0, 1)).all():
+            raise TypeError(f"selection for {path!r}: the mask must be boolean (or 0/1 integers), got {array.dtype}")
+        array = array.astype(bool)
+    if array.shape != tuple(grid):
+        raise ValueError(
+            f"selection for {path!r}: the mask must have the layer's block grid shape {tuple(grid)}, "
+            f"got {array.shape}"
+        )
+    if not array.any():
+        raise ValueError(
+            f"selection for {path!r}: the mask selects no block; keep the layer dense with keep_dense instead"
+        )
+    return array
+
+
+def _select(path: str, rule, scores: np.ndarray, count: int, layer_density: float):
+    """The block mask of one layer from its selection rule."""
+    if rule is None or (isinstance(rule, str) and rule == "magnitude"):
+        return _top_blocks(scores, count)
+    if isinstance(rule, str):
+        raise ValueError(f"selection for {path!r}: the only named rule is 'magnitude', got {rule!r}")
+    if callable(rule):
+        return _given_mask(path, rule(scores.shape, layer_density), scores.shape)
+    return _given_mask(path, rule, scores.shape)
+
+
+def plan_sparsity(
+    candidates: Sequence[Candidate],
+    density,
+    block_size,
+    *,
+    distribution: str = "uniform",
+    selection=None,
+    keep_dense=None,
+    dynamic: bool = False,
+    capacity_factor: float = 1.0,
+    norm: str = "l2",
+    strict: bool = False,
+) -> tuple[dict[str, LayerSparsity], SparsifyReport]:
+    """Decides which candidates become block-sparse and with which blocks.
+
+    Args:
+      candidates: the model's dense and conv layers, in model order.
+      density: the target density (fraction of the converted layers' weights
+        kept), in (0, 1]; 1 keeps every block.
+      block_size: the block edge, one of 8, 16, 32, 64, 128.
+      distribution: ``"uniform"`` (every converted layer at ``density``) or
+        ``"erk"`` (Erdos-Renyi(-Kernel): small layers denser, the same total).
+      selection: which blocks: None or ``"magnitude"`` (the largest norms under the
+        layer's budget, the default); a callable ``fn(grid, density) -> bool mask``
+        (e.g. ``functools.partial(jbs.layouts.random, seed=0)``) called with each
+        layer's block grid and budget density; or a mapping ``{path: rule}`` whose
+        rules are a bool mask [C // bs, K // bs], such a callable, or
+        ``"magnitude"`` (layers not in it: magnitude). A given mask replaces the
+        layer's budget.
+      keep_dense: layers to leave dense: a glob pattern on the path, a sequence of
+        them, or a callable ``fn(path) -> bool`` (see :func:`path_filter`).
+      dynamic: give the converted layers a dynamic layout (for
+        :mod:`jax_blocksparse.training`'s methods); layers that cannot have one
+        (``Candidate.dynamic_reason``) get a static layout and a note.
+      capacity_factor: a dynamic layer's capacity is
+        ``min(grid blocks, ceil(blocks * capacity_factor))`` (>= 1; room for
+        :class:`~jax_blocksparse.training.SparseMomentum` to move blocks in).
+      norm: the block norm of the magnitude rule, ``"l2"`` or ``"l1"``.
+      strict: raise a ValueError naming every layer that does not fit instead of
+        leaving it dense (layers named by ``keep_dense`` are never an error).
+
+    Returns:
+      ``({path: LayerSparsity}, SparsifyReport)``: what to build for each converted
+      layer, and the report of every candidate.
+    """
+    density = _check_density(density)
+    block_size = check_block_size(block_size)
+    if distribution not in budgets.DISTRIBUTIONS:
+        raise ValueError(f"distribution must be one of {budgets.DISTRIBUTIONS}, got {distribution!r}")
+    if norm not in select.NORMS:
+        raise ValueError(f"norm must be one of {select.NORMS}, got {norm!r}")
+    if not isinstance(dynamic, (bool, np.bool_)):
+        raise TypeError(f"dynamic must be a bool, got {dynamic!r}")
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or capacity_factor < 1:
+        raise ValueError(f"capacity_factor must be a number >= 1, got {capacity_factor!r}")
+    keep = path_filter(keep_dense)
+    paths = [c.path for c in candidates]
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"plan_sparsity: candidate paths must be unique, got {paths}")
+
+    reasons = {}
+    for c in candidates:
+        if keep(c.path):
+            reasons[c.path] = "keep_dense"
+        else:
+            reasons[c.path] = c.reason or shape_reason(c.kind, c.shape, block_size)
+    unfit = {p: r for p, r in reasons.items() if r is not None and r != "keep_dense"}
+    if strict and unfit:
+        listed = "; ".join(f"{p}: {r}" for p, r in unfit.items())
+        raise ValueError(f"sparsify(strict=True): {len(unfit)} layer(s) cannot be made block-sparse: {listed}")
+
+    converted = [c for c in candidates if reasons[c.path] is None]
+    rules = _check_selection(selection, {c.path: reasons[c.path] for c in candidates})
+
+    grids = [(c.shape[-2] // block_size, c.shape[-1] // block_size) for c in converted]
+    if converted:
+        densities = (budgets.erk_densities if distribution == "erk" else budgets.uniform_densities)(
+            [c.shape for c in converted], density)
+        counts = budgets.allocate_blocks(densities, [cb * kb for cb, kb in grids])
+    else:
+        densities, counts = [], []
+
+    plans, rows = {}, {}
+    for c, grid, layer_density, count in zip(converted, grids, densities, counts):
+        rule = rules(c.path)
+        mask = _select(c.path, rule, block_scores(c.kernel, block_size, norm), int(count), float(layer_density))
+        nnz, total = int(mask.sum()), grid[0] * grid[1]
+        is_dynamic = bool(dynamic) and c.dynamic_reason is None
+        capacity = min(total, max(nnz, math.ceil(nnz * float(capacity_factor) - 1e-9))) if is_dynamic else None
+        plans[c.path] = LayerSparsity(StaticMask(mask), block_size, capacity, is_dynamic)
+        slots = nnz if capacity is None else capacity
+        taps = math.prod(c.shape[:-2])
+        note = f"static layout: {c.dynamic_reason}" if dynamic and c.dynamic_reason else None
+        rows[c.path] = LayerReport(
+            c.path, c.layer_type, c.shape, c.params, slots * block_size * block_size * taps + int(c.bias_size),
+            block_size=block_size, blocks=nnz, grid_blocks=total, capacity=slots, dynamic=is_dynamic, note=note,
+        )
+    for c in candidates:
+        if c.path not in rows:
+            reason = reasons[c.path]
+            reason = "matches keep_dense" if reason == "keep_dense" else reason
+            rows[c.path] = LayerReport(c.path, c.layer_type, c.shape, c.params, c.params, reason=reason)
+    report = SparsifyReport(tuple(rows[p] for p in paths), block_size, density, distribution)
+    return plans, report
+
+
+def _check_selection(selection, reasons: Mapping[str, str | None]) -> Callable[[str], Any]:
+    """The selection argument checked: a function from a converted layer's path to its rule."""
+    if selection is None or isinstance(selection, str) or callable(selection):
+        if isinstance(selection, str) and selection != "magnitude":
+            raise ValueError(f"selection: the only named rule is 'magnitude', got {selection!r}")
+        return lambda path: selection
+    if isinstance(selection, Mapping):
+        unknown = [p for p in selection if p not in reasons]
+        if unknown:
+            raise ValueError(
+                f"selection names {unknown}, which are not dense or conv layers of the model; "
+                f"its layers: {list(reasons)}"
+            )
+        dense = {p: reasons[p] for p in selection if reasons[p] is not None}
+        if dense:
+            listed = "; ".join(f"{p} ({'matches keep_dense' if r == 'keep_dense' else r})" for p, r in dense.items())
+            raise ValueError(f"selection names layers that stay dense: {listed}")
+        return lambda path: selection.get(path)
+    raise TypeError(
+        "selection must be None, 'magnitude', a callable(grid, density) -> mask, or a mapping {path: mask, "
+        f"callable or 'magnitude'}}, got {type(selection).__name__}"
+    )

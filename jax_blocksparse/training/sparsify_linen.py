@@ -1,0 +1,357 @@
+"""Sparsify an unmodified Flax linen model in one call, and back.
+
+A linen model's layers are created by its own code (often inline, in ``nn.compact``
+methods), so they cannot be swapped from outside. :func:`linen_sparsify` leaves the
+model's code alone: it returns a :class:`SparsifiedModule` that applies the model
+under Flax's method interception (``nn.intercept_methods``), and every selected
+``nn.Dense`` / ``nn.Conv`` call is answered by the block-sparse layer core
+(:mod:`jax_blocksparse.layers`) reading its parameters at the same path: the kernel
+as the stored blocks, [capacity, bs, bs] (a conv's [capacity, *kernel_size, bs, bs]),
+the bias as it was. :func:`linen_densify` gives the dense model's variables back.
+
+These live in :mod:`jax_blocksparse.training` rather than :mod:`jax_blocksparse.nn`
+because they use the training budgets, and the layer packages import nothing of
+``training`` (the import graph points down: layers <- training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from jax_blocksparse.layers import conv as _conv
+from jax_blocksparse.layers import dense as _dense
+from jax_blocksparse.nn.dense import LAYOUT_COLLECTION
+from jax_blocksparse.training import sparsify as _core
+
+__all__ = ["SparsifiedModule", "linen_densify", "linen_sparsify"]
+
+_DENSE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(nn.Dense)}
+_CONV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(nn.Conv)}
+
+
+def _reason(module) -> str | None:
+    """Why a Dense / Conv module cannot be answered by the block-sparse core (None if it can)."""
+    base = nn.Conv if isinstance(module, nn.Conv) else nn.Dense
+    if type(module).__call__ is not base.__call__:
+        return f"{type(module).__name__} overrides {base.__name__}.__call__"
+    if base is nn.Dense:
+        names = ("dot_general", "dot_general_cls", "promote_dtype", "preferred_element_type")
+        return _core.non_default(module, _DENSE_DEFAULTS, names)
+    if module.feature_group_count != 1:
+        return f"feature_group_count={module.feature_group_count} (grouped convolution)"
+    if module.mask is not None:
+        return "a kernel mask (mask=...)"
+    names = ("conv_general_dilated", "conv_general_dilated_cls", "promote_dtype", "preferred_element_type")
+    return _core.non_default(module, _CONV_DEFAULTS, names)
+
+
+def _lookup(tree, path: tuple[str, ...]):
+    for key in path:
+        if not isinstance(tree, Mapping) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _with(tree, path: tuple[str, ...], value):
+    """A copy of the nested dict ``tree`` with ``value`` at ``path`` (dicts copied along the path)."""
+    tree = dict(tree) if tree is not None else {}
+    if len(path) == 1:
+        tree[path[0]] = value
+    else:
+        tree[path[0]] = _with(tree.get(path[0]), path[1:], value)
+    return tree
+
+
+def _without(tree, path: tuple[str, ...]):
+    """A copy of ``tree`` without the entry at ``path``, dropping dicts left empty."""
+    if not isinstance(tree, Mapping) or path[0] not in tree:
+        return tree
+    tree = dict(tree)
+    if len(path) == 1:
+        del tree[path[0]]
+    else:
+        child = _without(tree[path[0]], path[1:])
+        if child:
+            tree[path[0]] = child
+        else:
+            del tree[path[0]]
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsifiedModule:
+    """An unmodified linen module applied with block-sparse dense and conv layers.
+
+    Made by :func:`linen_sparsify`. ``apply`` and ``init`` are the module's own,
+    run under :meth:`intercept`: every ``nn.Dense`` / ``nn.Conv`` at a converted
+    path computes its block-sparse product (:func:`jax_blocksparse.bsmm`,
+    :func:`jax_blocksparse.bsconv`) with the variables at that path, and every other
+    call runs as written. Hashable: close over it in ``jax.jit``.
+
+    ``init`` gives a block-sparse model trained from scratch: the converted layers'
+    kernels are drawn with the block-sparse layers' default initialiser (LeCun
+    normal with the true fan-in), not the dense layer's.
+
+    Attributes:
+      module: the linen module, as given.
+      layers: ``((module path, LayerSparsity), ...)``: the converted layers.
+      impl: the products' ``impl`` (None: :mod:`jax_blocksparse.config`'s default).
+    """
+
+    module: nn.Module
+    layers: tuple[tuple[tuple[str, ...], _core.LayerSparsity], ...]
+    impl: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "_by_path", dict(self.layers))
+        _dense.check_options(None, self.impl, "SparsifiedModule")
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The "/"-joined paths of the converted layers."""
+        return tuple("/".join(p) for p, _ in self.layers)
+
+    def intercept(self):
+        """A context in which the converted layers of ``module`` compute block-sparse.
+
+        For calls other than ``apply`` / ``init`` (``module.bind``, the module used
+        inside a larger model): ``with sparse.intercept(): ...``.
+        """
+        return nn.intercept_methods(self._interceptor)
+
+    def apply(self, variables, *args, **kwargs):
+        """``module.apply(variables, *args, **kwargs)`` with the converted layers block-sparse."""
+        with self.intercept():
+            return self.module.apply(variables, *args, **kwargs)
+
+    def init(self, rngs, *args, **kwargs):
+        """``module.init(rngs, *args, **kwargs)`` with the converted layers block-sparse (from scratch)."""
+        with self.intercept():
+            return self.module.init(rngs, *args, **kwargs)
+
+    def _interceptor(self, next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name != "__call__" or not isinstance(module, (nn.Dense, nn.Conv)):
+            return next_fun(*args, **kwargs)
+        plan = self._by_path.get(tuple(module.path))
+        if plan is None:
+            return next_fun(*args, **kwargs)
+        (inputs,) = args if args else (kwargs["inputs"],)
+        name = f"{type(module).__name__} at {'/'.join(module.path)!r}"
+        precision, impl = _dense.check_options(module.precision, self.impl, name)
+        if isinstance(module, nn.Conv):
+            return _conv_call(module, plan, inputs, name, precision, impl)
+        return _dense_call(module, plan, inputs, name, precision, impl)
+
+
+def _dense_call(module: nn.Dense, plan: _core.LayerSparsity, inputs, name, precision, impl):
+    """``nn.Dense.__call__`` on the stored blocks: the block-sparse dense layer's forward pass."""
+    layout = plan.layout
+    if module.features != layout.shape[1]:
+        raise ValueError(f"{name}: features={module.features}, but its block mask has {layout.shape[1]} outputs")
+    _dense.check_inputs(inputs, layout, name)
+    kernel = module.param(
+        "kernel", lambda key: _dense.init_kernel(None, key, layout, plan.mask, module.param_dtype)
+    )
+    bias = module.param("bias", module.bias_init, (module.features,), module.param_dtype) if module.use_bias else None
+    current = module.variable(LAYOUT_COLLECTION, "kernel", lambda: layout).value if plan.dynamic else None
+    return _dense.forward(inputs, kernel, bias, layout, dtype=module.dtype, float32_dw=False, current=current,
+                          layer=name, precision=precision, impl=impl)
+
+
+def _conv_call(module: nn.Conv, plan: _core.LayerSparsity, inputs, name, precision, impl):
+    """``nn.Conv.__call__`` on the stored blocks: the block-sparse conv layer's forward pass."""
+    cfg = _conv.check_conv(
+        plan.mask, plan.block_size, module.kernel_size, plan.capacity, None, module.features, strides=module.strides,
+        padding=module.padding, input_dilation=module.input_dilation, kernel_dilation=module.kernel_dilation,
+        float32_dw=False, param_dtype=module.param_dtype, layer=name,
+    )
+    layout = cfg.layout(plan.capacity)
+    _conv.check_conv_inputs(inputs, layout.shape[0], len(cfg.kernel_size), name, layout)
+    kernel = module.param(
+        "kernel",
+        lambda key: _conv.init_conv_kernel(None, key, layout, cfg.mask, cfg.kernel_size, module.param_dtype),
+    )
+    bias = module.param("bias", module.bias_init, (module.features,), module.param_dtype) if module.use_bias else None
+    return _conv.conv_apply(inputs, kernel, bias, layout, cfg.kernel_size, cfg.strides, cfg.padding,
+                            cfg.input_dilation, cfg.kernel_dilation, module.dtype, False, precision=precision,
+                            impl=impl)
+
+
+def _record(module: nn.Module, variables, args, apply_kwargs) -> list[tuple[tuple[str, ...], nn.Module, tuple]]:
+    """[(path, module, kernel shape seen)] of every Dense / Conv call of one (abstract) apply."""
+    seen = {}
+
+    def recorder(next_fun, call_args, call_kwargs, context):
+        m = context.module
+        if context.method_name == "__call__" and isinstance(m, (nn.Dense, nn.Conv)):
+            path = tuple(m.path)
+            if path not in seen:
+                kernel = m.get_variable("params", "kernel") if m.has_variable("params", "kernel") else None
+                seen[path] = (m, None if kernel is None else tuple(np.shape(kernel)))
+        return next_fun(*call_args, **call_kwargs)
+
+    kwargs = dict(apply_kwargs)
+    kwargs.setdefault("mutable", True)  # a model that updates batch statistics runs too
+    with nn.intercept_methods(recorder):
+        jax.eval_shape(lambda v: module.apply(v, *args, **kwargs), variables)
+    return [(path, m, shape) for path, (m, shape) in seen.items()]
+
+
+def linen_sparsify(
+    module: nn.Module,
+    variables,
+    *args,
+    density,
+    block_size: int,
+    distribution: str = "uniform",
+    selection=None,
+    keep_dense=None,
+    dynamic: bool = False,
+    capacity_factor: float = 1.0,
+    norm: str = "l2",
+    impl: str | None = None,
+    strict: bool = False,
+    apply_kwargs: Mapping | None = None,
+):
+    """Block-sparse dense and conv layers for an unmodified linen model and its variables.
+
+    Runs the model once abstractly (``jax.eval_shape``: no computation) on ``args``
+    to find every ``nn.Dense`` and ``nn.Conv`` it calls, including those created
+    inline in ``nn.compact`` methods, decides which fit and which blocks each keeps
+    (:func:`~jax_blocksparse.training.sparsify.plan_sparsity`), and converts the
+    variables: at each converted path the kernel becomes its selected blocks. A
+    layer fits when its input and output features are multiples of ``block_size``,
+    it uses the default ``dot_general`` / ``conv_general_dilated`` and
+    ``promote_dtype``, and (a conv) ``feature_group_count=1`` and no ``mask``.
+    Bias, ``dtype``, ``param_dtype``, ``precision``, strides, padding and dilations
+    are the module's own, read at every call.
+
+    Args:
+      module: the linen module (not modified).
+      variables: its variables, ``{"params": ..., ...}`` with concrete arrays.
+      *args: example inputs for one call of ``module.apply(variables, *args)``
+        (only their shapes and dtypes are used).
+      density: the target fraction of the converted layers' weights, in (0, 1].
+      block_size: the block edge, one of 8, 16, 32, 64, 128.
+      distribution: the per-layer budget, ``"uniform"`` or ``"erk"``.
+      selection: which blocks each layer keeps, as in
+        :func:`~jax_blocksparse.training.nnx_sparsify`; paths are the linen module
+        paths, "/"-joined (``"Dense_0"``, ``"encoder/fc"``).
+      keep_dense: layers to leave dense: glob patterns on those paths, or a callable.
+      dynamic: give the converted dense layers a dynamic layout: a
+        :class:`~jax_blocksparse.Layout` of fixed capacity in the ``"layout"``
+        collection (``variables["layout"][...path]["kernel"]``), as
+        ``jbs.nn.BlockSparseDense(dynamic=True)`` keeps it, so
+        :mod:`jax_blocksparse.training`'s methods continue from them. Conv layers
+        keep a static layout.
+      capacity_factor: a dynamic layer's capacity over its blocks (>= 1).
+      norm: the block norm of the magnitude rule, ``"l2"`` or ``"l1"``.
+      impl: the products' ``impl``.
+      strict: raise a ValueError naming every layer that does not fit.
+      apply_kwargs: keyword arguments of that one call (``{"train": False}``,
+        ``{"method": ...}``, ``{"rngs": ...}``); all collections are mutable in it.
+
+    Returns:
+      ``(sparse_module, sparse_variables, report)``: a :class:`SparsifiedModule`
+      (``sparse_module.apply(sparse_variables, x)``), the converted variables, and
+      the :class:`~jax_blocksparse.training.SparsifyReport`.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> import flax.linen as nn
+        >>> from jax_blocksparse import training as jst
+        >>> class MLP(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         x = nn.relu(nn.Dense(128)(x))           # "Dense_0"
+        ...         return nn.Dense(10)(x)                  # "Dense_1": 10 outputs, left dense
+        >>> model, x = MLP(), jnp.ones((2, 64))
+        >>> variables = model.init(jax.random.key(0), x)
+        >>> sparse, sparse_vars, report = jst.linen_sparsify(model, variables, x, density=0.25, block_size=16)
+        >>> sparse.paths, sparse_vars["params"]["Dense_0"]["kernel"].shape
+        (('Dense_0',), (8, 16, 16))
+        >>> sparse.apply(sparse_vars, x).shape
+        (2, 10)
+        >>> dense_vars = jst.linen_densify(sparse, sparse_vars)    # for model.apply
+        >>> dense_vars["params"]["Dense_0"]["kernel"].shape
+        (64, 128)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a flax.linen.Module, got {type(module).__name__}")
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        raise TypeError("variables must be the module's variables, a mapping with a 'params' collection")
+    params = variables["params"]
+    candidates, paths = [], {}
+    for path, m, seen_shape in _record(module, variables, args, apply_kwargs or {}):
+        name = "/".join(path)
+        entry = _lookup(params, path)
+        entry = entry if isinstance(entry, Mapping) else {}
+        kernel, bias = entry.get("kernel"), entry.get("bias")
+        kind = "conv" if isinstance(m, nn.Conv) else "linear"
+        reason = _reason(m)
+        if kernel is None or tuple(np.shape(kernel)) != seen_shape:
+            found = "none" if kernel is None else f"shape {tuple(np.shape(kernel))}"
+            reason = reason or (
+                f"its kernel at params/{name}/kernel ({found}) is not the {seen_shape} the layer sees "
+                "(a lifted transform such as nn.scan or nn.vmap)"
+            )
+            kernel = np.zeros(seen_shape or (0, 0), np.float32) if kernel is None else kernel
+        candidates.append(_core.Candidate(
+            name, kind, type(m).__name__, kernel, 0 if bias is None else int(np.size(bias)), reason,
+            dynamic_reason="conv layers have no dynamic layout" if kind == "conv" else None,
+        ))
+        paths[name] = path
+    plans, report = _core.plan_sparsity(
+        candidates, density, block_size, distribution=distribution, selection=selection, keep_dense=keep_dense,
+        dynamic=dynamic, capacity_factor=capacity_factor, norm=norm, strict=strict,
+    )
+    new_variables = dict(variables)
+    for name, plan in plans.items():
+        path = paths[name] + ("kernel",)
+        kernel = _core.sparse_kernel(_lookup(params, path), plan.layout)
+        new_variables["params"] = _with(new_variables["params"], path, kernel)
+        if plan.dynamic:
+            new_variables[LAYOUT_COLLECTION] = _with(new_variables.get(LAYOUT_COLLECTION), path, plan.layout)
+    sparse = SparsifiedModule(module, tuple((paths[name], plan) for name, plan in plans.items()), impl)
+    return sparse, new_variables, report
+
+
+def linen_densify(sparse: SparsifiedModule, variables):
+    """The dense variables of ``sparse.module``: every converted kernel scattered back.
+
+    Each converted layer's kernel becomes the dense [C, K] (a conv's
+    [*kernel_size, C, K]) with its blocks (a dynamic layer's current layout, from
+    the ``"layout"`` collection) and zeros elsewhere, and its layout leaves the
+    ``"layout"`` collection. ``sparse.module.apply(dense_variables, x)`` then
+    computes what ``sparse.apply(variables, x)`` does.
+    """
+    if not isinstance(sparse, SparsifiedModule):
+        raise TypeError(f"sparse must be the SparsifiedModule of linen_sparsify, got {type(sparse).__name__}")
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        raise TypeError("variables must be a mapping with a 'params' collection")
+    variables = dict(variables)
+    for path, plan in sparse.layers:
+        entry = _lookup(variables["params"], path)
+        if not isinstance(entry, Mapping) or "kernel" not in entry:
+            raise ValueError(f"linen_densify: no kernel at params/{'/'.join(path)}")
+        layout = plan.layout
+        if plan.dynamic:
+            current = _lookup(variables.get(LAYOUT_COLLECTION), path + ("kernel",))
+            if current is None:
+                raise ValueError(f"linen_densify: the dynamic layer {'/'.join(path)} has no layout in "
+                                 f"variables[{LAYOUT_COLLECTION!r}]")
+            layout = current
+            variables[LAYOUT_COLLECTION] = _without(variables[LAYOUT_COLLECTION], path + ("kernel",))
+        variables["params"] = _with(variables["params"], path + ("kernel",),
+                                    _core.dense_kernel(entry["kernel"], layout))
+    if LAYOUT_COLLECTION in variables and not variables[LAYOUT_COLLECTION]:
+        del variables[LAYOUT_COLLECTION]
+    return variables
