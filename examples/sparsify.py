@@ -8,7 +8,7 @@
    1,797 of them, shipped with scikit-learn; split 75/25 stratified): three 3x3
    ``nnx.Conv`` (the first sees one input channel), a hidden ``nnx.Linear`` and a
    10-way ``nnx.Linear`` head.
-2. For each density: ``jst.nnx_sparsify(dense_model, density, block_size)`` keeps the
+2. For each density: ``jbs.nnx.sparsify(dense_model, density, block_size)`` keeps the
    blocks of largest norm of every layer that fits (the first conv, one input channel,
    and the head, 10 outputs, do not: the report lists them as left dense); measure the
    one-shot accuracy, then fine-tune ``--finetune-steps`` steps.
@@ -39,7 +39,6 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import jax_blocksparse as jbs
-from jax_blocksparse import training as jst
 from jax_blocksparse.layers import conv as conv_core
 from jax_blocksparse.layers import dense as dense_core
 from jax_blocksparse.nnx import BlockSparseConv, BlockSparseLinear
@@ -179,7 +178,7 @@ def run(args) -> dict:
     print(f"dense: {rows[0]['params']:,} params, test accuracy {rows[0]['accuracy']:.4f}")
 
     for i, density in enumerate(args.densities):
-        sparse, report = jst.nnx_sparsify(dense, density, args.block_size)
+        sparse, report = jbs.nnx.sparsify(dense, density, args.block_size)
         if i == 0:
             print(report)
         params = count_params(sparse)
@@ -190,8 +189,8 @@ def run(args) -> dict:
 
         # The same density from scratch: random blocks (same counts per layer), fresh init, all the steps.
         untrained = CNN(args.width, args.hidden, nnx.Rngs(args.seed + 100))
-        scratch, _ = jst.nnx_sparsify(untrained, density, args.block_size,
-                                      selection=functools.partial(jbs.layouts.random, seed=args.seed))
+        scratch, _ = jbs.nnx.sparsify(untrained, density, args.block_size,
+                                       selection=functools.partial(jbs.layouts.random, seed=args.seed))
         fresh_blocks(scratch, args.seed + 200)
         trainers["from scratch", density] = Trainer(scratch, args.lr).train(args.steps + args.finetune_steps,
                                                                           make_data(args.seed))

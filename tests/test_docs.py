@@ -35,13 +35,15 @@ API_PAGES = {
     "jax_blocksparse.export": ("api/export.html", set()),
     "jax_blocksparse.targets": ("api/targets.html", set()),
     "jax_blocksparse.sharding": ("api/sharding.html", set()),
-    "jax_blocksparse.nn": ("api/nn.html", set()),
-    "jax_blocksparse.nnx": ("api/nnx.html", set()),
+    # The sparsify reports they re-export are documented with the core that defines them.
+    "jax_blocksparse.nn": ("api/nn.html", {"LayerReport", "SparsifyReport"}),
+    "jax_blocksparse.nnx": ("api/nnx.html", {"LayerReport", "SparsifyReport"}),
     # StaticMask is documented where jax_blocksparse.nn re-exports it.
     "jax_blocksparse.layers.dense": ("api/layers.html", {"StaticMask"}),
     "jax_blocksparse.layers.conv": ("api/layers.html", set()),
     "jax_blocksparse.layers.parallel": ("api/layers.html", set()),
     "jax_blocksparse.layers.recurrent": ("api/layers.html", set()),
+    "jax_blocksparse.layers.sparsify": ("api/layers.html", set()),
     "jax_blocksparse.ops.recurrence": ("api/ops.html", set()),
     "jax_blocksparse.ops.probe": ("api/ops.html", set()),
     # Re-exports documented where they are defined: jax_blocksparse.mixed_precision
@@ -49,8 +51,6 @@ API_PAGES = {
     "jax_blocksparse.training": ("api/training.html", {"LossScaleState", "all_finite", "dynamic_loss_scaling",
                                                        "loss_scale", "scale_loss", "ProbedLayout",
                                                        "probe_product", "unwrap"}),
-    # The sparsify reports are documented where jax_blocksparse.training exports them.
-    "jax_blocksparse.training.sparsify": ("api/training.html", {"LayerReport", "SparsifyReport"}),
     "jax_blocksparse.mixed_precision": ("api/mixed_precision.html", set()),
     "jax_blocksparse.attention": ("api/attention.html", set()),
 }

@@ -1,5 +1,5 @@
-"""Sparsify an NNX model in one call, and back (jbs.training.nnx_sparsify / nnx_densify),
-and the framework-neutral decisions behind it (jbs.training.sparsify).
+"""Sparsify an NNX model in one call, and back (jbs.nnx.sparsify / jbs.nnx.densify),
+and the framework-neutral decisions behind it (jax_blocksparse.layers.sparsify).
 
 The oracle of every conversion is the dense model itself: at density 1 the converted
 model computes the dense model's outputs, at density d the outputs of the dense model
@@ -21,9 +21,9 @@ from flax import nnx
 
 import jax_blocksparse as jbs
 from jax_blocksparse import training as jst
+from jax_blocksparse.layers import budgets
+from jax_blocksparse.layers.sparsify import Candidate, block_scores, path_filter, plan_sparsity, shape_reason
 from jax_blocksparse.nnx import BlockLayout, BlockSparseConv, BlockSparseLinear
-from jax_blocksparse.training import budgets
-from jax_blocksparse.training.sparsify import Candidate, block_scores, path_filter, plan_sparsity, shape_reason
 
 RTOL, ATOL = 2e-5, 2e-5
 
@@ -234,7 +234,7 @@ def test_strict_does_not_count_keep_dense_and_traced_kernels_are_refused():
 
 
 def test_density_one_computes_the_dense_model(cnn, images):
-    sparse, report = jst.nnx_sparsify(cnn, 1.0, 16)
+    sparse, report = jbs.nnx.sparsify(cnn, 1.0, 16)
     assert report.converted == ("conv2", "conv3", "fc")
     assert set(report.left_dense) == {"conv1", "head"}
     assert isinstance(sparse.conv2, BlockSparseConv) and isinstance(sparse.fc, BlockSparseLinear)
@@ -244,12 +244,12 @@ def test_density_one_computes_the_dense_model(cnn, images):
 
 @pytest.mark.parametrize("density, distribution", [(0.5, "uniform"), (0.25, "erk")])
 def test_density_d_computes_the_dense_model_with_blocks_zeroed(cnn, images, density, distribution):
-    sparse, report = jst.nnx_sparsify(cnn, density, 16, distribution=distribution)
+    sparse, report = jbs.nnx.sparsify(cnn, density, 16, distribution=distribution)
     want = masked_dense(cnn, report, sparse)(images)
     np.testing.assert_allclose(sparse(images), want, rtol=RTOL, atol=ATOL)
     assert report.params_after < report.params_before
     # densify is the same dense model.
-    dense = jst.nnx_densify(sparse)
+    dense = jbs.nnx.densify(sparse)
     assert type(dense.conv3) is nnx.Conv and type(dense.fc) is nnx.Linear and dense.conv3.bias is None
     np.testing.assert_allclose(dense(images), want, rtol=RTOL, atol=ATOL)
     np.testing.assert_array_equal(dense.fc.kernel[...], masked_dense(cnn, report, sparse).fc.kernel[...])
@@ -257,25 +257,25 @@ def test_density_d_computes_the_dense_model_with_blocks_zeroed(cnn, images, dens
 
 def test_attributes_carry_over():
     model = CNN(nnx.Rngs(0), dtype=jnp.bfloat16, precision="highest")
-    sparse, _ = jst.nnx_sparsify(model, 0.5, 16, impl="reference")
+    sparse, _ = jbs.nnx.sparsify(model, 0.5, 16, impl="reference")
     for name in ("conv2", "conv3", "fc"):
         dense, new = getattr(model, name), getattr(sparse, name)
         assert new.dtype == jnp.bfloat16 and new.param_dtype == jnp.float32 and new.impl == "reference"
         assert new.precision == jax.lax.Precision.HIGHEST and new.use_bias == dense.use_bias
     assert (sparse.conv2.strides, sparse.conv3.padding, sparse.conv3.kernel_dilation) == (2, ((1, 1), (0, 2)), (1, 2))
-    back = jst.nnx_densify(sparse)
+    back = jbs.nnx.densify(sparse)
     assert back.fc.dtype == jnp.bfloat16 and back.conv3.kernel_dilation == (1, 2) and back.conv2.strides == 2
 
 
 def test_shared_layers_stay_shared_and_containers_are_walked():
     model = trained_like(lambda: MLP(nnx.Rngs(0)))
     x = jnp.asarray(np.random.default_rng(3).normal(size=(4, 32)), jnp.float32)
-    sparse, report = jst.nnx_sparsify(model, 0.5, 16, keep_dense="out")
+    sparse, report = jbs.nnx.sparsify(model, 0.5, 16, keep_dense="out")
     assert report.converted == ("layers/0", "layers/1") and report.left_dense == {"out": "matches keep_dense"}
     assert isinstance(sparse.layers[1], BlockSparseLinear) and sparse.tied is sparse.layers[1]
     np.testing.assert_allclose(sparse(x), masked_dense(model, report, sparse)(x), rtol=RTOL, atol=ATOL)
     # A bare layer is replaced too.
-    layer, _ = jst.nnx_sparsify(nnx.Linear(32, 32, rngs=nnx.Rngs(0)), 0.5, 16)
+    layer, _ = jbs.nnx.sparsify(nnx.Linear(32, 32, rngs=nnx.Rngs(0)), 0.5, 16)
     assert isinstance(layer, BlockSparseLinear)
 
 
@@ -287,13 +287,13 @@ def test_layers_that_do_not_fit_are_listed_or_an_error():
             self.typed = nnx.Linear(16, 16, preferred_element_type=jnp.float32, rngs=rngs)
 
     odd = trained_like(lambda: Odd(nnx.Rngs(0)))
-    _, report = jst.nnx_sparsify(odd, 0.5, 16)
+    _, report = jbs.nnx.sparsify(odd, 0.5, 16)
     assert report.converted == ()
     assert report.left_dense == {"grouped": "feature_group_count=2 (grouped convolution)",
                                  "custom": "custom dot_general",
                                  "typed": "preferred_element_type=float32"}
     with pytest.raises(ValueError, match="strict=True.*grouped"):
-        jst.nnx_sparsify(odd, 0.5, 16, strict=True)
+        jbs.nnx.sparsify(odd, 0.5, 16, strict=True)
 
 
 # ---------------------------------------------------------------------------------
@@ -302,7 +302,7 @@ def test_layers_that_do_not_fit_are_listed_or_an_error():
 
 
 def test_jit_grad_vmap(cnn, images):
-    sparse, report = jst.nnx_sparsify(cnn, 0.5, 16)
+    sparse, report = jbs.nnx.sparsify(cnn, 0.5, 16)
     dense = masked_dense(cnn, report, sparse)
     loss = lambda m: jnp.sum(m(images) ** 2)  # noqa: E731
     graphdef, state = nnx.split(sparse)
@@ -324,7 +324,7 @@ def test_jit_grad_vmap(cnn, images):
 
 
 def test_optax_fine_tuning_lowers_the_loss(cnn, images):
-    sparse, _ = jst.nnx_sparsify(cnn, 0.25, 16)
+    sparse, _ = jbs.nnx.sparsify(cnn, 0.25, 16)
     target = jnp.arange(2) % 10
     optimizer = nnx.Optimizer(sparse, optax.adam(1e-2), wrt=nnx.Param)
 
@@ -344,13 +344,13 @@ def test_optax_fine_tuning_lowers_the_loss(cnn, images):
 
 def test_orbax_round_trip(cnn, images, tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint is not installed")
-    sparse, report = jst.nnx_sparsify(cnn, 0.5, 16, dynamic=True)
+    sparse, report = jbs.nnx.sparsify(cnn, 0.5, 16, dynamic=True)
     assert report.row("conv2").note == "static layout: BlockSparseConv has no dynamic layout"
     graphdef, state = nnx.split(sparse)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(tmp_path / "ckpt", state)
     checkpointer.wait_until_finished()
-    fresh, _ = jst.nnx_sparsify(trained_like(lambda: CNN(nnx.Rngs(5)), seed=5), 0.5, 16, dynamic=True)
+    fresh, _ = jbs.nnx.sparsify(trained_like(lambda: CNN(nnx.Rngs(5)), seed=5), 0.5, 16, dynamic=True)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(fresh))
     restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "ckpt", abstract))
     np.testing.assert_array_equal(restored(images), sparse(images))
@@ -378,7 +378,7 @@ def test_dynamic_methods_continue_from_the_converted_model(method, density, capa
         nnx.Linear(64, 16, rngs=nnx.Rngs(2))))
     x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 32)), jnp.float32)
     target = jnp.arange(8) % 16
-    sparse, report = jst.nnx_sparsify(model, density, 16, dynamic=True, capacity_factor=capacity_factor)
+    sparse, report = jbs.nnx.sparsify(model, density, 16, dynamic=True, capacity_factor=capacity_factor)
     hidden = sparse.layers[2]
     assert isinstance(hidden.kernel_layout, BlockLayout) and all(r.dynamic for r in report.layers)
     before = int(np.asarray(hidden.layout.mask).sum())
@@ -409,4 +409,4 @@ def test_dynamic_methods_continue_from_the_converted_model(method, density, capa
     elif not isinstance(method, jst.SparseMomentum):
         assert after == before
     # The layout the layer multiplies with is the one dynamic training left: densify agrees.
-    np.testing.assert_allclose(jst.nnx_densify(sparse)(x), sparse(x), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(jbs.nnx.densify(sparse)(x), sparse(x), rtol=RTOL, atol=ATOL)

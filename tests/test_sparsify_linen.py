@@ -1,5 +1,5 @@
-"""Sparsify an unmodified linen model in one call, and back (jbs.training.linen_sparsify /
-linen_densify): the model's own code runs, its nn.Dense / nn.Conv calls are answered
+"""Sparsify an unmodified linen model in one call, and back (jbs.nn.sparsify /
+jbs.nn.densify): the model's own code runs, its nn.Dense / nn.Conv calls are answered
 block-sparse through Flax's method interception.
 
 Oracle: the dense model applied to variables whose kernels are zeroed outside the
@@ -88,7 +88,7 @@ CONVERTED = ("Conv_1", "Conv_2", "Dense_0", "Block_0/fc", "Block_0/proj")
 
 def test_density_one_computes_the_dense_model(setup):
     model, variables, x = setup
-    sparse, sparse_vars, report = jst.linen_sparsify(model, variables, x, density=1.0, block_size=16)
+    sparse, sparse_vars, report = jbs.nn.sparsify(model, variables, x, density=1.0, block_size=16)
     assert report.converted == CONVERTED and set(report.left_dense) == {"Conv_0", "head"}
     assert sparse_vars["params"]["Dense_0"]["kernel"].shape == (16 * 4, 16, 16)
     assert sparse_vars["params"]["Conv_1"]["kernel"].shape == (2, 3, 3, 16, 16)
@@ -99,11 +99,11 @@ def test_density_one_computes_the_dense_model(setup):
 @pytest.mark.parametrize("density, distribution", [(0.5, "uniform"), (0.25, "erk")])
 def test_density_d_computes_the_dense_model_with_blocks_zeroed(setup, density, distribution):
     model, variables, x = setup
-    sparse, sparse_vars, report = jst.linen_sparsify(model, variables, x, density=density, block_size=16,
-                                                     distribution=distribution)
+    sparse, sparse_vars, report = jbs.nn.sparsify(model, variables, x, density=density, block_size=16,
+                                                  distribution=distribution)
     want = model.apply(masked(variables, sparse), x)
     np.testing.assert_allclose(sparse.apply(sparse_vars, x), want, rtol=RTOL, atol=ATOL)
-    dense_vars = jst.linen_densify(sparse, sparse_vars)
+    dense_vars = jbs.nn.densify(sparse, sparse_vars)
     np.testing.assert_allclose(model.apply(dense_vars, x), want, rtol=RTOL, atol=ATOL)
     np.testing.assert_array_equal(dense_vars["params"]["Conv_2"]["kernel"],
                                   masked(variables, sparse)["params"]["Conv_2"]["kernel"])
@@ -113,7 +113,7 @@ def test_density_d_computes_the_dense_model_with_blocks_zeroed(setup, density, d
 def test_precision_and_dtype_are_the_modules(setup):
     _, variables, x = setup
     model = CNN(dtype=jnp.bfloat16, precision="highest")
-    sparse, sparse_vars, _ = jst.linen_sparsify(model, variables, x, density=0.5, block_size=16)
+    sparse, sparse_vars, _ = jbs.nn.sparsify(model, variables, x, density=0.5, block_size=16)
     y = sparse.apply(sparse_vars, x)
     assert y.dtype == jnp.bfloat16
     jaxpr = jax.make_jaxpr(lambda v: sparse.apply(v, x))(sparse_vars)
@@ -123,19 +123,19 @@ def test_precision_and_dtype_are_the_modules(setup):
 
 def test_keep_dense_strict_selection_and_bad_arguments(setup):
     model, variables, x = setup
-    sparse, _, report = jst.linen_sparsify(model, variables, x, density=0.5, block_size=16,
-                                           keep_dense=["Block_0/*"], selection={"Dense_0": np.eye(16, 4, dtype=bool)})
+    sparse, _, report = jbs.nn.sparsify(model, variables, x, density=0.5, block_size=16,
+                                        keep_dense=["Block_0/*"], selection={"Dense_0": np.eye(16, 4, dtype=bool)})
     assert sparse.paths == ("Conv_1", "Conv_2", "Dense_0")
     assert report.left_dense["Block_0/fc"] == "matches keep_dense"
     np.testing.assert_array_equal(np.asarray(dict(sparse.layers)[("Dense_0",)].mask), np.eye(16, 4, dtype=bool))
     with pytest.raises(ValueError, match="strict=True.*Conv_0: input channels 3"):
-        jst.linen_sparsify(model, variables, x, density=0.5, block_size=16, strict=True)
+        jbs.nn.sparsify(model, variables, x, density=0.5, block_size=16, strict=True)
     with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
-        jst.linen_sparsify(model, variables, x, density=2, block_size=16)
+        jbs.nn.sparsify(model, variables, x, density=2, block_size=16)
     with pytest.raises(TypeError, match="'params' collection"):
-        jst.linen_sparsify(model, variables["params"], x, density=0.5, block_size=16)
+        jbs.nn.sparsify(model, variables["params"], x, density=0.5, block_size=16)
     with pytest.raises(TypeError, match="flax.linen.Module"):
-        jst.linen_sparsify(lambda x: x, variables, x, density=0.5, block_size=16)
+        jbs.nn.sparsify(lambda x: x, variables, x, density=0.5, block_size=16)
 
 
 def test_layers_that_do_not_fit_are_listed():
@@ -149,7 +149,7 @@ def test_layers_that_do_not_fit_are_listed():
 
     x = jnp.ones((2, 5, 16))
     variables = weights_like(jax.eval_shape(Odd().init, jax.random.key(0), x))
-    _, _, report = jst.linen_sparsify(Odd(), variables, x, density=0.5, block_size=16)
+    _, _, report = jbs.nn.sparsify(Odd(), variables, x, density=0.5, block_size=16)
     assert report.converted == ()
     reasons = report.left_dense
     assert reasons["Conv_0"] == "feature_group_count=2 (grouped convolution)"
@@ -159,7 +159,7 @@ def test_layers_that_do_not_fit_are_listed():
 
 def test_jit_grad_vmap_and_init_from_scratch(setup):
     model, variables, x = setup
-    sparse, sparse_vars, _ = jst.linen_sparsify(model, variables, x, density=0.5, block_size=16)
+    sparse, sparse_vars, _ = jbs.nn.sparsify(model, variables, x, density=0.5, block_size=16)
     dense_vars = masked(variables, sparse)
     loss = lambda apply, v: jnp.sum(apply(v, x) ** 2)  # noqa: E731
 
@@ -188,7 +188,7 @@ def test_jit_grad_vmap_and_init_from_scratch(setup):
 
 def test_optax_training_and_dropout(setup):
     model, variables, x = setup
-    sparse, sparse_vars, _ = jst.linen_sparsify(model, variables, x, density=0.25, block_size=16)
+    sparse, sparse_vars, _ = jbs.nn.sparsify(model, variables, x, density=0.25, block_size=16)
     params, target = sparse_vars["params"], jnp.arange(2) % 10
     tx = optax.adam(1e-2)
     opt_state = tx.init(params)
@@ -214,7 +214,7 @@ def test_optax_training_and_dropout(setup):
 def test_orbax_round_trip(setup, tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint is not installed")
     model, variables, x = setup
-    sparse, sparse_vars, _ = jst.linen_sparsify(model, variables, x, density=0.5, block_size=16, dynamic=True)
+    sparse, sparse_vars, _ = jbs.nn.sparsify(model, variables, x, density=0.5, block_size=16, dynamic=True)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(tmp_path / "ckpt", sparse_vars)
     checkpointer.wait_until_finished()
@@ -243,8 +243,8 @@ def test_dynamic_methods_continue_from_the_converted_model(method, density, capa
     model, x = MLP(), jnp.asarray(np.random.default_rng(0).normal(size=(8, 32)), jnp.float32)
     y = jnp.arange(8) % 16
     variables = weights_like(jax.eval_shape(model.init, jax.random.key(1), x))
-    sparse, sparse_vars, report = jst.linen_sparsify(model, variables, x, density=density, block_size=16,
-                                                     dynamic=True, capacity_factor=capacity_factor)
+    sparse, sparse_vars, report = jbs.nn.sparsify(model, variables, x, density=density, block_size=16,
+                                                  dynamic=True, capacity_factor=capacity_factor)
     params, layouts = sparse_vars["params"], sparse_vars["layout"]
     assert set(layouts) == {"Dense_0", "Dense_1", "Dense_2"} and all(r.dynamic for r in report.layers)
     tx = optax.adam(1e-2)
@@ -279,7 +279,7 @@ def test_dynamic_methods_continue_from_the_converted_model(method, density, capa
     elif not isinstance(method, jst.SparseMomentum):
         assert after == before
     final = {"params": params, "layout": layouts}
-    dense_vars = jst.linen_densify(sparse, final)
+    dense_vars = jbs.nn.densify(sparse, final)
     assert "layout" not in dense_vars
     np.testing.assert_allclose(model.apply(dense_vars, x), sparse.apply(final, x), rtol=RTOL, atol=ATOL)
 
@@ -288,7 +288,7 @@ def test_dense_grads_reach_the_intercepted_layers():
     """RigL's dense gradient comes through the interceptor: the probe equals x^T dy."""
     model, x = nn.Dense(32), jnp.asarray(np.random.default_rng(0).normal(size=(4, 16)), jnp.float32)
     variables = weights_like(jax.eval_shape(model.init, jax.random.key(1), x))
-    sparse, sparse_vars, _ = jst.linen_sparsify(model, variables, x, density=0.5, block_size=16, dynamic=True)
+    sparse, sparse_vars, _ = jbs.nn.sparsify(model, variables, x, density=0.5, block_size=16, dynamic=True)
     assert sparse.paths == ("",)  # a bare Dense is the root: the empty path
     layouts = sparse_vars["layout"]
     loss = lambda p, l, x: jnp.sum(sparse.apply({"params": p, "layout": l}, x))  # noqa: E731

@@ -11,6 +11,12 @@ here imports Flax:
 * :mod:`~jax_blocksparse.layers.parallel`: the column-parallel split over a mesh axis.
 * :mod:`~jax_blocksparse.layers.recurrent`: the LSTM/mLSTM cell configuration and
   init; the recurrence itself is the op :mod:`jax_blocksparse.ops.recurrence`.
+* :mod:`~jax_blocksparse.layers.budgets`: how many blocks each layer gets (uniform,
+  ERK) and initial layouts; :mod:`~jax_blocksparse.layers.select`: block scores and
+  top-k selection on the block grid (both re-exported by :mod:`jax_blocksparse.training`).
+* :mod:`~jax_blocksparse.layers.sparsify`: turning a dense model's layers block-sparse,
+  framework-neutral (what fits, the budget, the blocks, the report) under
+  ``jbs.nn.sparsify`` and ``jbs.nnx.sparsify``.
 """
 
 from jax_blocksparse.layers.dense import StaticMask

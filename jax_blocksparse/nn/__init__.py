@@ -6,15 +6,23 @@
 The nnx counterparts are :class:`jax_blocksparse.nnx.BlockSparseLinear` and
 :class:`jax_blocksparse.nnx.ColumnParallelLinear` (model parallel, like
 :class:`ColumnParallelDense`).
+
+An existing dense model needs no rewrite: :func:`sparsify` applies an unmodified linen
+module with its ``nn.Dense`` / ``nn.Conv`` layers block-sparse (a
+:class:`SparsifiedModule` and converted variables), and :func:`densify` gives the dense
+variables back.
 """
 
 from jax_blocksparse.layers.dense import StaticMask
+from jax_blocksparse.layers.sparsify import LayerReport, SparsifyReport
 from jax_blocksparse.nn.attention import BlockSparseSelfAttention
 from jax_blocksparse.nn.conv import BlockSparseConv, BlockSparseConvTranspose
 from jax_blocksparse.nn.dense import BlockSparseDense
 from jax_blocksparse.nn.parallel import ColumnParallelDense
 from jax_blocksparse.nn.recurrent import BlockSparseLSTM, BlockSparseLSTMCell, BlockSparseMLSTMCell
+from jax_blocksparse.nn.sparsify import SparsifiedModule, densify, sparsify
 
 __all__ = ["BlockSparseConv", "BlockSparseConvTranspose", "BlockSparseDense", "StaticMask"]
 __all__ += ["BlockSparseLSTM", "BlockSparseLSTMCell", "BlockSparseMLSTMCell", "ColumnParallelDense"]
 __all__ += ["BlockSparseSelfAttention"]
+__all__ += ["LayerReport", "SparsifiedModule", "SparsifyReport", "densify", "sparsify"]

@@ -4,10 +4,11 @@
 :mod:`jax_blocksparse.mixed_precision`.)
 
 Block-level versions of sparse momentum, RigL, SET, gradual magnitude pruning and
-a static-sparse baseline, with layer budgets (uniform, ERK). A trained dense model
-becomes block-sparse in one call, and back: :func:`nnx_sparsify` /
-:func:`nnx_densify` (Flax NNX), :func:`linen_sparsify` / :func:`linen_densify` (an
-unmodified linen model, through method interception). Layouts live beside
+a static-sparse baseline, with layer budgets (uniform, ERK; defined in
+:mod:`jax_blocksparse.layers.budgets` and re-exported here, as are the block scores
+of :mod:`jax_blocksparse.layers.select`). They continue from a trained dense model
+made block-sparse in one call (:func:`jax_blocksparse.nnx.sparsify`,
+:func:`jax_blocksparse.nn.sparsify`, with ``dynamic=True``). Layouts live beside
 the params (a linen "layout" variable collection, or any pytree of
 :class:`~jax_blocksparse.Layout`) and change inside jit with fixed capacities, so
 nothing recompiles. Works with any optax optimizer: the update moves every
@@ -48,12 +49,7 @@ A linen training loop::
             print(jst.format_log(log))
 """
 
-# Loss scaling comes through the compatibility submodule training.loss_scale, so that
-# the submodule is loaded before the function `loss_scale` is bound here: a later
-# `import jax_blocksparse.training.loss_scale` would otherwise rebind the attribute
-# to the module.
-from jax_blocksparse.training._paths import is_layout, named_layouts
-from jax_blocksparse.training.budgets import (
+from jax_blocksparse.layers.budgets import (
     DISTRIBUTIONS,
     LayerPlan,
     allocate_blocks,
@@ -61,7 +57,14 @@ from jax_blocksparse.training.budgets import (
     plan_layouts,
     uniform_densities,
 )
+from jax_blocksparse.layers.select import block_magnitude, grid_scores, redistribute
+from jax_blocksparse.training._paths import is_layout, named_layouts
 from jax_blocksparse.training.log import LayoutChangeLog, format_log, log_rows
+
+# Loss scaling comes through the compatibility submodule training.loss_scale, so that
+# the submodule is loaded before the function `loss_scale` is bound here: a later
+# `import jax_blocksparse.training.loss_scale` would otherwise rebind the attribute
+# to the module.
 from jax_blocksparse.training.loss_scale import (
     LossScaleState,
     all_finite,
@@ -84,10 +87,6 @@ from jax_blocksparse.training.nnx_utils import nnx_dense_grads, nnx_update
 from jax_blocksparse.training.probe import ProbedLayout, dense_grads, grid_view, probe_product, unwrap
 from jax_blocksparse.training.remap import remap_blocks, remap_tree, slot_map
 from jax_blocksparse.training.schedules import annealed_fraction, cosine_decay, cubic_density
-from jax_blocksparse.training.select import block_magnitude, grid_scores, redistribute
-from jax_blocksparse.training.sparsify import LayerReport, SparsifyReport
-from jax_blocksparse.training.sparsify_linen import SparsifiedModule, linen_densify, linen_sparsify
-from jax_blocksparse.training.sparsify_nnx import nnx_densify, nnx_sparsify
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -95,15 +94,12 @@ __all__ = [
     "SET",
     "DynamicSparsity",
     "LayerPlan",
-    "LayerReport",
     "LayoutChangeLog",
     "LossScaleState",
     "MagnitudePruning",
     "ProbedLayout",
     "RigL",
     "SparseMomentum",
-    "SparsifiedModule",
-    "SparsifyReport",
     "SparsityUpdate",
     "StaticSparse",
     "all_finite",
@@ -120,14 +116,10 @@ __all__ = [
     "grid_scores",
     "grid_view",
     "is_layout",
-    "linen_densify",
-    "linen_sparsify",
     "log_rows",
     "loss_scale",
     "named_layouts",
-    "nnx_densify",
     "nnx_dense_grads",
-    "nnx_sparsify",
     "nnx_update",
     "plan_layouts",
     "probe_product",

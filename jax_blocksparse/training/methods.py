@@ -50,8 +50,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_blocksparse.layers import budgets, select
 from jax_blocksparse.layout import Layout
-from jax_blocksparse.training import _paths, budgets, schedules, select
+from jax_blocksparse.training import _paths, schedules
 from jax_blocksparse.training.log import LayoutChangeLog
 from jax_blocksparse.training.remap import remap_tree
 

@@ -1,17 +1,15 @@
-"""Sparsify an unmodified Flax linen model in one call, and back.
+"""Sparsify an unmodified Flax linen model in one call, and back: ``jbs.nn.sparsify`` / ``jbs.nn.densify``.
 
 A linen model's layers are created by its own code (often inline, in ``nn.compact``
-methods), so they cannot be swapped from outside. :func:`linen_sparsify` leaves the
+methods), so they cannot be swapped from outside. :func:`sparsify` leaves the
 model's code alone: it returns a :class:`SparsifiedModule` that applies the model
 under Flax's method interception (``nn.intercept_methods``), and every selected
 ``nn.Dense`` / ``nn.Conv`` call is answered by the block-sparse layer core
 (:mod:`jax_blocksparse.layers`) reading its parameters at the same path: the kernel
 as the stored blocks, [capacity, bs, bs] (a conv's [capacity, *kernel_size, bs, bs]),
-the bias as it was. :func:`linen_densify` gives the dense model's variables back.
-
-These live in :mod:`jax_blocksparse.training` rather than :mod:`jax_blocksparse.nn`
-because they use the training budgets, and the layer packages import nothing of
-``training`` (the import graph points down: layers <- training).
+the bias as it was. :func:`densify` gives the dense model's variables back. The
+decisions (what fits, the budget, the blocks, the report) are the framework-neutral
+core's, :mod:`jax_blocksparse.layers.sparsify`, shared with the NNX entry points.
 """
 
 from __future__ import annotations
@@ -25,10 +23,10 @@ import numpy as np
 
 from jax_blocksparse.layers import conv as _conv
 from jax_blocksparse.layers import dense as _dense
+from jax_blocksparse.layers import sparsify as _core
 from jax_blocksparse.nn.dense import LAYOUT_COLLECTION
-from jax_blocksparse.training import sparsify as _core
 
-__all__ = ["SparsifiedModule", "linen_densify", "linen_sparsify"]
+__all__ = ["SparsifiedModule", "densify", "sparsify"]
 
 _DENSE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(nn.Dense)}
 _CONV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(nn.Conv)}
@@ -88,7 +86,7 @@ def _without(tree, path: tuple[str, ...]):
 class SparsifiedModule:
     """An unmodified linen module applied with block-sparse dense and conv layers.
 
-    Made by :func:`linen_sparsify`. ``apply`` and ``init`` are the module's own,
+    Made by :func:`sparsify`. ``apply`` and ``init`` are the module's own,
     run under :meth:`intercept`: every ``nn.Dense`` / ``nn.Conv`` at a converted
     path computes its block-sparse product (:func:`jax_blocksparse.bsmm`,
     :func:`jax_blocksparse.bsconv`) with the variables at that path, and every other
@@ -204,7 +202,7 @@ def _record(module: nn.Module, variables, args, apply_kwargs) -> list[tuple[tupl
     return [(path, m, shape) for path, (m, shape) in seen.items()]
 
 
-def linen_sparsify(
+def sparsify(
     module: nn.Module,
     variables,
     *args,
@@ -225,7 +223,7 @@ def linen_sparsify(
     Runs the model once abstractly (``jax.eval_shape``: no computation) on ``args``
     to find every ``nn.Dense`` and ``nn.Conv`` it calls, including those created
     inline in ``nn.compact`` methods, decides which fit and which blocks each keeps
-    (:func:`~jax_blocksparse.training.sparsify.plan_sparsity`), and converts the
+    (:func:`~jax_blocksparse.layers.sparsify.plan_sparsity`), and converts the
     variables: at each converted path the kernel becomes its selected blocks. A
     layer fits when its input and output features are multiples of ``block_size``,
     it uses the default ``dot_general`` / ``conv_general_dilated`` and
@@ -242,7 +240,7 @@ def linen_sparsify(
       block_size: the block edge, one of 8, 16, 32, 64, 128.
       distribution: the per-layer budget, ``"uniform"`` or ``"erk"``.
       selection: which blocks each layer keeps, as in
-        :func:`~jax_blocksparse.training.nnx_sparsify`; paths are the linen module
+        :func:`jax_blocksparse.nnx.sparsify`; paths are the linen module
         paths, "/"-joined (``"Dense_0"``, ``"encoder/fc"``).
       keep_dense: layers to leave dense: glob patterns on those paths, or a callable.
       dynamic: give the converted dense layers a dynamic layout: a
@@ -261,13 +259,13 @@ def linen_sparsify(
     Returns:
       ``(sparse_module, sparse_variables, report)``: a :class:`SparsifiedModule`
       (``sparse_module.apply(sparse_variables, x)``), the converted variables, and
-      the :class:`~jax_blocksparse.training.SparsifyReport`.
+      the :class:`~jax_blocksparse.layers.sparsify.SparsifyReport`.
 
     Example::
 
         >>> import jax, jax.numpy as jnp
         >>> import flax.linen as nn
-        >>> from jax_blocksparse import training as jst
+        >>> import jax_blocksparse as jbs
         >>> class MLP(nn.Module):
         ...     @nn.compact
         ...     def __call__(self, x):
@@ -275,12 +273,12 @@ def linen_sparsify(
         ...         return nn.Dense(10)(x)                  # "Dense_1": 10 outputs, left dense
         >>> model, x = MLP(), jnp.ones((2, 64))
         >>> variables = model.init(jax.random.key(0), x)
-        >>> sparse, sparse_vars, report = jst.linen_sparsify(model, variables, x, density=0.25, block_size=16)
+        >>> sparse, sparse_vars, report = jbs.nn.sparsify(model, variables, x, density=0.25, block_size=16)
         >>> sparse.paths, sparse_vars["params"]["Dense_0"]["kernel"].shape
         (('Dense_0',), (8, 16, 16))
         >>> sparse.apply(sparse_vars, x).shape
         (2, 10)
-        >>> dense_vars = jst.linen_densify(sparse, sparse_vars)    # for model.apply
+        >>> dense_vars = jbs.nn.densify(sparse, sparse_vars)    # for model.apply
         >>> dense_vars["params"]["Dense_0"]["kernel"].shape
         (64, 128)
     """
@@ -324,7 +322,7 @@ def linen_sparsify(
     return sparse, new_variables, report
 
 
-def linen_densify(sparse: SparsifiedModule, variables):
+def densify(sparse: SparsifiedModule, variables):
     """The dense variables of ``sparse.module``: every converted kernel scattered back.
 
     Each converted layer's kernel becomes the dense [C, K] (a conv's
@@ -334,19 +332,19 @@ def linen_densify(sparse: SparsifiedModule, variables):
     computes what ``sparse.apply(variables, x)`` does.
     """
     if not isinstance(sparse, SparsifiedModule):
-        raise TypeError(f"sparse must be the SparsifiedModule of linen_sparsify, got {type(sparse).__name__}")
+        raise TypeError(f"sparse must be the SparsifiedModule of sparsify, got {type(sparse).__name__}")
     if not isinstance(variables, Mapping) or "params" not in variables:
         raise TypeError("variables must be a mapping with a 'params' collection")
     variables = dict(variables)
     for path, plan in sparse.layers:
         entry = _lookup(variables["params"], path)
         if not isinstance(entry, Mapping) or "kernel" not in entry:
-            raise ValueError(f"linen_densify: no kernel at params/{'/'.join(path)}")
+            raise ValueError(f"densify: no kernel at params/{'/'.join(path)}")
         layout = plan.layout
         if plan.dynamic:
             current = _lookup(variables.get(LAYOUT_COLLECTION), path + ("kernel",))
             if current is None:
-                raise ValueError(f"linen_densify: the dynamic layer {'/'.join(path)} has no layout in "
+                raise ValueError(f"densify: the dynamic layer {'/'.join(path)} has no layout in "
                                  f"variables[{LAYOUT_COLLECTION!r}]")
             layout = current
             variables[LAYOUT_COLLECTION] = _without(variables[LAYOUT_COLLECTION], path + ("kernel",))

@@ -1,15 +1,12 @@
-"""Sparsify a Flax NNX model in one call, and back.
+"""Sparsify a Flax NNX model in one call, and back: ``jbs.nnx.sparsify`` / ``jbs.nnx.densify``.
 
-:func:`nnx_sparsify` returns a copy of the model in which every ``nnx.Linear`` and
+:func:`sparsify` returns a copy of the model in which every ``nnx.Linear`` and
 ``nnx.Conv`` that fits is a :class:`~jax_blocksparse.nnx.BlockSparseLinear` /
 :class:`~jax_blocksparse.nnx.BlockSparseConv` holding the selected blocks of the
-dense kernel; :func:`nnx_densify` turns every block-sparse linear and conv layer
-back into the dense one, zeros outside the blocks. The decisions (what fits, the
-budget, the blocks, the report) are :mod:`~jax_blocksparse.training.sparsify`'s.
-
-These live in :mod:`jax_blocksparse.training` rather than :mod:`jax_blocksparse.nnx`
-because they use the training budgets, and the layer packages import nothing of
-``training`` (the import graph points down: layers <- training).
+dense kernel; :func:`densify` turns every block-sparse linear and conv layer back
+into the dense one, zeros outside the blocks. The decisions (what fits, the budget,
+the blocks, the report) are the framework-neutral core's,
+:mod:`jax_blocksparse.layers.sparsify`, shared with the linen entry points.
 """
 
 from __future__ import annotations
@@ -20,11 +17,11 @@ from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 import numpy as np
 from flax import nnx
 
+from jax_blocksparse.layers import sparsify as _core
 from jax_blocksparse.nnx.conv import BlockSparseConv
 from jax_blocksparse.nnx.linear import BlockSparseLinear
-from jax_blocksparse.training import sparsify as _core
 
-__all__ = ["nnx_densify", "nnx_sparsify"]
+__all__ = ["densify", "sparsify"]
 
 
 def _defaults(cls) -> dict:
@@ -87,7 +84,7 @@ def _replace_all(root, replacements: dict[int, object]):
             return root
         for parts, node in found:
             _set_at(root, parts, replacements[id(node)])
-    raise RuntimeError("nnx_sparsify: layers could not be replaced in the model graph")  # unreachable
+    raise RuntimeError("sparsify: layers could not be replaced in the model graph")  # unreachable
 
 
 def _child(parent, key):
@@ -135,7 +132,7 @@ def _block_sparse(layer, plan: _core.LayerSparsity, impl):
                              dynamic=plan.dynamic, **common)
 
 
-def nnx_sparsify(
+def sparsify(
     model,
     density,
     block_size: int,
@@ -171,7 +168,7 @@ def nnx_sparsify(
       selection: which blocks each layer keeps: by default (None, ``"magnitude"``)
         those of largest norm under its budget; a callable ``fn(grid, density) ->
         bool mask``; or ``{path: mask | callable | "magnitude"}`` per layer (see
-        :func:`~jax_blocksparse.training.sparsify.plan_sparsity`).
+        :func:`~jax_blocksparse.layers.sparsify.plan_sparsity`).
       keep_dense: layers to leave dense (the embedding, the classifier): a glob
         pattern on the "/"-joined path (``"head"``, ``"blocks/*/out"``), a sequence of
         them, or a callable ``fn(path) -> bool``.
@@ -188,7 +185,7 @@ def nnx_sparsify(
 
     Returns:
       ``(sparse_model, report)``: the converted copy and a
-      :class:`~jax_blocksparse.training.SparsifyReport` (``print(report)`` shows each
+      :class:`~jax_blocksparse.layers.sparsify.SparsifyReport` (``print(report)`` shows each
       layer's path, kernel shape, density and parameters before and after, and the
       layers left dense with their reason).
 
@@ -196,7 +193,7 @@ def nnx_sparsify(
 
         >>> import jax.numpy as jnp
         >>> from flax import nnx
-        >>> from jax_blocksparse import training as jst
+        >>> import jax_blocksparse as jbs
         >>> class MLP(nnx.Module):
         ...     def __init__(self, rngs):
         ...         self.fc1 = nnx.Linear(64, 128, rngs=rngs)
@@ -204,7 +201,7 @@ def nnx_sparsify(
         ...     def __call__(self, x):
         ...         return self.fc2(nnx.relu(self.fc1(x)))
         >>> model = MLP(nnx.Rngs(0))
-        >>> sparse, report = jst.nnx_sparsify(model, 0.25, 16)
+        >>> sparse, report = jbs.nnx.sparsify(model, 0.25, 16)
         >>> type(sparse.fc1).__name__, sparse.fc1.kernel.shape    # 8 of 32 blocks
         ('BlockSparseLinear', (8, 16, 16))
         >>> report.left_dense
@@ -242,7 +239,7 @@ def _dense(layer):
     return nnx.Linear(layer.in_features, layer.out_features, **common)
 
 
-def nnx_densify(model):
+def densify(model):
     """A dense copy of an NNX model: its block-sparse linear and conv layers made dense.
 
     Every :class:`~jax_blocksparse.nnx.BlockSparseLinear` becomes an ``nnx.Linear``
@@ -256,10 +253,10 @@ def nnx_densify(model):
     Example::
 
         >>> from flax import nnx
-        >>> from jax_blocksparse import training as jst
+        >>> import jax_blocksparse as jbs
         >>> model = nnx.Sequential(nnx.Linear(32, 32, rngs=nnx.Rngs(0)))
-        >>> sparse, _ = jst.nnx_sparsify(model, 0.5, 16)
-        >>> dense = jst.nnx_densify(sparse)
+        >>> sparse, _ = jbs.nnx.sparsify(model, 0.5, 16)
+        >>> dense = jbs.nnx.densify(sparse)
         >>> type(dense.layers[0]).__name__, dense.layers[0].kernel.shape
         ('Linear', (32, 32))
     """

@@ -11,6 +11,10 @@ block whatever their storage order:
   from the method's seed), so the choice is deterministic given the seed.
 * :func:`redistribute`: integer water-filling of a budget across layers in
   proportion to weights, capped per layer (sparse momentum).
+
+:mod:`jax_blocksparse.training` re-exports :func:`block_magnitude`,
+:func:`grid_scores` and :func:`redistribute`; its methods use all of them, and the
+sparsify core (:mod:`~jax_blocksparse.layers.sparsify`) shares its ``NORMS``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,26 @@
 """Sparsifying a dense model, framework-neutral: which layers, which blocks, and a report.
 
-The Flax entry points (:func:`~jax_blocksparse.training.nnx_sparsify`,
-:func:`~jax_blocksparse.training.linen_sparsify`) find the model's dense and conv
-layers and hand them here as :class:`Candidate` s; :func:`plan_sparsity` decides,
-for all frameworks alike:
+The Flax entry points (:func:`jax_blocksparse.nnx.sparsify`,
+:func:`jax_blocksparse.nn.sparsify`) find the model's dense and conv layers and hand
+them here as :class:`Candidate` s; :func:`plan_sparsity` decides, for both frameworks
+alike:
 
 * **what fits**: a layer whose input and output features (channels) are multiples of
   the block size, which the caller found no other reason to keep dense, and which no
   ``keep_dense`` pattern names (:func:`shape_reason`, :func:`path_filter`);
 * **how many blocks** each layer keeps: a per-layer budget over the converted layers,
-  ``"uniform"`` or ``"erk"`` (:mod:`~jax_blocksparse.training.budgets`; a conv's ERK
+  ``"uniform"`` or ``"erk"`` (:mod:`~jax_blocksparse.layers.budgets`; a conv's ERK
   counts its kernel dims), rounded to whole blocks;
 * **which blocks**: by default those of largest norm (:func:`block_scores`: the
   norm of a [bs, bs] block of a dense kernel, or of a conv's [*kernel_size, bs, bs]
   block over all its taps), or a mask or a mask generator per layer;
-* **the report** (:class:`SparsifyReport`): every layer's path, kernel shape,
-  density and parameters before and after; the layers left dense with their reason.
+* **the report** (:class:`SparsifyReport`, which :mod:`jax_blocksparse.nn` and
+  :mod:`jax_blocksparse.nnx` export): every layer's path, kernel shape, density and
+  parameters before and after; the layers left dense with their reason.
 
 The kernels themselves move with :func:`sparse_kernel` (the selected blocks of a
-dense kernel) and :func:`dense_kernel` (back, zeros elsewhere).
+dense kernel) and :func:`dense_kernel` (back, zeros elsewhere). Like the rest of
+:mod:`jax_blocksparse.layers`, nothing here imports Flax.
 """
 
 from __future__ import annotations
@@ -32,11 +34,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_blocksparse.layers import budgets, select
 from jax_blocksparse.layers.dense import StaticMask, layout_for
 from jax_blocksparse.layout import Layout, check_block_size
 from jax_blocksparse.ops.conv import conv_from_dense, conv_to_dense
 from jax_blocksparse.ops.matmul import from_dense, to_dense
-from jax_blocksparse.training import budgets, select
 
 __all__ = [
     "Candidate", "LayerReport", "LayerSparsity", "SparsifyReport", "block_scores", "dense_kernel", "non_default",
@@ -240,7 +242,7 @@ def shape_reason(kind: str, shape, block_size: int) -> str | None:
 
     Example::
 
-        >>> from jax_blocksparse.training.sparsify import shape_reason
+        >>> from jax_blocksparse.layers.sparsify import shape_reason
         >>> shape_reason("linear", (64, 10), 16)
         'output features 10 not a multiple of block_size 16'
         >>> shape_reason("conv", (3, 3, 32, 64), 16) is None
@@ -283,7 +285,7 @@ def path_filter(keep_dense) -> Callable[[str], bool]:
 
     Example::
 
-        >>> from jax_blocksparse.training.sparsify import path_filter
+        >>> from jax_blocksparse.layers.sparsify import path_filter
         >>> keep = path_filter(["head", "blocks/*/attn*"])
         >>> keep("head"), keep("blocks/0/attn_out"), keep("blocks/0/mlp")
         (True, True, False)

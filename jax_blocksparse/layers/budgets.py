@@ -17,6 +17,10 @@ Every layer with a non-zero density keeps at least one block.
 :func:`plan_layouts` draws the initial random masks and picks each layer's fixed
 ``capacity`` (number of storage slots): the shapes of the kernels never change
 during training, so the training step compiles once.
+
+The budgets serve both :mod:`jax_blocksparse.training`'s methods (which re-export
+the public names: ``jbs.training.plan_layouts``, ...) and the one-call conversion of a
+dense model (:mod:`~jax_blocksparse.layers.sparsify`); they need only numpy.
 """
 
 from __future__ import annotations
