@@ -39,8 +39,8 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import jax_blocksparse as jbs
+from jax_blocksparse.layers import common as layer_common
 from jax_blocksparse.layers import conv as conv_core
-from jax_blocksparse.layers import dense as dense_core
 from jax_blocksparse.nnx import BlockSparseConv, BlockSparseLinear
 
 # ---------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def fresh_blocks(model, seed: int):
     keys = iter(jax.random.split(jax.random.key(seed), 64))
     for _, node in nnx.iter_graph(model):
         if isinstance(node, BlockSparseLinear):
-            node.kernel[...] = dense_core.init_kernel(None, next(keys), node.layout, node.mask, node.param_dtype)
+            node.kernel[...] = layer_common.init_kernel(None, next(keys), node.layout, node.mask, node.param_dtype)
         elif isinstance(node, BlockSparseConv):
             node.kernel[...] = conv_core.init_conv_kernel(None, next(keys), node.layout, node.mask, node.kernel_size,
                                                           node.param_dtype)

@@ -136,6 +136,7 @@ def _violations(prefix: str, forbidden: tuple[str, ...]):
 
 def test_the_walk_sees_the_package():
     assert {"jax_blocksparse.nn.dense", "jax_blocksparse.nnx.linear", "jax_blocksparse.layers.dense",
+            "jax_blocksparse.layers.common",
             "jax_blocksparse.ops.recurrence", "jax_blocksparse.ops.probe"} <= set(MODULES)
     assert any(name == "flax.linen" for name, _, _ in IMPORTS["jax_blocksparse.nn.dense"])
     assert any(name == "flax.nnx" for name, _, _ in IMPORTS["jax_blocksparse.nnx.linear"])
@@ -239,8 +240,8 @@ def test_importing_the_layers_loads_no_training_and_no_optax():
 
 
 def test_importing_every_submodule_keeps_the_exported_functions():
-    """A package attribute shared with a submodule's name (training.loss_scale the
-    function, training/loss_scale.py the module) must stay the function after every
+    """A package attribute shared with a submodule's name (a function ``f`` exported by
+    a package that also holds a module ``f.py``) must stay the function after every
     submodule is imported, as doctest collection and Sphinx do."""
     import importlib
     import pkgutil

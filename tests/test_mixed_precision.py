@@ -3,7 +3,7 @@
 * ``float32_dw``: the weight gradient of a 16-bit product is the float32 accumulator of
   ``bsmm_updat(x16, dy16, out_dtype=float32)``, under grad, jvp, vmap and jit, and from
   every layer; without it the gradient is that value rounded to 16 bits.
-* ``training.dynamic_loss_scaling``: skips non-finite steps, grows after N finite steps,
+* ``mixed_precision.dynamic_loss_scaling``: skips non-finite steps, grows after N finite steps,
   shrinks on overflow, inside jit.
 * Training a small block-sparse model in bfloat16 and float16 tracks float32 training.
 
@@ -33,7 +33,7 @@ from helpers import (
     rerun_keeping_16bit_roundings,
     xla_optimizations_off,
 )
-from jax_blocksparse import training as jst
+from jax_blocksparse import mixed_precision as jmp
 
 F32 = np.dtype(jnp.float32)
 HALF = {"bf16": np.dtype(jnp.bfloat16), "f16": np.dtype(jnp.float16)}
@@ -342,7 +342,7 @@ def _scaling_step(tx):
 
 
 def test_loss_scale_grows_after_n_finite_steps_and_shrinks_on_overflow():
-    tx = jst.dynamic_loss_scaling(
+    tx = jmp.dynamic_loss_scaling(
         optax.sgd(0.5), initial_scale=8.0, growth_interval=3, growth_factor=2.0, backoff_factor=0.25,
         min_scale=1.0, max_scale=32.0,
     )
@@ -370,7 +370,7 @@ def test_loss_scale_grows_after_n_finite_steps_and_shrinks_on_overflow():
 
 def test_loss_scaling_unscales_and_skips_nonfinite_with_inner_state_kept():
     inner = optax.adam(0.1)
-    tx = jst.dynamic_loss_scaling(inner, initial_scale=1024.0)
+    tx = jmp.dynamic_loss_scaling(inner, initial_scale=1024.0)
     params = {"a": jnp.arange(3.0), "b": jnp.ones((2, 2))}
     state = tx.init(params)
     grads = {"a": jnp.array([1.0, -2.0, 0.5]), "b": jnp.full((2, 2), 0.25)}
@@ -388,17 +388,17 @@ def test_loss_scaling_unscales_and_skips_nonfinite_with_inner_state_kept():
     assert float(again_state.scale) == 512.0 and int(again_state.skipped_steps) == 1
     # scale_loss / loss_scale find the state inside a chain too.
     chained = optax.chain(optax.identity(), tx).init(params)
-    assert float(jst.scale_loss(jnp.float16(2.0), chained)) == 2048.0
+    assert float(jmp.scale_loss(jnp.float16(2.0), chained)) == 2048.0
 
 
 def test_loss_scaling_with_nnx_optimizer():
     model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
-    opt = nnx.Optimizer(model, jst.dynamic_loss_scaling(optax.sgd(0.1), growth_interval=2), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, jmp.dynamic_loss_scaling(optax.sgd(0.1), growth_interval=2), wrt=nnx.Param)
     x = jnp.ones((3, 4))
 
     @nnx.jit
     def step(model, opt, boost):
-        scale = jst.loss_scale(opt.opt_state)
+        scale = jmp.loss_scale(opt.opt_state)
         opt.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2) * scale * boost)(model))
 
     kernel = model.kernel[...]
@@ -406,23 +406,23 @@ def test_loss_scaling_with_nnx_optimizer():
     np.testing.assert_array_equal(model.kernel[...], kernel)
     for _ in range(4):
         step(model, opt, jnp.float32(1.0))
-    assert float(jst.loss_scale(opt.opt_state)) == 2.0**16  # 2^15, halved once, then doubled twice
+    assert float(jmp.loss_scale(opt.opt_state)) == 2.0**16  # 2^15, halved once, then doubled twice
     assert not np.array_equal(model.kernel[...], kernel)
 
 
 def test_loss_scaling_bad_arguments_raise():
     with pytest.raises(ValueError, match="growth_interval must be an int >= 1, got 0"):
-        jst.dynamic_loss_scaling(optax.sgd(1.0), growth_interval=0)
+        jmp.dynamic_loss_scaling(optax.sgd(1.0), growth_interval=0)
     with pytest.raises(ValueError, match="backoff_factor must be in"):
-        jst.dynamic_loss_scaling(optax.sgd(1.0), backoff_factor=1.5)
+        jmp.dynamic_loss_scaling(optax.sgd(1.0), backoff_factor=1.5)
     with pytest.raises(ValueError, match=r"min_scale <= initial_scale <= max_scale.*initial_scale=0.5"):
-        jst.dynamic_loss_scaling(optax.sgd(1.0), initial_scale=0.5)
+        jmp.dynamic_loss_scaling(optax.sgd(1.0), initial_scale=0.5)
     with pytest.raises(ValueError, match="initial_scale must be a finite number > 0"):
-        jst.dynamic_loss_scaling(optax.sgd(1.0), initial_scale=float("inf"))
+        jmp.dynamic_loss_scaling(optax.sgd(1.0), initial_scale=float("inf"))
     with pytest.raises(TypeError, match="inner must be an optax GradientTransformation"):
-        jst.dynamic_loss_scaling(lambda g: g)
+        jmp.dynamic_loss_scaling(lambda g: g)
     with pytest.raises(ValueError, match="exactly one LossScaleState"):
-        jst.loss_scale(optax.adam(1.0).init({"w": jnp.ones(2)}))
+        jmp.loss_scale(optax.adam(1.0).init({"w": jnp.ones(2)}))
 
 
 # ---------------------------------------------------------------------------------
@@ -460,7 +460,7 @@ def _train(dtype, float32_dw, loss_scaling, inject_at=None):
     params = model.init(jax.random.key(0), x[:1])["params"]
     tx = optax.adam(3e-3)
     if loss_scaling:
-        tx = jst.dynamic_loss_scaling(tx, initial_scale=2.0**15, growth_interval=25, max_scale=2.0**17)
+        tx = jmp.dynamic_loss_scaling(tx, initial_scale=2.0**15, growth_interval=25, max_scale=2.0**17)
     opt_state = tx.init(params)
 
     def loss_fn(p):
@@ -470,7 +470,7 @@ def _train(dtype, float32_dw, loss_scaling, inject_at=None):
     @jax.jit
     def step(params, opt_state, boost):
         if loss_scaling:  # boost: the injected overflow, a huge factor on the loss
-            grads, loss = jax.grad(lambda p: (lambda l: (jst.scale_loss(l * boost, opt_state), l))(loss_fn(p)),
+            grads, loss = jax.grad(lambda p: (lambda l: (jmp.scale_loss(l * boost, opt_state), l))(loss_fn(p)),
                                    has_aux=True)(params)
         else:
             loss, grads = jax.value_and_grad(loss_fn)(params)

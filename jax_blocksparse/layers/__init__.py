@@ -19,6 +19,6 @@ here imports Flax:
   ``jbs.nn.sparsify`` and ``jbs.nnx.sparsify``.
 """
 
-from jax_blocksparse.layers.dense import StaticMask
+from jax_blocksparse.layers.common import StaticMask
 
 __all__ = ["StaticMask"]

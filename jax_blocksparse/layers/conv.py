@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blocksparse.layers.dense import (
+from jax_blocksparse.layers.common import (
     StaticMask,
     add_bias,
     check_config,

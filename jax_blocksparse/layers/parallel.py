@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_blocksparse import sharding
-from jax_blocksparse.layers.dense import (
+from jax_blocksparse.layers.common import (
     StaticMask,
     add_bias,
     init_kernel,
@@ -75,7 +75,7 @@ class ColumnSplit(NamedTuple):
         return sharding.unshard_blocks(kernel, self.layout)
 
     def init_kernel(self, kernel_init, key, param_dtype):
-        """The unsplit layer's :func:`~jax_blocksparse.layers.dense.init_kernel` (same key use,
+        """The unsplit layer's :func:`~jax_blocksparse.layers.common.init_kernel` (same key use,
         same values), sharded and placed: shard ``i`` on the devices of ``axis`` index ``i``."""
         kernel = self.shard(init_kernel(kernel_init, key, self.layout, self.mask, param_dtype))
         return sharding.place(kernel, self.mesh, P(*self.kernel_spec))

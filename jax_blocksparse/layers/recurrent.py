@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blocksparse.layers.dense import StaticMask, init_kernel, layout_for
+from jax_blocksparse.layers.common import StaticMask, init_kernel, layout_for
 from jax_blocksparse.layout import Layout, check_block_size
 from jax_blocksparse.ops.recurrence import LSTMSpec, LSTMStage, lstm_spec, lstm_stages
 
@@ -140,7 +140,7 @@ class CellConfig:
         """The op's :class:`~jax_blocksparse.ops.recurrence.LSTMSpec` for these masks and settings.
 
         ``precision`` and ``impl`` (a cell's, from
-        :func:`~jax_blocksparse.layers.dense.check_options`) rule every product of
+        :func:`~jax_blocksparse.layers.common.check_options`) rule every product of
         the step and of the sequence, forward and backward.
         """
         stages = self.stages
@@ -272,7 +272,7 @@ def init_param(config: CellConfig, name: str, key, in_features: int, *, kernel_i
     """The initial value of one parameter.
 
     Block-sparse kernels default to LeCun normal with their true fan-in (see
-    :func:`jax_blocksparse.layers.dense.default_kernel_init`); a dense input kernel to
+    :func:`jax_blocksparse.layers.common.default_kernel_init`); a dense input kernel to
     ``jax.nn.initializers.lecun_normal()``; scales to one, biases to ``bias_init``
     (the gate bias) or zero (internal-step and mLSTM biases).
     """

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from jax_blocksparse.layers import budgets, select
-from jax_blocksparse.layers.dense import StaticMask, layout_for
+from jax_blocksparse.layers.common import StaticMask, layout_for
 from jax_blocksparse.layout import Layout, check_block_size
 from jax_blocksparse.ops.conv import conv_from_dense, conv_to_dense
 from jax_blocksparse.ops.matmul import from_dense, to_dense

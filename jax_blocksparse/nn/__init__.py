@@ -13,7 +13,7 @@ module with its ``nn.Dense`` / ``nn.Conv`` layers block-sparse (a
 variables back.
 """
 
-from jax_blocksparse.layers.dense import StaticMask
+from jax_blocksparse.layers.common import StaticMask
 from jax_blocksparse.layers.sparsify import LayerReport, SparsifyReport
 from jax_blocksparse.nn.attention import BlockSparseSelfAttention
 from jax_blocksparse.nn.conv import BlockSparseConv, BlockSparseConvTranspose

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import dense as _core
 from jax_blocksparse.layout import Layout
 
@@ -115,7 +116,7 @@ class BlockSparseDense(nn.Module):
             self.mask, self.block_size, self.capacity, None, self.features, self.float32_dw, self.param_dtype,
             type(self).__name__,
         )
-        self.precision, self.impl = _core.check_options(self.precision, self.impl, type(self).__name__)
+        self.precision, self.impl = _common.check_options(self.precision, self.impl, type(self).__name__)
         super().__post_init__()
 
     @property
@@ -125,7 +126,7 @@ class BlockSparseDense(nn.Module):
         With ``dynamic=True`` this is the initial layout; the current one is
         ``variables["layout"][...]["kernel"]``.
         """
-        return _core.layout_for(self.mask, self.block_size, self.capacity)
+        return _common.layout_for(self.mask, self.block_size, self.capacity)
 
     @nn.compact
     def __call__(self, inputs: Array) -> Array:
@@ -141,7 +142,7 @@ class BlockSparseDense(nn.Module):
         _core.check_inputs(inputs, layout, type(self).__name__)
         kernel = self.param(
             "kernel",
-            lambda key: _core.init_kernel(self.kernel_init, key, layout, self.mask, self.param_dtype),
+            lambda key: _common.init_kernel(self.kernel_init, key, layout, self.mask, self.param_dtype),
         )
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         current = self.variable(LAYOUT_COLLECTION, "kernel", lambda: layout).value if self.dynamic else None

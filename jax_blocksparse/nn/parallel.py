@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import dense as _dense
 from jax_blocksparse.layers import parallel as _core
 from jax_blocksparse.layout import Layout
@@ -128,7 +129,7 @@ class ColumnParallelDense(nn.Module):
             self.mask, self.block_size, None, None, self.features, self.float32_dw, self.param_dtype,
             type(self).__name__,
         )
-        self.precision, self.impl = _dense.check_options(self.precision, self.impl, type(self).__name__)
+        self.precision, self.impl = _common.check_options(self.precision, self.impl, type(self).__name__)
         self._split()  # validates mesh, axes, gather_output and shard_capacity
         super().__post_init__()
 

@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import conv as _conv
 from jax_blocksparse.layers import dense as _dense
 from jax_blocksparse.layers import sparsify as _core
@@ -108,7 +109,7 @@ class SparsifiedModule:
 
     def __post_init__(self):
         object.__setattr__(self, "_by_path", dict(self.layers))
-        _dense.check_options(None, self.impl, "SparsifiedModule")
+        _common.check_options(None, self.impl, "SparsifiedModule")
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -142,7 +143,7 @@ class SparsifiedModule:
             return next_fun(*args, **kwargs)
         (inputs,) = args if args else (kwargs["inputs"],)
         name = f"{type(module).__name__} at {'/'.join(module.path)!r}"
-        precision, impl = _dense.check_options(module.precision, self.impl, name)
+        precision, impl = _common.check_options(module.precision, self.impl, name)
         if isinstance(module, nn.Conv):
             return _conv_call(module, plan, inputs, name, precision, impl)
         return _dense_call(module, plan, inputs, name, precision, impl)
@@ -155,7 +156,7 @@ def _dense_call(module: nn.Dense, plan: _core.LayerSparsity, inputs, name, preci
         raise ValueError(f"{name}: features={module.features}, but its block mask has {layout.shape[1]} outputs")
     _dense.check_inputs(inputs, layout, name)
     kernel = module.param(
-        "kernel", lambda key: _dense.init_kernel(None, key, layout, plan.mask, module.param_dtype)
+        "kernel", lambda key: _common.init_kernel(None, key, layout, plan.mask, module.param_dtype)
     )
     bias = module.param("bias", module.bias_init, (module.features,), module.param_dtype) if module.use_bias else None
     current = module.variable(LAYOUT_COLLECTION, "kernel", lambda: layout).value if plan.dynamic else None

@@ -17,7 +17,7 @@ from flax import nnx
 from flax.typing import PrecisionLike
 
 from jax_blocksparse.layers import conv as _core
-from jax_blocksparse.layers.dense import check_options
+from jax_blocksparse.layers.common import check_options
 from jax_blocksparse.layout import Layout
 
 Array = jax.Array

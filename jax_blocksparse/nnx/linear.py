@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import dense as _core
 from jax_blocksparse.layout import Layout
 from jax_blocksparse.ops.probe import unwrap
@@ -108,7 +109,7 @@ class BlockSparseLinear(nnx.Module):
         mask, block_size, self.float32_dw = _core.check_dense(
             mask, block_size, capacity, in_features, out_features, float32_dw, param_dtype, type(self).__name__
         )
-        self.precision, self.impl = _core.check_options(precision, impl, type(self).__name__)
+        self.precision, self.impl = _common.check_options(precision, impl, type(self).__name__)
         self.in_features = in_features
         self.out_features = out_features
         self.mask = mask
@@ -119,8 +120,8 @@ class BlockSparseLinear(nnx.Module):
         self.param_dtype = param_dtype
         self.dynamic = bool(dynamic)
 
-        layout = _core.layout_for(mask, block_size, capacity)
-        self.kernel = nnx.Param(_core.init_kernel(kernel_init, rngs.params(), layout, mask, param_dtype))
+        layout = _common.layout_for(mask, block_size, capacity)
+        self.kernel = nnx.Param(_common.init_kernel(kernel_init, rngs.params(), layout, mask, param_dtype))
         self.bias: nnx.Param[jax.Array] | None
         if use_bias:
             self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
@@ -137,7 +138,7 @@ class BlockSparseLinear(nnx.Module):
         """
         if self.dynamic:
             return unwrap(self.kernel_layout.get_value())[0]
-        return _core.layout_for(self.mask, self.block_size, self.capacity)
+        return _common.layout_for(self.mask, self.block_size, self.capacity)
 
     def __call__(self, inputs: Array) -> Array:
         """Applies the block-sparse linear map to the last axis of ``inputs``.
@@ -148,7 +149,7 @@ class BlockSparseLinear(nnx.Module):
         Returns:
           [..., out_features].
         """
-        layout = _core.layout_for(self.mask, self.block_size, self.capacity)
+        layout = _common.layout_for(self.mask, self.block_size, self.capacity)
         _core.check_inputs(inputs, layout, type(self).__name__)
         bias = self.bias[...] if self.bias is not None else None
         current = self.kernel_layout.get_value() if self.dynamic else None

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import dense as _dense
 from jax_blocksparse.layers import parallel as _core
 from jax_blocksparse.layout import Layout
@@ -120,7 +121,7 @@ class ColumnParallelLinear(nnx.Module):
         mask, block_size, self.float32_dw = _dense.check_dense(
             mask, block_size, None, in_features, out_features, float32_dw, param_dtype, name
         )
-        self.precision, self.impl = _dense.check_options(precision, impl, name)
+        self.precision, self.impl = _common.check_options(precision, impl, name)
         split = _core.column_split(mask, block_size, mesh, axis, batch_axis, gather_output, shard_capacity, name)
         self.in_features = in_features
         self.out_features = out_features

@@ -22,7 +22,7 @@ from flax import nnx
 from flax.typing import PrecisionLike
 
 from jax_blocksparse.layers import recurrent as _core
-from jax_blocksparse.layers.dense import check_float32_dw, check_options
+from jax_blocksparse.layers.common import check_float32_dw, check_options
 from jax_blocksparse.layout import Layout
 from jax_blocksparse.ops.recurrence import (
     LSTMSpec,

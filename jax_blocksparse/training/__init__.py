@@ -1,8 +1,5 @@
 """Dynamic sparse training: the layout is learned, every step stays block-sparse.
 
-(Also re-exported here: dynamic loss scaling for float16 training, whose module is
-:mod:`jax_blocksparse.mixed_precision`.)
-
 Block-level versions of sparse momentum, RigL, SET, gradual magnitude pruning and
 a static-sparse baseline, with layer budgets (uniform, ERK; defined in
 :mod:`jax_blocksparse.layers.budgets` and re-exported here, as are the block scores
@@ -60,18 +57,6 @@ from jax_blocksparse.layers.budgets import (
 from jax_blocksparse.layers.select import block_magnitude, grid_scores, redistribute
 from jax_blocksparse.training._paths import is_layout, named_layouts
 from jax_blocksparse.training.log import LayoutChangeLog, format_log, log_rows
-
-# Loss scaling comes through the compatibility submodule training.loss_scale, so that
-# the submodule is loaded before the function `loss_scale` is bound here: a later
-# `import jax_blocksparse.training.loss_scale` would otherwise rebind the attribute
-# to the module.
-from jax_blocksparse.training.loss_scale import (
-    LossScaleState,
-    all_finite,
-    dynamic_loss_scaling,
-    loss_scale,
-    scale_loss,
-)
 from jax_blocksparse.training.methods import (
     METHODS,
     SET,
@@ -95,21 +80,18 @@ __all__ = [
     "DynamicSparsity",
     "LayerPlan",
     "LayoutChangeLog",
-    "LossScaleState",
     "MagnitudePruning",
     "ProbedLayout",
     "RigL",
     "SparseMomentum",
     "SparsityUpdate",
     "StaticSparse",
-    "all_finite",
     "allocate_blocks",
     "annealed_fraction",
     "block_magnitude",
     "cosine_decay",
     "cubic_density",
     "dense_grads",
-    "dynamic_loss_scaling",
     "erk_densities",
     "format_log",
     "get_method",
@@ -117,7 +99,6 @@ __all__ = [
     "grid_view",
     "is_layout",
     "log_rows",
-    "loss_scale",
     "named_layouts",
     "nnx_dense_grads",
     "nnx_update",
@@ -126,7 +107,6 @@ __all__ = [
     "redistribute",
     "remap_blocks",
     "remap_tree",
-    "scale_loss",
     "slot_map",
     "uniform_densities",
     "unwrap",
