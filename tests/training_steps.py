@@ -744,83 +744,24 @@ def check(result: dict) -> list[str]:
 # Command types of ``--xla_gpu_enable_command_buffer`` (XLA's
 # DebugOptions.CommandBufferCmdType, xla/xla.proto): those of jaxlib 0.10's XLA, and
 # DYNAMIC_SLICE_COPY_FUSION of some earlier ones. XLA aborts on a name it does not know,
-# so :func:`command_buffer_types` keeps only those the installed jaxlib accepts (and adds
-# any further names its enum holds).
+# so :func:`command_buffer_types` keeps only those the installed jaxlib accepts. A type
+# added by a newer XLA is captured only once it is listed here.
 KNOWN_COMMAND_BUFFER_TYPES = (
     "FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "COLLECTIVES", "CONDITIONAL", "WHILE",
     "DYNAMIC_SLICE_FUSION", "DYNAMIC_SLICE_COPY_FUSION", "CONVOLUTION",
 )
-_ENUM = b"CommandBufferCmdType"
-
-
-def _varint(data, pos):
-    value = shift = 0
-    while True:
-        byte = data[pos]
-        value |= (byte & 0x7F) << shift
-        pos += 1
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _enum_names(data) -> list[str]:
-    """The value names of the first serialized EnumDescriptorProto named CommandBufferCmdType
-    in ``data`` (protobuf wire format: field 1 name, then repeated field 2 values)."""
-    key = b"\x0a" + bytes([len(_ENUM)]) + _ENUM
-    at = data.find(key)
-    while at != -1:
-        pos, names = at + len(key), []
-        try:
-            while data[pos] == 0x12:  # EnumDescriptorProto.value
-                size, pos = _varint(data, pos + 1)
-                entry = data[pos:pos + size]
-                pos += size
-                if entry[:1] == b"\x0a" and entry[1] < 0x80:
-                    names.append(bytes(entry[2:2 + entry[1]]).decode("ascii"))
-        except (IndexError, UnicodeDecodeError):
-            names = []
-        if names:
-            return names
-        at = data.find(key, at + 1)
-    return []
-
-
-def jaxlib_command_buffer_enum() -> list[str]:
-    """The CommandBufferCmdType names compiled into the installed jaxlib (its embedded
-    xla.proto descriptor), or [] if not found. Best effort: it reads the shared objects."""
-    import mmap
-
-    import jaxlib
-
-    root = os.path.dirname(jaxlib.__file__)
-    for name in sorted(os.listdir(root), key=lambda n: n != "libjax_common.so"):
-        if not name.endswith(".so"):
-            continue
-        try:
-            with open(os.path.join(root, name), "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                if data.find(_ENUM) == -1:
-                    continue
-                names = _enum_names(data)
-        except (OSError, ValueError):
-            continue
-        if names:
-            return names
-    return []
 
 
 @functools.cache
 def command_buffer_types() -> tuple[str, ...]:
-    """Every command type the installed XLA accepts in ``--xla_gpu_enable_command_buffer``.
+    """The command types of :data:`KNOWN_COMMAND_BUFFER_TYPES` that the installed XLA
+    accepts in ``--xla_gpu_enable_command_buffer``.
 
-    Candidates: :data:`KNOWN_COMMAND_BUFFER_TYPES` and the names of jaxlib's enum (less
-    INVALID). Checked by starting JAX's CPU backend in a subprocess with the flag (it
-    parses every XLA flag; the CUDA plugin is built from the same XLA): a rejected name
-    ("Illegal value for --xla_gpu_enable_command_buffer 'NAME'") is dropped and the rest
-    tried again.
+    Checked by starting JAX's CPU backend in a subprocess with the flag (it parses every
+    XLA flag; the CUDA plugin is built from the same XLA): a rejected name ("Illegal
+    value for --xla_gpu_enable_command_buffer 'NAME'") is dropped and the rest tried again.
     """
-    names = list(dict.fromkeys(KNOWN_COMMAND_BUFFER_TYPES + tuple(jaxlib_command_buffer_enum())))
-    names = [n for n in names if n != "INVALID"]
+    names = list(KNOWN_COMMAND_BUFFER_TYPES)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     while names:
