@@ -34,8 +34,6 @@ Operands DescribeSdd(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy, const ff
   return Operands{{"x", "dy", "dw"}, {&x, &dy, &dw}};
 }
 
-namespace {
-
 const char* DtypeName(ffi::DataType t) {
   switch (t) {
     case ffi::DataType::F32: return "float32";
@@ -46,6 +44,8 @@ const char* DtypeName(ffi::DataType t) {
   }
 }
 
+namespace {
+
 bool ToDType(ffi::DataType t, DType* out) {
   switch (t) {
     case ffi::DataType::F32: *out = DType::kF32; return true;
@@ -55,9 +55,13 @@ bool ToDType(ffi::DataType t, DType* out) {
   }
 }
 
+}  // namespace
+
 ffi::Error Invalid(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
 }
+
+namespace {
 
 // Product of all dims but the last (the number of rows), and the last dim.
 void RowsAndFeatures(const ffi::AnyBuffer& b, int64_t* rows, int64_t* features) {
@@ -68,15 +72,7 @@ void RowsAndFeatures(const ffi::AnyBuffer& b, int64_t* rows, int64_t* features) 
   *features = dims.size() == 0 ? 0 : dims[dims.size() - 1];
 }
 
-// The five layout tables, checked against each other.
-struct Tables {
-  const int32_t* block_rows;
-  const int32_t* block_cols;
-  const int32_t* col_ptr;
-  const int32_t* row_ptr;
-  const int32_t* row_slots;
-  int64_t cap, cb, kb;
-};
+}  // namespace
 
 ffi::Error CheckTables(const char* op, const ffi::AnyBuffer& block_rows, const ffi::AnyBuffer& block_cols,
                        const ffi::AnyBuffer& col_ptr, const ffi::AnyBuffer& row_ptr,
@@ -111,7 +107,6 @@ ffi::Error CheckTables(const char* op, const ffi::AnyBuffer& block_rows, const f
   return ffi::Error::Success();
 }
 
-// Input dtype must be supported and shared; output is the input dtype or float32.
 ffi::Error CheckDtypes(const char* op, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                        const ffi::AnyBuffer& out, KernelDtypes* dtypes) {
   if (!ToDType(a.element_type(), &dtypes->in) || a.element_type() != b.element_type()) {
@@ -126,6 +121,8 @@ ffi::Error CheckDtypes(const char* op, const ffi::AnyBuffer& a, const ffi::AnyBu
   dtypes->out_f32 = out.element_type() == ffi::DataType::F32;
   return ffi::Error::Success();
 }
+
+namespace {
 
 // w (or dw) must be [cap, bs, bs] with a supported bs; returns bs through `bs`.
 ffi::Error CheckBlocks(const char* op, const char* name, const ffi::AnyBuffer& w, int64_t cap,
@@ -153,11 +150,11 @@ ffi::Error CheckLeadingDims(const char* op, const char* a_name, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
+}  // namespace
+
 std::string GridStr(const Tables& t, int64_t bs) {
   return "a layout grid (" + std::to_string(t.cb) + ", " + std::to_string(t.kb) + ") of block " + std::to_string(bs);
 }
-
-}  // namespace
 
 ffi::Error CheckDsd(const char* op, bool transpose, const ffi::AnyBuffer& lhs, const ffi::AnyBuffer& w,
                     const ffi::AnyBuffer& block_rows, const ffi::AnyBuffer& block_cols,

@@ -21,6 +21,7 @@
 #ifndef JAX_BLOCKSPARSE_CUDA_BSMM_CHECKS_H_
 #define JAX_BLOCKSPARSE_CUDA_BSMM_CHECKS_H_
 
+#include <cstdint>
 #include <string>
 
 #include "bsmm_problem.h"
@@ -49,6 +50,35 @@ struct KernelDtypes {
   DType in;      // both float inputs
   bool out_f32;  // float32 output (else the input dtype)
 };
+
+// Pieces of the checks that other targets' checks share (cpu/bsconv_cpu_handlers.cc).
+
+// "float32", "bfloat16", ... for error messages.
+const char* DtypeName(xla::ffi::DataType t);
+
+// InvalidArgument "<op>: <what>".
+xla::ffi::Error Invalid(const char* op, const std::string& what);
+
+// The five layout tables, checked against each other (rank-1 int32, [capacity] where
+// they must be); their data pointers.
+struct Tables {
+  const int32_t* block_rows;
+  const int32_t* block_cols;
+  const int32_t* col_ptr;
+  const int32_t* row_ptr;
+  const int32_t* row_slots;
+  int64_t cap, cb, kb;
+};
+xla::ffi::Error CheckTables(const char* op, const xla::ffi::AnyBuffer& block_rows, const xla::ffi::AnyBuffer& block_cols,
+                            const xla::ffi::AnyBuffer& col_ptr, const xla::ffi::AnyBuffer& row_ptr,
+                            const xla::ffi::AnyBuffer& row_slots, Tables* t);
+
+// Both float inputs share one supported dtype; the output is that dtype or float32.
+xla::ffi::Error CheckDtypes(const char* op, const xla::ffi::AnyBuffer& a, const xla::ffi::AnyBuffer& b,
+                            const xla::ffi::AnyBuffer& out, KernelDtypes* dtypes);
+
+// "a layout grid (CB, KB) of block bs", for error messages.
+std::string GridStr(const Tables& t, int64_t bs);
 
 // fprop (transpose = false: lhs = x, out = y) and bprop (transpose = true: lhs = g, out = dx).
 xla::ffi::Error CheckDsd(const char* op, bool transpose, const xla::ffi::AnyBuffer& lhs,

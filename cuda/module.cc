@@ -26,6 +26,10 @@ namespace py = pybind11;
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmFpropCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmBpropCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmUpdatCpu);
+// The block-sparse convolution (cpu/bsconv_cpu_handlers.cc): CPU only; on CUDA the
+// convolution runs as bsmm products (jax_blocksparse/ops/conv_primitives.py).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsconvCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsconvWgradCpu);
 #ifdef JBS_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmFpropCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmBpropCuda);
@@ -57,6 +61,8 @@ namespace {
 constexpr char kFpropV1[] = "jax_blocksparse_bsmm_fprop_v1";
 constexpr char kBpropV1[] = "jax_blocksparse_bsmm_bprop_v1";
 constexpr char kUpdatV1[] = "jax_blocksparse_bsmm_updat_v1";
+constexpr char kBsconvV1[] = "jax_blocksparse_bsconv_v1";
+constexpr char kBsconvWgradV1[] = "jax_blocksparse_bsconv_wgrad_v1";
 #ifdef JBS_WITH_SM90
 constexpr char kFpropSm90V1[] = "jax_blocksparse_bsmm_fprop_sm90_v1";
 constexpr char kBpropSm90V1[] = "jax_blocksparse_bsmm_bprop_sm90_v1";
@@ -146,6 +152,8 @@ PYBIND11_MODULE(_jbs_kernels, m) {
     cpu[kFpropV1] = Capsule(JbsBsmmFpropCpu);
     cpu[kBpropV1] = Capsule(JbsBsmmBpropCpu);
     cpu[kUpdatV1] = Capsule(JbsBsmmUpdatCpu);
+    cpu[kBsconvV1] = Capsule(JbsBsconvCpu);
+    cpu[kBsconvWgradV1] = Capsule(JbsBsconvWgradCpu);
     py::dict by_platform;
     by_platform["cpu"] = cpu;
 #ifdef JBS_WITH_CUDA
@@ -176,7 +184,8 @@ PYBIND11_MODULE(_jbs_kernels, m) {
 #endif
     return by_platform;
   }, "platform ('cpu', 'CUDA') -> {FFI target name -> handler capsule, or {stage -> capsule}} (api_version 1); "
-     "the CUDA Hopper targets (*_sm90_v*) only in a build for sm_90a.");
+     "the convolution targets (*_bsconv*_v*) on 'cpu' only, the CUDA Hopper targets (*_sm90_v*) only in a "
+     "build for sm_90a.");
   m.def("work_plan_dsd", &WorkPlanDsd, py::arg("rows"), py::arg("tile_m"), py::arg("seg_ptr"), py::arg("order"),
         py::arg("pack"),
         "DSD work items in launch order: (m_tile, group, row_begin, row_end, [(output, [entry or -1 per step])]).");

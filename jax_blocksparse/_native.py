@@ -21,7 +21,8 @@ from jax_blocksparse import targets
 
 # registrations() keys -> jax platform names used by lowerings.
 _PLATFORMS = {"cpu": "cpu", "CUDA": "cuda"}
-# The kernels every build holds for a platform it has; the Hopper ones are optional.
+# The kernels every build holds for a platform it has (those of targets.PLATFORMS that
+# name it); the Hopper ones are optional.
 _PORTABLE = tuple(k for k in targets.VERSIONS if not k.endswith("_sm90"))
 
 
@@ -60,7 +61,8 @@ def _stale(platform: str) -> str | None:
     """Why the extension's targets for ``platform`` are not the ones this package calls
     (an extension built from older sources), or None when they are."""
     names = registered_targets(platform)
-    missing = sorted(targets.target_name(k) for k in _PORTABLE if targets.target_name(k) not in names)
+    wanted = (k for k in _PORTABLE if platform in targets.PLATFORMS[k])
+    missing = sorted(targets.target_name(k) for k in wanted if targets.target_name(k) not in names)
     if not missing:
         return None
     return (

@@ -1,7 +1,8 @@
 """The XLA FFI targets of the native extension: their names, versions and platforms.
 
-Inside the library a kernel has a short name, ``jbs_bsmm_{fprop,bprop,updat}`` and the
-Hopper variants ``jbs_bsmm_{fprop,bprop,updat}_sm90`` (the lowering, the crossover table
+Inside the library a kernel has a short name, ``jbs_bsmm_{fprop,bprop,updat}``, the
+Hopper variants ``jbs_bsmm_{fprop,bprop,updat}_sm90`` and the CPU convolution kernels
+``jbs_bsconv`` / ``jbs_bsconv_wgrad`` (the lowering, the crossover table
 and the benchmarks' rows use these). A compiled program calls each kernel through an FFI
 target whose name spells out the package and a version::
 
@@ -54,13 +55,19 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "jbs_bsmm_fprop_sm90": (1,),
     "jbs_bsmm_bprop_sm90": (1,),
     "jbs_bsmm_updat_sm90": (1,),
+    "jbs_bsconv": (1,),
+    "jbs_bsconv_wgrad": (1,),
 }
+
+#: Kernels with a CPU handler only (on CUDA the convolution runs as bsmm products).
+_CPU_ONLY = frozenset({"jbs_bsconv", "jbs_bsconv_wgrad"})
 
 #: kernel -> the JAX platforms whose handlers the extension holds: the portable kernels
 #: on "cpu" and "cuda" (the latter when built with nvcc), the Hopper ones on "cuda" in a
-#: build for sm_90a only.
+#: build for sm_90a only, the convolution ones on "cpu" only.
 PLATFORMS: dict[str, tuple[str, ...]] = {
-    kernel: ("cuda",) if kernel.endswith("_sm90") else ("cpu", "cuda") for kernel in VERSIONS
+    kernel: ("cuda",) if kernel.endswith("_sm90") else ("cpu",) if kernel in _CPU_ONLY else ("cpu", "cuda")
+    for kernel in VERSIONS
 }
 
 _TARGET_RE = re.compile(rf"^{PREFIX}(\w+?)_v(\d+)$")

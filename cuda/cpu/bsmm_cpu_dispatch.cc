@@ -1,7 +1,9 @@
 // Picks the widest compiled instruction set the running CPU supports (once).
 //
-// build.py compiles bsmm_cpu_kernels.cc for "baseline" everywhere and, on x86-64 (where
-// it defines JBS_CPU_X86_VARIANTS), also for "avx2" (AVX2 + FMA) and "avx512" (AVX-512F).
+// The build compiles the kernel files (bsmm_cpu_kernels.cc, bsconv_cpu_kernels.cc) for
+// "baseline" everywhere and, on x86-64 (where it defines JBS_CPU_X86_VARIANTS), also for
+// "avx2" (AVX2 + FMA) and "avx512" (AVX-512F).
+#include "cpu/bsconv_cpu.h"
 #include "cpu/bsmm_cpu.h"
 
 namespace jbs {
@@ -44,6 +46,26 @@ bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
     case Isa::kAvx2: return avx2::RunSdd(in, out_f32, p, par);
 #endif
     default: return baseline::RunSdd(in, out_f32, p, par);
+  }
+}
+
+bool RunConv(DType in, bool out_f32, const ConvParams& p, const Parallel& par) {
+  switch (ChosenIsa()) {
+#if defined(JBS_CPU_X86_VARIANTS)
+    case Isa::kAvx512: return avx512::RunConv(in, out_f32, p, par);
+    case Isa::kAvx2: return avx2::RunConv(in, out_f32, p, par);
+#endif
+    default: return baseline::RunConv(in, out_f32, p, par);
+  }
+}
+
+bool RunConvWgrad(DType in, bool out_f32, const ConvWgradParams& p, const Parallel& par) {
+  switch (ChosenIsa()) {
+#if defined(JBS_CPU_X86_VARIANTS)
+    case Isa::kAvx512: return avx512::RunConvWgrad(in, out_f32, p, par);
+    case Isa::kAvx2: return avx2::RunConvWgrad(in, out_f32, p, par);
+#endif
+    default: return baseline::RunConvWgrad(in, out_f32, p, par);
   }
 }
 

@@ -56,9 +56,10 @@ KERNEL_PLATFORMS = ("cpu", "cuda")
 # FFI targets whose kernels have been checked against the reference on real hardware,
 # per platform; only these are used by implementation "auto".
 # CPU: the whole test suite runs on the CPU kernels in CI (tests/test_matmul.py runs
-# every case on both paths).
+# every case on both paths, tests/test_conv_kernels.py the convolution's).
 BSMM_TARGETS = frozenset({"jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat"})
-VERIFIED_CPU_TARGETS: frozenset[str] = BSMM_TARGETS
+CONV_TARGETS = frozenset({"jbs_bsconv", "jbs_bsconv_wgrad"})  # CPU only (ops/conv_primitives.py)
+VERIFIED_CPU_TARGETS: frozenset[str] = BSMM_TARGETS | CONV_TARGETS
 # CUDA: tests/gpu/test_bsmm_kernels.py and tests/gpu/run_sanitizer.sh on a GPU. Empty
 # until someone runs those tests on GPU hardware.
 VERIFIED_CUDA_TARGETS: frozenset[str] = frozenset()

@@ -1,4 +1,4 @@
-"""Sharding rules for the bsmm primitives: partition the op, never gather its operands.
+"""Sharding rules for the bsmm and bsconv primitives: partition the op, never gather its operands.
 
 Under ``jit`` with sharded inputs (``NamedSharding`` on a ``Mesh``) XLA's SPMD
 partitioner splits the program across devices. It can split the pure-JAX reference
@@ -15,6 +15,10 @@ bprop    dims; w and the layout replicated    out [..., K] sharded like a's rows
 updat    a [..., C], b [..., K], leading dims the same primitive on the local rows
          sharded alike                        (float32), then ``psum`` over the mesh
                                               axes of the leading dims; out replicated
+bsconv   as fprop, split over N (dim 0) only  as fprop (the window crosses the
+         (a [N, *spatial, C])                 spatial dims, which stay whole)
+bsconv_  as updat, split over N only          as updat
+wgrad
 =======  ===================================  ======================================
 
 The feature dimension of a (and of b) is gathered if it was sharded (the kernels
@@ -51,7 +55,11 @@ from jax.sharding import PartitionSpec as P
 from jax_blocksparse.layout import LayoutTables
 
 # Primitives whose leading dims are contracted (the result is weight-shaped).
-_CONTRACTING = frozenset({"bsmm_updat"})
+_CONTRACTING = frozenset({"bsmm_updat", "bsconv_wgrad"})
+# Primitives split over their first dim only (a convolution's window crosses the spatial
+# dims); the bsmm ones over all dims of a but the last.
+_BATCH_ONLY = frozenset({"bsconv", "bsconv_wgrad"})
+_PARTITIONED = frozenset({"bsmm_fprop", "bsmm_bprop", "bsmm_updat"}) | _BATCH_ONLY
 _NUM_TABLES = len(LayoutTables._fields)
 
 
@@ -140,22 +148,28 @@ def _axes(entries) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _leading_spec(a, ndim: int):
-    """The spec entries of a's leading dims (kept), or all None if a's sharding is not named."""
+def _leading_spec(a, ndim: int, n_lead: int):
+    """The spec entries of a's ``n_lead`` leading dims (kept), or all None if a's sharding is not named."""
     spec = _spec(a.sharding, ndim)
-    return spec[:-1] if spec is not None else (None,) * (ndim - 1)
+    return spec[:n_lead] if spec is not None else (None,) * n_lead
 
 
-def _sharding_rule(name: str, ndim_a: int) -> tuple[str, dict]:
-    """Shardy rule: leading dims free (contracted for updat), every other dim replicated."""
-    lead = [f"n{i}" for i in range(ndim_a - 1)]
-    w = ["wc", "wr", "wk"]
+def _num_leading(name: str, ndim_a: int) -> int:
+    return 1 if name in _BATCH_ONLY else ndim_a - 1
+
+
+def _sharding_rule(name: str, ranks: tuple[int, int, int]) -> tuple[str, dict]:
+    """Shardy rule: leading dims free (contracted for updat / wgrad), every other dim
+    replicated. ``ranks``: of a, of the second float operand, of the result."""
+    ndim_a, ndim_b, ndim_out = ranks
+    n_lead = _num_leading(name, ndim_a)
+    lead = [f"n{i}" for i in range(n_lead)]
     tables = [f"t{i}" for i in range(_NUM_TABLES)]
-    lhs = lead + ["c"]
+    lhs = lead + [f"a{i}" for i in range(ndim_a - n_lead)]
     if name in _CONTRACTING:
-        operands, result = [lhs, lead + ["k"]], w
+        operands, result = [lhs, lead + [f"b{i}" for i in range(ndim_b - n_lead)]], [f"w{i}" for i in range(ndim_out)]
     else:
-        operands, result = [lhs, w], lead + ["k"]
+        operands, result = [lhs, [f"w{i}" for i in range(ndim_b)]], lead + [f"o{i}" for i in range(ndim_out - n_lead)]
     operands += [[t] for t in tables]
     rule = ", ".join(" ".join(o) for o in operands) + " -> " + " ".join(result)
     # Special factors are listed in the order of their first appearance in the rule.
@@ -166,21 +180,26 @@ def _sharding_rule(name: str, ndim_a: int) -> tuple[str, dict]:
     return rule, extra
 
 
-def _partition_rule(primitive, params: dict, ndim_a: int):
+def _partition_rule(primitive, params: dict, ranks: tuple[int, int, int]):
     name = primitive.name
     contracting = name in _CONTRACTING
+    ndim_a, ndim_b, ndim_out = ranks
+    n_lead = _num_leading(name, ndim_a)
 
     def bind(*operands, **overrides):
         return primitive.bind(*operands, **{**params, **overrides})
 
     def shardings(mesh, arg_shapes):
         """(leading spec, operand shardings, result sharding) from a's sharding."""
-        lead = _leading_spec(arg_shapes[0], ndim_a)
+        lead = _leading_spec(arg_shapes[0], ndim_a, n_lead)
         replicated = NamedSharding(mesh, P())
-        rows = NamedSharding(mesh, P(*lead, None))
+
+        def rows(ndim):
+            return NamedSharding(mesh, P(*lead, *(None,) * (ndim - n_lead)))
+
         if contracting:  # b's rows must be split like a's
-            return lead, (rows, rows, *([replicated] * _NUM_TABLES)), replicated
-        return lead, (rows, replicated, *([replicated] * _NUM_TABLES)), rows
+            return lead, (rows(ndim_a), rows(ndim_b), *([replicated] * _NUM_TABLES)), replicated
+        return lead, (rows(ndim_a), replicated, *([replicated] * _NUM_TABLES)), rows(ndim_out)
 
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
         return shardings(mesh, arg_shapes)[2]
@@ -201,7 +220,7 @@ def _partition_rule(primitive, params: dict, ndim_a: int):
         return mesh, local_then_sum, out_sharding, arg_shardings
 
     cp = custom_partitioning(bind)
-    rule, extra = _sharding_rule(name, ndim_a)
+    rule, extra = _sharding_rule(name, ranks)
     cp.def_partition(
         partition,
         infer_sharding_from_operands=infer_sharding_from_operands,
@@ -215,8 +234,9 @@ def partitioned(primitive, rule: Callable) -> Callable:
     """Wraps a lowering ``rule`` of a bsmm ``primitive`` with the sharding rule above.
 
     Args:
-      primitive: ``bsmm_fprop``, ``bsmm_bprop`` or ``bsmm_updat`` (by name): operands
-        ``a, b`` and the layout's tables (:class:`~jax_blocksparse.layout.LayoutTables`).
+      primitive: ``bsmm_fprop``, ``bsmm_bprop``, ``bsmm_updat``, ``bsconv`` or
+        ``bsconv_wgrad`` (by name): operands ``a, b`` and the layout's tables
+        (:class:`~jax_blocksparse.layout.LayoutTables`).
       rule: a lowering rule ``(ctx, *operands, **params) -> results``: the reference,
         the CPU or the CUDA kernel lowering.
 
@@ -225,15 +245,15 @@ def partitioned(primitive, rule: Callable) -> Callable:
       partitioned; otherwise a ``custom_partitioning`` call whose per-device body
       binds ``primitive`` again (and so reaches ``rule`` on the local shards).
     """
-    if primitive.name not in ("bsmm_fprop", "bsmm_bprop", "bsmm_updat"):
+    if primitive.name not in _PARTITIONED:
         raise ValueError(f"partitioned: no sharding rule for primitive {primitive.name!r}")
 
     @functools.wraps(rule)
     def wrapped(ctx, *operands, **params):
         if not _spmd_devices(ctx):
             return rule(ctx, *operands, **params)
-        ndim_a = len(ctx.avals_in[0].shape)
-        cp = _partition_rule(primitive, params, ndim_a)
+        ranks = (len(ctx.avals_in[0].shape), len(ctx.avals_in[1].shape), len(ctx.avals_out[0].shape))
+        cp = _partition_rule(primitive, params, ranks)
         return mlir.lower_fun(lambda *ops: cp(*ops), multiple_results=False)(ctx, *operands)
 
     return wrapped

@@ -1,4 +1,4 @@
-"""bsconv: N-d convolution with a block-sparse channel mixing, built on bsmm.
+"""bsconv: N-d convolution with a block-sparse channel mixing.
 
 A convolution kernel W of shape [*kernel_size, C, K] (HWIO) is block-sparse when its
 [C, K] channel matrix is: one :class:`~jax_blocksparse.Layout` of grid
@@ -18,8 +18,22 @@ bsconv_reference              the dense definition of ``bsconv``
 bsconv_transpose_reference    the dense definition of ``bsconv_transpose``
 ============================  ===================================================
 
-How a convolution becomes one block-sparse matmul
--------------------------------------------------
+Where it runs
+-------------
+Both functions bind one primitive, ``bsconv`` (:mod:`jax_blocksparse.ops.conv_primitives`),
+whose JVP and transpose are ``bsconv`` again (the input gradient) and ``bsconv_wgrad``
+(the weight gradient). Its lowering picks the path per platform:
+
+* "cpu": implicit-GEMM kernels (cuda/cpu/bsconv_cpu.h) that read the NHWC input with
+  the taps as offsets: no im2col, nothing of size taps x input is made, and the work
+  is the layout's blocks only;
+* "cuda": the bsmm compositions below (im2col / col2im), whose products are the CUDA
+  bsmm kernels;
+* the reference everywhere (``impl="reference"``, or where no kernels are built):
+  ``lax.conv_general_dilated`` on the dense kernel.
+
+How a convolution becomes one block-sparse matmul (the "cuda" path)
+-------------------------------------------------------------------
 A convolution is a sum over the T = prod(kernel_size) taps of (shifted, strided
 input window) @ (channel matrix of that tap). All taps share one layout, so the T
 channel matrices stacked along their rows form one block-sparse matrix
@@ -45,18 +59,17 @@ consecutive slots ``s * T + t``), so no weight is copied.
   unit strides is such a convolution and takes this path too (with both > 1 it
   falls back to im2col of the dilated input).
 
-Gradients, JVPs, batching and ``linear_transpose`` come from bsmm's own rules:
-the windows gather and the scatter-add are linear ``pad``/``slice`` ops, the tap
-stacking is a reshape (or a permutation), so ``dx`` of ``bsconv`` is one bsmm
-bprop followed by col2im and ``dw`` is one bsmm updat (SDDMM) over the tap-stacked
-layout, with no dense [*ks, C, K] weight anywhere. On 'cuda' the bsmm primitives
-lower to the CUDA custom calls.
+On "cuda" the input gradient of a strided ``bsconv`` is im2col with the kernel flipped
+(windows in reverse tap order, one bsmm bprop over the column-stacked layout) and the
+weight gradient is the composition's linear transpose: one bsmm updat (SDDMM) over the
+tap-stacked layout, with no dense [*ks, C, K] weight anywhere.
 
-Cost: the GEMM work is ``T * nnz * bs * bs`` multiply-adds per output position
+Cost (both paths): the GEMM work is ``T * nnz * bs * bs`` multiply-adds per output position
 (``bsconv``) or per input position (``bsconv_transpose``), the dense convolution's
-work times the block density. Memory: im2col materialises x_col, T times the
-(strided) output positions times C; col2im materialises P in float32, T times the
-input positions times K.
+work times the block density. Memory on "cuda": im2col materialises x_col, T times
+the (strided) output positions times C; col2im materialises P in float32, T times the
+input positions times K. The CPU kernels make one float32 copy of the input (with the
+zero border its taps read) and of the weights.
 
 The tap-stacked layouts are computed from the layout's index tables with integer
 arithmetic (numpy for a concrete layout, jnp for a traced one, e.g. inside jit
@@ -77,6 +90,7 @@ from jax import lax
 
 from jax_blocksparse import config
 from jax_blocksparse.layout import Layout, LayoutTables, check_layout
+from jax_blocksparse.ops import conv_primitives
 from jax_blocksparse.ops._checks import (
     as_float_array,
     canonical_precision,
@@ -84,6 +98,7 @@ from jax_blocksparse.ops._checks import (
     compute_dtype_of,
     out_dtype_of,
 )
+from jax_blocksparse.ops.conv_spec import ConvSpec
 from jax_blocksparse.ops.matmul import bsmm, from_dense, to_dense
 
 PADDING_STRINGS = ("SAME", "SAME_LOWER", "VALID")
@@ -158,11 +173,7 @@ def bsconv(
     out_shape = (x.shape[0], *g.out_spatial, layout.shape[1])
     if _is_empty(out_shape) or _is_empty(x.shape[1:-1]):
         return jnp.zeros(out_shape, prec.out_dtype)
-    x = x.astype(prec.compute_dtype)
-    if all(d == 1 for d in g.lhs_dilation) or any(s != 1 for s in g.strides):
-        return _conv_im2col(x, w, layout, g, prec)
-    # Input dilation with unit strides is a transposed convolution: skip the zeros.
-    return _conv_col2im(x, w, layout, g, prec, transpose_kernel=False)
+    return _bind(x, w, layout, g, prec, transpose_kernel=False)
 
 
 def bsconv_transpose(
@@ -221,8 +232,7 @@ def bsconv_transpose(
     out_shape = (x.shape[0], *g.out_spatial, k_out)
     if _is_empty(out_shape) or _is_empty(x.shape[1:-1]):
         return jnp.zeros(out_shape, prec.out_dtype)
-    x = x.astype(prec.compute_dtype)
-    return _conv_col2im(x, w, layout, g, prec, transpose_kernel=bool(transpose_kernel))
+    return _bind(x, w, layout, g, prec, transpose_kernel=bool(transpose_kernel))
 
 
 def conv_to_dense(w, layout: Layout):
@@ -632,20 +642,46 @@ def _weight_for_products(w, prec: _Precision):
     return w if prec.float32_dw else w.astype(prec.compute_dtype)
 
 
-def _conv_im2col(x, w, layout: Layout, g: _Geometry, prec: _Precision):
-    """y = bsmm(x_col, W_rows): one fprop over the tap-stacked layout."""
+def _bind(x, w, layout: Layout, g: _Geometry, prec: _Precision, *, transpose_kernel: bool):
+    """The convolution primitive (ops/conv_primitives.py) of geometry ``g``."""
+    spec = ConvSpec(g.strides, g.pads, g.lhs_dilation, g.rhs_dilation, transpose_kernel)
+    return conv_primitives.conv(
+        x.astype(prec.compute_dtype),
+        _weight_for_products(w, prec),
+        layout.tables,
+        spec=spec,
+        compute_dtype=prec.compute_dtype,
+        out_dtype=prec.out_dtype,
+        impl=prec.impl,
+        precision=prec.precision,
+    )
+
+
+def _conv_im2col(x, w, layout: Layout, g: _Geometry, prec: _Precision, *, transpose_kernel: bool = False):
+    """y = bsmm(x_col, W_rows): one fprop over the tap-stacked layout.
+
+    With ``transpose_kernel`` (W flipped and channel-swapped: the input gradient of a
+    strided ``bsconv``) the windows are gathered in reverse tap order and
+    y = x_col @ W_cols^T, one bprop over the column-stacked layout.
+    """
     n, c = x.shape[0], x.shape[-1]
     bs, taps = layout.block_size, math.prod(g.kernel_size)
     config = [(0, 0, 0)] + [(lo, hi, ld - 1) for (lo, hi), ld in zip(g.pads, g.lhs_dilation)] + [(0, 0, 0)]
     xp = lax.pad(x, jnp.zeros((), x.dtype), config)
     windows = []
-    for tap in _tap_offsets(g.kernel_size):
+    offsets = _tap_offsets(g.kernel_size)
+    for tap in offsets[::-1] if transpose_kernel else offsets:
         start = [t * d for t, d in zip(tap, g.rhs_dilation)]
         limit = [s0 + (o - 1) * s + 1 for s0, o, s in zip(start, g.out_spatial, g.strides)]
         windows.append(lax.slice(xp, (0, *start, 0), (n, *limit, c), (1, *g.strides, 1)))
     lead = (n, *g.out_spatial)
     cols = jnp.stack(windows, axis=-2)  # [N, *out, T, C]
     cols = cols.reshape(*lead, taps, c // bs, bs).swapaxes(-3, -2).reshape(*lead, taps * c)  # [.., CB, T, bs]
+    if transpose_kernel:
+        stacked, source = stack_taps(layout, taps, axis=1)
+        w_cols = _weight_for_products(w, prec).reshape(layout.capacity * taps, bs, bs)
+        w_cols = w_cols.at[source].get(unique_indices=True)
+        return bsmm(cols, w_cols, stacked, transpose=True, **prec.bsmm_args())
     stacked, _ = stack_taps(layout, taps, axis=0)
     w_rows = _weight_for_products(w, prec).reshape(layout.capacity * taps, bs, bs)
     return bsmm(cols, w_rows, stacked, **prec.bsmm_args())

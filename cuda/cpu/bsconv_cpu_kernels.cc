@@ -1,0 +1,637 @@
+// CPU kernels of the block-sparse convolution and its weight gradient (implicit GEMM),
+// compiled once per instruction set like bsmm_cpu_kernels.cc (read bsconv_cpu.h first
+// for what they compute, and bsmm_cpu.h for why no C++ library template is used here).
+//
+// Both are sums of small products accumulated in float32 registers by one routine,
+// TileSegments<L, NV, R>: C[R rows][NV vectors of L floats] += sum over a list of
+// segments i of A_i[R, K_i] @ B_i[K_i, NV*L]. The accumulators stay in registers across
+// the whole list, so a tile of outputs is loaded and stored once however many
+// (slot, tap) pairs feed it.
+//
+//   convolution, one work item = one output block column j x one run of outputs
+//   (fixed batch index and outer spatial coordinates, one phase of the innermost dim):
+//     segments = every (slot s of column j, tap t) whose input run is not all padding;
+//     A = the run of input positions that tap reads, in the widened copy of the input
+//     (rows istep * bs floats apart), B = the tap's weight block, K = bs.
+//   weight gradient, one work item = one (slot, tap):
+//     segments = every run of outputs, clipped to the positions whose input is in range;
+//     A = the input run read transposed (A[r][k] = input position k, channel r),
+//     B = the output gradient's run, K = the run's length.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "bsmm_problem.h"
+#include "cpu/bsconv_cpu.h"
+#include "cpu/cpu_simd.h"  // 16-bit conversions, vector types, Splat, Buffer (needs JBS_CPU_ISA)
+
+namespace jbs {
+namespace cpu {
+namespace JBS_CPU_ISA {
+namespace {
+
+// ---------------------------------------------------------------------------------
+// The register tile over a list of segments
+// ---------------------------------------------------------------------------------
+
+// Products that all add into one tile: A_i[r][k] = a[i][r * a_row + k * a_k] (a_k == 1
+// when kRowMajorA, else a_row == 1) and B_i[k][j] = b[i][k * ldb + j].
+struct Segments {
+  int64_t count;
+  const float* const* a;
+  const float* const* b;
+  const int32_t* k;  // [count] reduction lengths, or nullptr: every segment has k_all
+  int64_t k_all;
+  int64_t a_row, a_k, ldb;
+};
+
+// C[r * ldc + j] (+)= sum over segments of A_i @ B_i for r < R, j < NV * L; the A rows
+// start a_off floats into each A_i, the B columns b_off floats into each B_i.
+template <int L, int NV, int R, bool kRowMajorA>
+void TileSegments(const Segments& s, int64_t a_off, int64_t b_off, float* C, int64_t ldc, bool load) {
+  typedef typename VecOf<L>::type V;
+  typedef typename VecOf<L>::unaligned U;
+  V c[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) c[r][v] = load ? *reinterpret_cast<const U*>(C + r * ldc + v * L) : V{};
+  const int64_t a_row = s.a_row, a_k = s.a_k, ldb = s.ldb;
+  for (int64_t i = 0; i < s.count; ++i) {
+    const float* a = s.a[i] + a_off;
+    const float* b = s.b[i] + b_off;
+    const int64_t K = s.k ? s.k[i] : s.k_all;
+    for (int64_t k = 0; k < K; ++k) {
+      V bv[NV];
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) bv[v] = *reinterpret_cast<const U*>(b + v * L);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const V av = Splat<V, L>(kRowMajorA ? a + r * a_row : a + r);
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) c[r][v] += av * bv[v];
+      }
+      a += kRowMajorA ? 1 : a_k;
+      b += ldb;
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) *reinterpret_cast<U*>(C + r * ldc + v * L) = c[r][v];
+}
+
+// TileSegments with R chosen at run time (1..RMAX).
+template <int L, int NV, int R, bool kRowMajorA>
+struct TileOfRows {
+  static void Run(int rows, const Segments& s, int64_t a_off, int64_t b_off, float* C, int64_t ldc, bool load) {
+    if (rows == R) {
+      TileSegments<L, NV, R, kRowMajorA>(s, a_off, b_off, C, ldc, load);
+    } else {
+      TileOfRows<L, NV, R - 1, kRowMajorA>::Run(rows, s, a_off, b_off, C, ldc, load);
+    }
+  }
+};
+template <int L, int NV, bool kRowMajorA>
+struct TileOfRows<L, NV, 0, kRowMajorA> {
+  static void Run(int, const Segments&, int64_t, int64_t, float*, int64_t, bool) {}
+};
+
+// Register tile per block size: L floats per vector, NV vectors per row (the columns of
+// one pass), at most R rows. R * NV accumulators + NV + 1 registers fit the register
+// file (16 vector registers, 32 for 16-float vectors with AVX-512).
+template <int BS>
+struct ConvTile {
+  static constexpr int kLanes = JBS_CPU_LANES < BS ? JBS_CPU_LANES : BS;
+  static constexpr int kVectors = BS / kLanes >= 2 ? 2 : 1;
+  static constexpr bool kWide = kLanes == 16;
+  static constexpr int kRows = kVectors == 2 ? (kWide ? 12 : 6) : (kWide ? 16 : 12);
+};
+
+// C[rows, BS] (+)= the segments' products, as tiles of at most kRows rows (sized evenly,
+// so that no tile is much shorter than the others) times passes of NV * L columns.
+template <int BS, bool kRowMajorA>
+void Product(const Segments& s, int64_t rows, float* C, int64_t ldc, bool load) {
+  constexpr int L = ConvTile<BS>::kLanes, NV = ConvTile<BS>::kVectors, R = ConvTile<BS>::kRows;
+  const int64_t tiles = CeilDiv(rows, R);
+  int64_t r0 = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int tile_rows = static_cast<int>(rows / tiles + (t < rows % tiles ? 1 : 0));
+    const int64_t a_off = r0 * s.a_row;
+    for (int j = 0; j < BS; j += NV * L) {
+      TileOfRows<L, NV, R, kRowMajorA>::Run(tile_rows, s, a_off, j, C + r0 * ldc + j, ldc, load);
+    }
+    r0 += tile_rows;
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Geometry shared by both kernels
+// ---------------------------------------------------------------------------------
+// Spatial dims 0..nd-2 are "outer", nd-1 is the "inner" one. A line is one batch index
+// and one outer output coordinate; its inner outputs o split into `phases` classes
+// o = p + m * ostep (ostep = lhs_dilation / g, g = gcd(stride, lhs_dilation)), and
+// within a class a tap that reads a real input at all reads inner positions
+// i0 + m * istep (istep = stride / g).
+
+int64_t Gcd(int64_t a, int64_t b) {
+  while (b != 0) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+struct Lines {
+  int nd;
+  int64_t out_outer, in_outer;  // products of the outer output / input dims
+  int64_t out_inner, in_inner;
+  int64_t ostep, istep, phases;
+  int64_t taps;                 // all taps
+  int64_t k_inner;              // taps of the inner dim
+};
+
+Lines MakeLines(const ConvGeometry& g) {
+  Lines l{};
+  l.nd = g.ndim;
+  const int d = g.ndim - 1;
+  l.out_outer = 1;
+  l.in_outer = 1;
+  l.taps = 1;
+  for (int i = 0; i < g.ndim; ++i) l.taps *= g.kernel[i];
+  for (int i = 0; i < d; ++i) {
+    l.out_outer *= g.out[i];
+    l.in_outer *= g.in[i];
+  }
+  l.out_inner = g.out[d];
+  l.in_inner = g.in[d];
+  const int64_t gcd = Gcd(g.stride[d], g.lhs_dilation[d]);
+  l.ostep = g.lhs_dilation[d] / gcd;
+  l.istep = g.stride[d] / gcd;
+  l.phases = Min(l.ostep, Max(l.out_inner, 1));
+  l.k_inner = g.kernel[d];
+  return l;
+}
+
+// Outputs of phase p: p, p + ostep, ...
+int64_t PhaseLength(const Lines& l, int64_t p) { return p < l.out_inner ? CeilDiv(l.out_inner - p, l.ostep) : 0; }
+
+// Inner tap t at phase p reads inner input i0 + m * istep; false when it reads only zeros
+// of the input dilation.
+bool InnerStart(const ConvGeometry& g, int64_t p, int64_t t, int64_t* i0) {
+  const int d = g.ndim - 1;
+  const int64_t j = p * g.stride[d] + t * g.rhs_dilation[d] - g.pad_lo[d];
+  if (j % g.lhs_dilation[d] != 0) return false;
+  *i0 = j / g.lhs_dilation[d];
+  return true;
+}
+
+// The outer input coordinates (flattened over the outer input dims) that outer tap
+// `tap_outer` (flattened over the outer kernel dims) reads for outer output
+// `o_outer`; false when that is padding or a zero of the input dilation.
+bool OuterInput(const ConvGeometry& g, int64_t o_outer, int64_t tap_outer, int64_t* i_outer) {
+  int64_t flat = 0;
+  // Decode both multi-indices from the last outer dim to the first.
+  int64_t o_rest = o_outer, t_rest = tap_outer, scale = 1;
+  for (int d = g.ndim - 2; d >= 0; --d) {
+    const int64_t o = o_rest % g.out[d], t = t_rest % g.kernel[d];
+    o_rest /= g.out[d];
+    t_rest /= g.kernel[d];
+    const int64_t j = o * g.stride[d] + t * g.rhs_dilation[d] - g.pad_lo[d];
+    if (j % g.lhs_dilation[d] != 0) return false;
+    const int64_t i = j / g.lhs_dilation[d];
+    if (i < 0 || i >= g.in[d]) return false;
+    flat += i * scale;
+    scale *= g.in[d];
+  }
+  *i_outer = flat;
+  return true;
+}
+
+// Widens block `block` of rows [n, positions, blocks * BS] for batch index `b` into
+// dst[positions][BS], leaving `pad_lo` / `pad_hi` zero rows around every run of
+// `inner` positions.
+template <int BS>
+void PackRows(DType in, const void* src, int64_t blocks, int64_t positions, int64_t inner, int64_t pad_lo,
+              int64_t pad_hi, int64_t b, int64_t block, float* dst) {
+  const int64_t ld = blocks * BS;
+  const int64_t runs = inner > 0 ? positions / inner : 0;
+  for (int64_t r = 0; r < runs; ++r) {
+    float* run = dst + r * (pad_lo + inner + pad_hi) * BS;
+    std::memset(run, 0, sizeof(float) * pad_lo * BS);
+    for (int64_t i = 0; i < inner; ++i) {
+      const int64_t row = b * positions + r * inner + i;
+      Widen(in, Offset(src, row * ld + block * BS, in), run + (pad_lo + i) * BS, BS);
+    }
+    std::memset(run + (pad_lo + inner) * BS, 0, sizeof(float) * pad_hi * BS);
+  }
+}
+
+// Per-thread growable scratch of the work items (items run on pool threads).
+struct ItemScratch {
+  Buffer floats;    // accumulator tile
+  Buffer pointers;  // segment A and B pointers (2 per segment, as floats' storage)
+  Buffer lengths;   // segment lengths (int32, as floats' storage)
+};
+
+ItemScratch& ThreadItemScratch() {
+  static thread_local ItemScratch scratch;
+  return scratch;
+}
+
+// Buffers of the calling thread kept between calls: 0 the widened input, 1 the second
+// operand (the weights, or the output gradient), 2 the run plan.
+Buffer& CallBuffer(int which) {
+  static thread_local Buffer buffers[3];
+  return buffers[which];
+}
+
+// Larger buffers are freed at the end of a call: a thread keeps at most a few tens of MiB.
+void ReleaseCallBuffers() {
+  constexpr int64_t kKeepFloats = int64_t{8} << 20;
+  for (int i = 0; i < 3; ++i) {
+    Buffer& b = CallBuffer(i);
+    if (b.floats > kKeepFloats) {
+      std::free(b.data);
+      b.data = nullptr;
+      b.floats = 0;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// The convolution
+// ---------------------------------------------------------------------------------
+
+// Outputs per work item at most (a run longer than this is split): the accumulator of
+// a 16-bit output is kUnitRows x BS floats of thread scratch.
+constexpr int64_t kUnitRows = 64;
+
+// One run of outputs of a line: phase p, outputs p + (m0 + m) * ostep for m < len.
+struct Unit {
+  int64_t phase, m0, len;
+};
+
+struct ConvJob {
+  const ConvParams* p;
+  DType in, out;
+  int64_t nnz;
+  Lines l;
+  int64_t lines;           // n * out_outer
+  const Unit* units;       // per line
+  int64_t num_units;
+  const int64_t* tap_i0;   // [phases][k_inner] inner input start, or INT64_MIN for a dilation zero
+  int64_t pad_lo, pad_hi;  // zero rows around each inner run of the widened input
+  int64_t wp;              // pad_lo + in_inner + pad_hi
+  float* packed;           // [nin][n][in_outer][wp][bs]
+  const float* weights;    // [cap][taps][bs][bs], M(t) of slot s at [s][t] (transposed if needed)
+  int64_t max_segments;    // per item
+  int* failed;             // set when an item found no scratch memory
+};
+
+constexpr int64_t kNoInput = INT64_MIN;
+
+template <int BS>
+void ConvPackItem(void* arg, int64_t item) {
+  const ConvJob& job = *static_cast<const ConvJob*>(arg);
+  const ConvParams& p = *job.p;
+  const int64_t block = item / p.n, b = item % p.n;
+  const int64_t positions = job.l.in_outer * job.l.in_inner;
+  float* dst = job.packed + (block * p.n + b) * job.l.in_outer * job.wp * BS;
+  PackRows<BS>(job.in, p.a, p.nin, positions, job.l.in_inner, job.pad_lo, job.pad_hi, b, block, dst);
+}
+
+// Weights as the products take them: float32 [bs_in][bs_out] per (slot, tap).
+template <int BS>
+void ConvWeightItem(void* arg, int64_t slot) {
+  const ConvJob& job = *static_cast<const ConvJob*>(arg);
+  const ConvParams& p = *job.p;
+  float* dst = const_cast<float*>(job.weights) + slot * job.l.taps * BS * BS;
+  for (int64_t t = 0; t < job.l.taps; ++t, dst += BS * BS) {
+    const void* src = Offset(p.w, (slot * job.l.taps + t) * BS * BS, job.in);
+    if (!p.transpose_kernel) {
+      Widen(job.in, src, dst, BS * BS);
+      continue;
+    }
+    float row[BS];
+    for (int i = 0; i < BS; ++i) {
+      Widen(job.in, Offset(src, int64_t{i} * BS, job.in), row, BS);
+      for (int j = 0; j < BS; ++j) dst[j * BS + i] = row[j];
+    }
+  }
+}
+
+template <int BS>
+void ConvItem(void* arg, int64_t item) {
+  const ConvJob& job = *static_cast<const ConvJob*>(arg);
+  const ConvParams& p = *job.p;
+  const ConvGeometry& g = p.g;
+  const Lines& l = job.l;
+  const int64_t per_column = job.lines * job.num_units;
+  const int64_t seg = p.order[item / per_column];
+  if (seg < 0 || seg >= p.nseg) return;  // not a permutation: the handler's contract is broken
+  const int64_t line = (item % per_column) / job.num_units;
+  const Unit& unit = job.units[item % job.num_units];
+  const int64_t b = line / l.out_outer, o_outer = line % l.out_outer;
+
+  ItemScratch& scratch = ThreadItemScratch();
+  const float** A = reinterpret_cast<const float**>(scratch.pointers.Get(4 * job.max_segments + 4));
+  float* acc = scratch.floats.Get(kUnitRows * BS);
+  if (A == nullptr || acc == nullptr) {
+    __atomic_store_n(job.failed, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  const float** B = A + job.max_segments;
+
+  // Segments: every (slot, tap) of this output block whose input run is not all padding.
+  int64_t count = 0;
+  const int64_t e0 = Min(Max(p.seg_ptr[seg], 0), p.cap);
+  const int64_t e1 = Min(Max(p.seg_ptr[seg + 1], e0), p.cap);
+  const int64_t k_outer = l.taps / l.k_inner;
+  const int64_t* i0s = job.tap_i0 + unit.phase * l.k_inner;
+  for (int64_t e = e0; e < e1; ++e) {
+    const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
+    if (slot < 0 || slot >= job.nnz) continue;  // padding
+    const int64_t block = p.in_block[slot];
+    if (block < 0 || block >= p.nin) continue;
+    const float* image = job.packed + (block * p.n + b) * l.in_outer * job.wp * BS;
+    for (int64_t to = 0; to < k_outer; ++to) {
+      int64_t i_outer;
+      if (!OuterInput(g, o_outer, to, &i_outer)) continue;
+      const float* run = image + i_outer * job.wp * BS;
+      for (int64_t ti = 0; ti < l.k_inner; ++ti) {
+        if (i0s[ti] == kNoInput) continue;
+        const int64_t first = i0s[ti] + unit.m0 * l.istep;
+        const int64_t last = first + (unit.len - 1) * l.istep;
+        if (last < 0 || first >= l.in_inner) continue;  // all padding
+        const int64_t tap = to * l.k_inner + ti;
+        const int64_t wtap = p.transpose_kernel ? l.taps - 1 - tap : tap;
+        A[count] = run + (job.pad_lo + first) * BS;
+        B[count] = job.weights + (slot * l.taps + wtap) * BS * BS;
+        ++count;
+      }
+    }
+  }
+
+  const int64_t fout = int64_t{p.nseg} * BS;
+  const int64_t o_first = unit.phase + unit.m0 * l.ostep;  // first inner output
+  const int64_t row0 = (b * l.out_outer + o_outer) * l.out_inner + o_first;
+  if (job.out == DType::kF32) {
+    // Straight into the output: rows ostep outputs apart.
+    float* C = static_cast<float*>(p.out) + row0 * fout + seg * BS;
+    const int64_t ldc = l.ostep * fout;
+    if (count == 0) {
+      for (int64_t m = 0; m < unit.len; ++m) std::memset(C + m * ldc, 0, sizeof(float) * BS);
+      return;
+    }
+    const Segments s{count, A, B, nullptr, BS, l.istep * BS, 1, BS};
+    Product<BS, true>(s, unit.len, C, ldc, false);
+    return;
+  }
+  if (count == 0) {
+    std::memset(acc, 0, sizeof(float) * unit.len * BS);
+  } else {
+    const Segments s{count, A, B, nullptr, BS, l.istep * BS, 1, BS};
+    Product<BS, true>(s, unit.len, acc, BS, false);
+  }
+  for (int64_t m = 0; m < unit.len; ++m) {
+    Narrow(acc + m * BS, job.out, Offset(p.out, (row0 + m * l.ostep) * fout + seg * BS, job.out), BS);
+  }
+}
+
+template <int BS>
+bool RunConvBlock(ConvJob& job, const Parallel& par) {
+  const ConvParams& p = *job.p;
+  const ConvGeometry& g = p.g;
+  Lines& l = job.l;
+  l = MakeLines(g);
+  job.lines = p.n * l.out_outer;
+
+  // The plan: inner input starts per (phase, inner tap), and the runs of every line.
+  int64_t num_units = 0;
+  for (int64_t ph = 0; ph < l.phases; ++ph) num_units += CeilDiv(PhaseLength(l, ph), kUnitRows);
+  const int64_t plan_words = l.phases * l.k_inner + 3 * num_units;
+  int64_t* plan = reinterpret_cast<int64_t*>(CallBuffer(2).Get(2 * plan_words + 2));
+  if (plan == nullptr) return false;
+  int64_t* tap_i0 = plan;
+  Unit* units = reinterpret_cast<Unit*>(plan + l.phases * l.k_inner);
+  int64_t u = 0;
+  job.pad_lo = job.pad_hi = 0;
+  for (int64_t ph = 0; ph < l.phases; ++ph) {
+    for (int64_t t = 0; t < l.k_inner; ++t) {
+      int64_t i0;
+      tap_i0[ph * l.k_inner + t] = InnerStart(g, ph, t, &i0) ? i0 : kNoInput;
+    }
+    const int64_t length = PhaseLength(l, ph);
+    for (int64_t m0 = 0; m0 < length; m0 += kUnitRows) {
+      units[u++] = Unit{ph, m0, Min(kUnitRows, length - m0)};
+      // The zero border: what the runs that are not all padding read beyond the input.
+      for (int64_t t = 0; t < l.k_inner; ++t) {
+        const int64_t i0 = tap_i0[ph * l.k_inner + t];
+        if (i0 == kNoInput || l.in_inner == 0) continue;
+        const int64_t first = i0 + m0 * l.istep, last = first + (units[u - 1].len - 1) * l.istep;
+        if (last < 0 || first >= l.in_inner) continue;
+        job.pad_lo = Max(job.pad_lo, -first);
+        job.pad_hi = Max(job.pad_hi, last - (l.in_inner - 1));
+      }
+    }
+  }
+  job.units = units;
+  job.num_units = num_units;
+  job.tap_i0 = tap_i0;
+  job.wp = job.pad_lo + l.in_inner + job.pad_hi;
+
+  int64_t longest = 0;
+  for (int j = 0; j < p.nseg; ++j) {
+    const int64_t e0 = Min(Max(p.seg_ptr[j], 0), p.cap);
+    longest = Max(longest, Min(Max(p.seg_ptr[j + 1], e0), p.cap) - e0);
+  }
+  job.max_segments = Max(1, longest * l.taps);
+
+  // The widened input with its zero border, and the weights as the products take them.
+  const int64_t packed_floats = int64_t{p.nin} * p.n * l.in_outer * job.wp * BS;
+  job.packed = CallBuffer(0).Get(Max(packed_floats, 1));
+  if (job.packed == nullptr) return false;
+  if (packed_floats > 0) par.for_each(par.ctx, int64_t{p.nin} * p.n, &ConvPackItem<BS>, &job);
+  if (job.in == DType::kF32 && !p.transpose_kernel) {
+    job.weights = static_cast<const float*>(p.w);  // in place
+  } else {
+    float* weights = CallBuffer(1).Get(Max(job.nnz * l.taps * BS * BS, 1));
+    if (weights == nullptr) return false;
+    job.weights = weights;
+    if (job.nnz > 0) par.for_each(par.ctx, job.nnz, &ConvWeightItem<BS>, &job);
+  }
+  int failed = 0;
+  job.failed = &failed;
+  par.for_each(par.ctx, int64_t{p.nseg} * job.lines * num_units, &ConvItem<BS>, &job);
+  return __atomic_load_n(&failed, __ATOMIC_RELAXED) == 0;
+}
+
+// ---------------------------------------------------------------------------------
+// The weight gradient
+// ---------------------------------------------------------------------------------
+
+struct WgradJob {
+  const ConvWgradParams* p;
+  DType in, out;
+  int64_t nnz;
+  Lines l;
+  int64_t lines;
+  float* pa;  // [a_blocks][n][in positions][bs]
+  float* pb;  // [b_blocks][n][out positions][bs]
+  int64_t max_segments;
+  int64_t chunk;  // reduction length per pass over the accumulator (operands stay in L1)
+  int* failed;    // set when an item found no scratch memory
+};
+
+template <int BS>
+void WgradPackItem(void* arg, int64_t item) {
+  const WgradJob& job = *static_cast<const WgradJob*>(arg);
+  const ConvWgradParams& p = *job.p;
+  const int64_t a_items = int64_t{p.a_blocks} * p.n;
+  if (item < a_items) {
+    const int64_t block = item / p.n, b = item % p.n;
+    const int64_t positions = job.l.in_outer * job.l.in_inner;
+    PackRows<BS>(job.in, p.a, p.a_blocks, positions, job.l.in_inner, 0, 0, b, block,
+                 job.pa + (block * p.n + b) * positions * BS);
+  } else {
+    const int64_t block = (item - a_items) / p.n, b = (item - a_items) % p.n;
+    const int64_t positions = job.l.out_outer * job.l.out_inner;
+    PackRows<BS>(job.in, p.b, p.b_blocks, positions, job.l.out_inner, 0, 0, b, block,
+                 job.pb + (block * p.n + b) * positions * BS);
+  }
+}
+
+template <int BS>
+void WgradItem(void* arg, int64_t item) {
+  const WgradJob& job = *static_cast<const WgradJob*>(arg);
+  const ConvWgradParams& p = *job.p;
+  const ConvGeometry& g = p.g;
+  const Lines& l = job.l;
+  const int64_t slot = item / l.taps, tap = item % l.taps;
+  void* dst = Offset(p.dw, item * BS * BS, job.out);
+  ItemScratch& scratch = ThreadItemScratch();
+  float* acc = job.out == DType::kF32 ? static_cast<float*>(dst) : scratch.floats.Get(BS * BS);
+  const float** lhs = reinterpret_cast<const float**>(scratch.pointers.Get(4 * job.max_segments + 4));
+  int32_t* lengths = reinterpret_cast<int32_t*>(scratch.lengths.Get(job.max_segments + 1));
+  if (acc == nullptr || lhs == nullptr || lengths == nullptr) {
+    __atomic_store_n(job.failed, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  const float** rhs = lhs + job.max_segments;
+  std::memset(acc, 0, sizeof(float) * BS * BS);
+
+  const int64_t rb = slot < job.nnz ? p.block_rows[slot] : -1;
+  const int64_t cb = slot < job.nnz ? p.block_cols[slot] : -1;
+  // plain: rows(s) index a's channels, cols(s) b's; transpose_kernel: the other way round.
+  const int64_t a_block = p.transpose_kernel ? cb : rb, b_block = p.transpose_kernel ? rb : cb;
+  const bool valid = rb >= 0 && cb >= 0 && a_block < p.a_blocks && b_block < p.b_blocks;
+  int64_t count = 0;
+  if (valid) {
+    const int64_t gtap = p.transpose_kernel ? l.taps - 1 - tap : tap;  // the tap the geometry reads
+    const int64_t to = gtap / l.k_inner, ti = gtap % l.k_inner;
+    const int64_t in_run = l.in_outer * l.in_inner, out_run = l.out_outer * l.out_inner;
+    for (int64_t line = 0; line < job.lines; ++line) {
+      const int64_t b = line / l.out_outer, o_outer = line % l.out_outer;
+      int64_t i_outer;
+      if (!OuterInput(g, o_outer, to, &i_outer)) continue;
+      const float* a_line = job.pa + ((a_block * p.n + b) * in_run + i_outer * l.in_inner) * BS;
+      const float* b_line = job.pb + ((b_block * p.n + b) * out_run + o_outer * l.out_inner) * BS;
+      for (int64_t ph = 0; ph < l.phases; ++ph) {
+        int64_t i0;
+        if (!InnerStart(g, ph, ti, &i0)) continue;
+        // Outputs m of the phase whose input i0 + m * istep is in range.
+        const int64_t length = PhaseLength(l, ph);
+        const int64_t m_lo = i0 >= 0 ? 0 : CeilDiv(-i0, l.istep);
+        const int64_t m_hi = i0 > l.in_inner - 1 ? 0 : Min(length, (l.in_inner - 1 - i0) / l.istep + 1);
+        for (int64_t m = m_lo; m < m_hi; m += job.chunk) {
+          const float* a_run = a_line + (i0 + m * l.istep) * BS;
+          const float* b_run = b_line + (ph + m * l.ostep) * BS;
+          lhs[count] = p.transpose_kernel ? b_run : a_run;
+          rhs[count] = p.transpose_kernel ? a_run : b_run;
+          lengths[count] = static_cast<int32_t>(Min(job.chunk, m_hi - m));
+          ++count;
+        }
+      }
+    }
+  }
+  // acc[BS, BS] = sum of lhs^T @ rhs, in passes of about `chunk` positions.
+  const int64_t l_step = (p.transpose_kernel ? l.ostep : l.istep) * BS;
+  const int64_t r_step = (p.transpose_kernel ? l.istep : l.ostep) * BS;
+  for (int64_t first = 0; first < count;) {
+    int64_t last = first, total = 0;
+    while (last < count && (last == first || total + lengths[last] <= job.chunk)) total += lengths[last++];
+    const Segments s{last - first, lhs + first, rhs + first, lengths + first, 0, 1, l_step, r_step};
+    Product<BS, false>(s, BS, acc, BS, true);
+    first = last;
+  }
+  if (job.out != DType::kF32) Narrow(acc, job.out, dst, BS * BS);
+}
+
+template <int BS>
+bool RunWgradBlock(WgradJob& job, const Parallel& par) {
+  const ConvWgradParams& p = *job.p;
+  Lines& l = job.l;
+  l = MakeLines(p.g);
+  job.lines = p.n * l.out_outer;
+  // Both operand runs of a pass, chunk x BS floats each, fit in about 24 KiB of L1.
+  job.chunk = Max(8, 3072 / BS);
+  int64_t per_line = 0;
+  for (int64_t ph = 0; ph < l.phases; ++ph) per_line += CeilDiv(PhaseLength(l, ph), job.chunk);
+  job.max_segments = Max(1, job.lines * per_line);
+  const int64_t a_floats = int64_t{p.a_blocks} * p.n * l.in_outer * l.in_inner * BS;
+  const int64_t b_floats = int64_t{p.b_blocks} * p.n * l.out_outer * l.out_inner * BS;
+  job.pa = CallBuffer(0).Get(Max(a_floats, 1));
+  job.pb = CallBuffer(1).Get(Max(b_floats, 1));
+  if (job.pa == nullptr || job.pb == nullptr) return false;
+  par.for_each(par.ctx, int64_t{p.a_blocks + p.b_blocks} * p.n, &WgradPackItem<BS>, &job);
+  int failed = 0;
+  job.failed = &failed;
+  par.for_each(par.ctx, int64_t{p.cap} * l.taps, &WgradItem<BS>, &job);
+  return __atomic_load_n(&failed, __ATOMIC_RELAXED) == 0;
+}
+
+}  // namespace
+
+bool RunConv(DType in, bool out_f32, const ConvParams& p, const Parallel& par) {
+  ConvJob job{};
+  job.p = &p;
+  job.in = in;
+  job.out = out_f32 ? DType::kF32 : in;
+  job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
+  bool ok = false;
+  switch (p.bs) {
+    case 8: ok = RunConvBlock<8>(job, par); break;
+    case 16: ok = RunConvBlock<16>(job, par); break;
+    case 32: ok = RunConvBlock<32>(job, par); break;
+    case 64: ok = RunConvBlock<64>(job, par); break;
+    case 128: ok = RunConvBlock<128>(job, par); break;
+    default: break;
+  }
+  ReleaseCallBuffers();
+  return ok;
+}
+
+bool RunConvWgrad(DType in, bool out_f32, const ConvWgradParams& p, const Parallel& par) {
+  WgradJob job{};
+  job.p = &p;
+  job.in = in;
+  job.out = out_f32 ? DType::kF32 : in;
+  job.nnz = Max(0, Min(*p.nnz, p.cap));
+  bool ok = false;
+  switch (p.bs) {
+    case 8: ok = RunWgradBlock<8>(job, par); break;
+    case 16: ok = RunWgradBlock<16>(job, par); break;
+    case 32: ok = RunWgradBlock<32>(job, par); break;
+    case 64: ok = RunWgradBlock<64>(job, par); break;
+    case 128: ok = RunWgradBlock<128>(job, par); break;
+    default: break;
+  }
+  ReleaseCallBuffers();
+  return ok;
+}
+
+}  // namespace JBS_CPU_ISA
+}  // namespace cpu
+}  // namespace jbs

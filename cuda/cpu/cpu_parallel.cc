@@ -1,0 +1,70 @@
+// Work items on XLA's intra-op thread pool (see cpu_parallel.h).
+#include "cpu/cpu_parallel.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+namespace ffi = xla::ffi;
+
+namespace jbs {
+namespace cpu {
+namespace {
+
+// Work shared by the caller and the pool tasks. Tasks that start after every item is
+// claimed touch only this state (kept alive by their shared_ptr), never the job.
+struct Work {
+  int64_t count;
+  void (*body)(void*, int64_t);
+  void* arg;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable all_done;
+
+  void Run() {
+    int64_t finished = 0;
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+      body(arg, i);
+      ++finished;
+    }
+    if (finished > 0 && done.fetch_add(finished) + finished == count) {
+      std::lock_guard<std::mutex> lock(mu);
+      all_done.notify_all();
+    }
+  }
+};
+
+void ForEachOnPool(void* ctx, int64_t count, void (*body)(void*, int64_t), void* arg) {
+  auto& pool = *static_cast<ffi::ThreadPool*>(ctx);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
+  if (helpers <= 0) {
+    for (int64_t i = 0; i < count; ++i) body(arg, i);
+    return;
+  }
+  auto work = std::make_shared<Work>();
+  work->count = count;
+  work->body = body;
+  work->arg = arg;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->all_done.wait(lock, [&] { return work->done.load() == count; });
+}
+
+void ForEachHere(void*, int64_t count, void (*body)(void*, int64_t), void* arg) {
+  for (int64_t i = 0; i < count; ++i) body(arg, i);
+}
+
+}  // namespace
+
+Parallel Workers(ffi::ThreadPool& pool, int64_t macs) {
+  if (macs < kSerialMacs) return Parallel{nullptr, 1, &ForEachHere};
+  return Parallel{&pool, static_cast<int>(std::max<int64_t>(1, pool.num_threads())), &ForEachOnPool};
+}
+
+}  // namespace cpu
+}  // namespace jbs

@@ -1,0 +1,29 @@
+// The CPU handlers' work on XLA's intra-op thread pool (shared by the bsmm and bsconv
+// handlers).
+//
+// A call is synchronous: it returns when every work item has run. The calling thread
+// works too, and waits only for items already claimed by running workers, so a busy
+// pool delays the call but cannot deadlock it.
+#ifndef JAX_BLOCKSPARSE_CUDA_CPU_CPU_PARALLEL_H_
+#define JAX_BLOCKSPARSE_CUDA_CPU_CPU_PARALLEL_H_
+
+#include <cstdint>
+
+#include "cpu/bsmm_cpu.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jbs {
+namespace cpu {
+
+// Below this many multiply-adds a call runs on the calling thread alone: handing items
+// to pool workers and waiting for them costs several microseconds per parallel step,
+// more than such a call computes (bench/dispatch.py measures the host time of a call).
+constexpr int64_t kSerialMacs = int64_t{1} << 20;
+
+// The pool, or the calling thread alone for a call of `macs` multiply-adds.
+Parallel Workers(xla::ffi::ThreadPool& pool, int64_t macs);
+
+}  // namespace cpu
+}  // namespace jbs
+
+#endif  // JAX_BLOCKSPARSE_CUDA_CPU_CPU_PARALLEL_H_
