@@ -15,6 +15,6 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}=8".strip()
 
 # Sphinx's configuration is a script, not a module with examples; docs/_build is the
-# output of a local docs build (README, "Documentation").
+# output of a local docs build (docs/guide/development.rst).
 collect_ignore = ["docs/conf.py"]
 collect_ignore_glob = ["docs/_build/*"]

@@ -1,6 +1,6 @@
 """Sparsify a trained dense model in one call, fine-tune it, and compare (scikit-learn digits).
 
-    python examples/sparsify.py                                   # the README table: minutes on 2 CPU cores
+    python examples/sparsify.py                                   # the table in README: minutes on 2 CPU cores
     python examples/sparsify.py --densities 0.5 0.1 --finetune-steps 600 --block-size 16
     python examples/sparsify.py --steps 20 --finetune-steps 5 --densities 0.5 --width 16   # seconds
 

@@ -246,7 +246,7 @@ def keeps_16bit_roundings() -> bool:
     With ``--xla_allow_excess_precision`` (XLA's default: true) a backend may drop
     such a round trip as excess precision and go on in float32: XLA:GPU does (its
     simplify-fp-conversions pass), XLA:CPU does not. A library result that is an XLA
-    cast to 16 bits widened back to float32 (see README, "Mixed precision") is then
+    cast to 16 bits widened back to float32 (see docs/guide/mixed_precision.rst) is then
     not rounded. Probed with one tiny jit under the caller's configuration, not
     guessed from the platform name.
     """

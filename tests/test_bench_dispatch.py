@@ -1,4 +1,4 @@
-"""bench/dispatch.py runs and reports what README's dispatch table is made of (no timing asserted)."""
+"""bench/dispatch.py runs and reports what docs/guide/performance.rst's dispatch table holds (no timing asserted)."""
 
 from __future__ import annotations
 

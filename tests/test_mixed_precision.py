@@ -9,7 +9,7 @@
 
 "Rounded to 16 bits" is checked where XLA keeps such roundings: XLA:GPU with its
 default ``--xla_allow_excess_precision`` may skip a float32 -> 16-bit -> float32 round
-trip (README, "Mixed precision"). There the rounding assertions run again in a child
+trip (docs/guide/mixed_precision.rst). There the rounding assertions run again in a child
 process with ``--xla_allow_excess_precision=false`` (conftest's
 ``rerun_keeping_16bit_roundings``); this process checks what holds either way.
 """

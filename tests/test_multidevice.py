@@ -300,7 +300,7 @@ def test_shard_map_with_automatic_axes(problem):
     """shard_map manual over one axis, the batch axis left to XLA: right results.
 
     The sharding rule stands aside there (JAX passes custom_partitioning no mesh), so
-    an opaque kernel is run on operands gathered over the automatic axis (README).
+    an opaque kernel is run on operands gathered over the automatic axis (docs/guide/multi_device.rst).
     """
     mask, layout, w = problem
     mesh = _mesh((2, 4), ("batch", "model"))

@@ -1,6 +1,6 @@
 """``precision=`` on bsmm, bsmm_updat, bsconv and bsconv_transpose: lax.dot_general's meaning.
 
-The contract (README, "Precision"): None reads :func:`jax.default_matmul_precision` at
+The contract (docs/guide/precision.rst): None reads :func:`jax.default_matmul_precision` at
 trace time and is recorded in the primitive, so every product of a gradient runs at the
 precision its forward was traced with. The reference lowering hands it to XLA's dot (on
 GPU, float32 at DEFAULT may use TF32 as ``jnp.dot`` does); HIGHEST is exact float32.

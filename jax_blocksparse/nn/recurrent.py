@@ -43,7 +43,7 @@ then rounded to bfloat16 (as autodiff of a bfloat16 product gives them) unless
 kernel) is the float32 accumulator of its weight-gradient product. On a GPU, XLA's
 default ``--xla_allow_excess_precision`` may skip a rounding to 16 bits that is widened
 straight back (the input kernel's gradient, whose product has a float32 output; the
-gate inputs): README, "Mixed precision".
+gate inputs): docs/guide/mixed_precision.rst.
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ class BlockSparseLSTMCell(nn.RNNCellBase):
         :func:`jax_blocksparse.bsmm`); also in :class:`BlockSparseLSTM`. Needs
         ``param_dtype`` float32. Default False: each kernel gradient is rounded to
         ``dtype``, then widened; on a GPU with XLA's default flags the input kernel's
-        rounding (an XLA cast widened straight back) may be skipped, see README,
-        "Mixed precision" (``XLA_FLAGS=--xla_allow_excess_precision=false`` keeps it).
+        rounding (an XLA cast widened straight back) may be skipped, see docs/guide/mixed_precision.rst
+        ("16-bit roundings on GPUs"; ``XLA_FLAGS=--xla_allow_excess_precision=false`` keeps it).
       precision: numerical precision of every product (input projection, mLSTM
         factor, internal steps, gates), forward and backward, as in
         ``flax.linen.LSTMCell``'s dense layers: None (the default:

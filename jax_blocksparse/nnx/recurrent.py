@@ -83,7 +83,7 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
         the linen cell's ``float32_dw``. Needs ``param_dtype`` float32. Without it
         each kernel gradient is rounded to ``dtype``; on a GPU with XLA's default
         flags some of those roundings may be skipped (the linen cell's docstring;
-        README, "Mixed precision").
+        docs/guide/mixed_precision.rst).
       precision: numerical precision of every product (input projection, mLSTM
         factor, internal steps, gates), forward and backward, as in
         ``flax.nnx.LSTMCell``'s linear layers: None (the default:
