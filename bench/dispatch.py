@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_blocksparse as jbs
+from jax_blocksparse.ops import paths
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
 from _report import git_commit  # noqa: E402
@@ -88,7 +89,7 @@ def main(argv=None) -> None:
     device = jax.devices()[0]
     rows = measure(args.calls)
     print(f"host time per jitted call, {device.platform} ({device.device_kind}); "
-          f"bsmm path: {jbs.ops._lowering.describe_path(device.platform, jbs.config.get_implementation())}")
+          f"bsmm path: {paths.describe_path(device.platform)}")
     print(f"{'op':6} {'bsmm(arg) us':>13} {'dot(same #args) us':>19} {'ratio':>6}   "
           f"{'bsmm(closed) us':>16} {'dot us':>7} {'ratio':>6}")
     for r in rows:

@@ -78,7 +78,7 @@ import jax_blocksparse as jbs
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
 from _report import git_commit, write_json  # noqa: E402
 
-from jax_blocksparse.ops import _lowering
+from jax_blocksparse.ops import paths
 
 MODELS = ("mlp", "lstm")
 
@@ -362,15 +362,13 @@ def device_name(device) -> str:
 
 def bsmm_path(device) -> str:
     """jax_blocksparse's own description of the bsmm path on ``device``."""
-    return _lowering.describe_path(device.platform, jbs.config.get_implementation())
+    return paths.describe_path(device.platform)
 
 
 def on_kernels(device) -> bool:
     """Whether all three bsmm ops lower to the native kernels on ``device`` (not the reference)."""
-    plat = "cuda" if device.platform == "gpu" else device.platform  # the lowering platform
-    impl = jbs.config.get_implementation()
     try:
-        return all(_lowering.kernels_selected(plat, impl, target) for target in sorted(_lowering.BSMM_TARGETS))
+        return paths.kernels_selected(device.platform)
     except RuntimeError:  # kernels demanded but not built: the step would fail to lower
         return False
 

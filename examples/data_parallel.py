@@ -46,6 +46,7 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 
 import jax_blocksparse as jbs  # noqa: E402
 from jax_blocksparse.nn import BlockSparseDense  # noqa: E402
+from jax_blocksparse.ops import paths  # noqa: E402
 
 MODES = ("single", "pmap", "shard_map", "jit")
 BS = 16
@@ -183,7 +184,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     devices = jax.local_devices()[: args.devices or jax.local_device_count()]
     print(f"{len(devices)} x {devices[0].platform} devices; bsmm path: "
-          f"{jbs.ops._lowering.describe_path(devices[0].platform, jbs.config.get_implementation())}")
+          f"{paths.describe_path(devices[0].platform)}")
     data = load_data(args.seed)
     reference = None
     for mode in args.modes.split(","):

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import jax_blocksparse as jbs
 from jax_blocksparse.nn import BlockSparseDense
-from jax_blocksparse.ops._lowering import describe_path, kernels_selected  # the one place that picks a path
+from jax_blocksparse.ops import paths  # which path the products take here
 
 
 def header(title: str):
@@ -85,14 +85,14 @@ def median_ms(fn, *args, reps: int):
 def benchmark(seed: int):
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
-    platform = "cuda" if on_gpu else device.platform
+    platform = paths.lowering_platform(device.platform)
     impl = jbs.config.get_implementation()
-    kernels = on_gpu and kernels_selected(platform, impl, "jbs_bsmm_fprop")
+    kernels = on_gpu and paths.kernels_selected(platform, impl, "jbs_bsmm_fprop")
     # The reference path materialises one [n, bs] slice of x per block: keep it modest.
     size, n, reps = (8192, 4096, 20) if kernels else (4096, 2048, 10) if on_gpu else (2048, 256, 7)
     bs = 32
     header("2. bsmm vs dense x @ W")
-    print(f"device: {device.device_kind} ({device.platform}); bsmm path: {describe_path(platform, impl)} "
+    print(f"device: {device.device_kind} ({device.platform}); bsmm path: {paths.describe_path(platform, impl)} "
           f"(implementation={impl!r})")
     print(f"x [{n}, {size}] @ W [{size}, {size}], float32, block {bs}, median of {reps} runs")
 
