@@ -4,7 +4,8 @@ The contract (docs/guide/precision.rst): None reads :func:`jax.default_matmul_pr
 trace time and is recorded in the primitive, so every product of a gradient runs at the
 precision its forward was traced with. The reference lowering hands it to XLA's dot (on
 GPU, float32 at DEFAULT may use TF32 as ``jnp.dot`` does); HIGHEST is exact float32.
-The kernels compute float32 exactly at every precision, which the contract allows.
+The CPU kernels and the CUDA kernels for Ampere and later compute float32 exactly at every
+precision, which the contract allows; the Hopper kernels use TF32 below HIGHEST.
 """
 
 from __future__ import annotations

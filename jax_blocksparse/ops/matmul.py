@@ -53,7 +53,8 @@ Hopper kernels (behind ``JAX_BLOCKSPARSE_HOPPER=1``, see :mod:`jax_blocksparse.o
 run float32 at DEFAULT and HIGH on TF32 tensor cores, as ``jnp.dot`` does there, and
 exactly at HIGHEST; at block size 8, :func:`bsmm` (fprop, and its transpose, bprop) runs
 float32 exactly at every precision: its TF32 kernel is off until it has run clean on a
-GPU (``_sm90.TF32_OFF``), while :func:`bsmm_updat` keeps TF32 there.
+GPU (``python -m jax_blocksparse`` prints where TF32 is off and why), while
+:func:`bsmm_updat` keeps TF32 there.
 
 Implementation
 --------------
