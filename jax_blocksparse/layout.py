@@ -41,13 +41,19 @@ copies nothing from the host after the first call.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+# The block sizes with kernels: block_sizes.json in this package is the one table of
+# them, read here and, by the build (CMakeLists.txt), into the C++ kernels' checks.
+SUPPORTED_BLOCK_SIZES: tuple[int, ...] = tuple(
+    json.loads(Path(__file__).with_name("block_sizes.json").read_text())["block_sizes"]
+)
 
 
 class LayoutTables(NamedTuple):

@@ -45,7 +45,7 @@ def assert_tables_equal(a, b):
         np.testing.assert_array_equal(np.asarray(ta), np.asarray(tb), err_msg=name)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", jbs.SUPPORTED_BLOCK_SIZES)
 def test_block_size_and_shapes(block_size):
     grid = GRIDS[block_size]
     layout = jbs.Layout.from_mask(np.eye(*grid, dtype=bool), block_size, capacity=5)

@@ -130,7 +130,7 @@ def operands(op, layout, lead, dtype=F32, w=None, seed=10):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", jbs.SUPPORTED_BLOCK_SIZES)
 def test_against_dense_reference(block_size, dtype, kind, op, lead):
     # Capacity = the whole grid: every layout kind of one shape shares a compiled program
     # (and most get padding slots); exact capacities are tested below.

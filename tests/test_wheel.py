@@ -70,7 +70,7 @@ def _check_sdist(sdist: Path):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     assert {"CMakeLists.txt", "cmake/JbsCudaArchitectures.cmake", "build.py", "pyproject.toml", "cuda/module.cc",
             "cuda/cpu/bsmm_cpu_kernels.cc", "cuda/sm90/bsmm_sm90_dsd_bf16.cu", "jax_blocksparse/crossovers.json",
-            "tests/test_build.py"} <= names
+            "jax_blocksparse/block_sizes.json", "tests/test_build.py"} <= names
     assert not any(n.endswith((".so", ".o")) for n in names)
 
 
@@ -81,7 +81,7 @@ def _check_wheel(wheel: Path):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
     assert f"jax_blocksparse/_jbs_kernels{sysconfig.get_config_var('EXT_SUFFIX')}" in names
-    package = {"crossovers.json", "_jbs_kernels.pyi", "__init__.py", "ops/__init__.py"}
+    package = {"crossovers.json", "block_sizes.json", "_jbs_kernels.pyi", "__init__.py", "ops/__init__.py"}
     assert {f"jax_blocksparse/{name}" for name in package} <= names
 
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from helpers import make_mask, require_kernels
-from jax_blocksparse import Layout
+from jax_blocksparse import SUPPORTED_BLOCK_SIZES, Layout
 
-BLOCK_SIZES = (8, 16, 32, 64, 128)
+BLOCK_SIZES = SUPPORTED_BLOCK_SIZES
 KINDS = ("random", "empty", "single", "full", "empty_rows_cols", "long_column", "padded")
 ROWS = (0, 1, 7, 129, 1000)
 

@@ -28,7 +28,7 @@ import jax_blocksparse as jbs
 from helpers import make_mask, tolerance
 from jax_blocksparse.layout import Layout, LayoutTables
 
-BLOCK_SIZES = (8, 16, 32, 64, 128)
+BLOCK_SIZES = jbs.SUPPORTED_BLOCK_SIZES
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 OPS = ("fprop", "bprop", "updat")
 # (CB, KB) per block size: C != K, a few hundred to a few thousand features.
