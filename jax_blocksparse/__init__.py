@@ -13,9 +13,10 @@ Example::
     (8, 512)
 """
 
-from jax_blocksparse import _native, attention, config, crossover, export, layouts, sharding, targets
+from jax_blocksparse import _native, config, crossover, export, layouts, sharding, targets
 from jax_blocksparse._native import has_cpu_kernels, has_cuda_kernels
 from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
+from jax_blocksparse.ops import attention  # the public namespace jbs.attention is the op's module
 from jax_blocksparse.ops.conv import (
     bsconv,
     bsconv_reference,

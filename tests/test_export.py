@@ -68,7 +68,7 @@ def _op_cases():
     x, dy, w = rand((6, 32), seed=1), rand((6, 32), seed=2), rand(layout.w_shape, seed=3)
     conv_w = rand((layout.capacity, 2, 2, BS, BS), seed=4)
     img = rand((2, 4, 4, 32), seed=5)
-    q, k, v = (rand((2, 2, 32, 8), seed=s) for s in (6, 7, 8))
+    q, k, v = (rand((2, 32, 2, 8), seed=s) for s in (6, 7, 8))  # [batch, T, heads, head_dim]
     gates = jbs.Layout.from_mask(np.tile(mask, (1, 4)), BS)
     spec = lstm_spec(32, gates, layer_norm=False)
     keys = iter(jax.random.split(jax.random.key(0), 8))
@@ -87,7 +87,7 @@ def _op_cases():
         "bsconv": (lambda x, w: jbs.bsconv(x, w, layout, strides=2), (img, conv_w)),
         "bsconv_transpose": (lambda x, w: jbs.bsconv_transpose(x, w, layout, strides=2), (img, conv_w)),
         "attention": (
-            lambda q, k, v: jbs.attention.blocksparse_attention(q, k, v, ATTENTION_MASK, BS, causal=True),
+            lambda q, k, v: jbs.attention.blocksparse_attention(q, k, v, ATTENTION_MASK, BS, is_causal=True),
             (q, k, v),
         ),
         "lstm_sequence": (lambda p, xs: bs_lstm_sequence(spec, p, carry, xs), (lstm_params, rand((3, 2, 8), seed=9))),
@@ -104,7 +104,7 @@ def _layers(rngs=None):
             "dense": (m.BlockSparseDense(32, mask, block_size=BS), rand((3, 32), seed=12)),
             "conv": (m.BlockSparseConv(32, (2, 2), mask, block_size=BS, strides=2), img),
             "conv_transpose": (m.BlockSparseConvTranspose(32, (2, 2), mask, block_size=BS, strides=2), img),
-            "attention": (m.BlockSparseSelfAttention(num_heads=2, mask=attn, block_size=BS, causal=True), seq),
+            "attention": (m.BlockSparseSelfAttention(num_heads=2, mask=attn, block_size=BS, is_causal=True), seq),
             "lstm": (m.BlockSparseLSTM(m.BlockSparseLSTMCell(32, mask, BS)), lstm_in),
         }
     m = jbs.nnx
@@ -112,7 +112,7 @@ def _layers(rngs=None):
         "dense": (m.BlockSparseLinear(32, 32, mask, BS, rngs=rngs), rand((3, 32), seed=12)),
         "conv": (m.BlockSparseConv(32, 32, (2, 2), mask, BS, strides=2, rngs=rngs), img),
         "conv_transpose": (m.BlockSparseConvTranspose(32, 32, (2, 2), mask, BS, strides=2, rngs=rngs), img),
-        "attention": (m.BlockSparseSelfAttention(2, 16, attn, BS, causal=True, rngs=rngs), seq),
+        "attention": (m.BlockSparseSelfAttention(2, 16, attn, BS, is_causal=True, rngs=rngs), seq),
         "lstm": (m.BlockSparseLSTM(m.BlockSparseLSTMCell(8, 32, mask, BS, rngs=rngs)), lstm_in),
     }
 

@@ -96,10 +96,10 @@ CASES = {
     # Block-sparse q/k/v projections (MASK: 16 -> 24 features) in one, dense in the other. No
     # biases: the key bias's gradient is 0 (softmax ignores a shift), so its values are noise.
     "nn.BlockSparseSelfAttention": lambda: _linen(
-        jbs.nn.BlockSparseSelfAttention(2, ATTENTION_MASK, BS, causal=True, qkv_mask=MASK, use_bias=False),
+        jbs.nn.BlockSparseSelfAttention(2, ATTENTION_MASK, BS, is_causal=True, qkv_mask=MASK, use_bias=False),
         ATTENTION_X),
     "nnx.BlockSparseSelfAttention": lambda: _nnx(
-        jbs.nnx.BlockSparseSelfAttention(2, 2 * BS, ATTENTION_MASK, BS, causal=True, use_bias=False,
+        jbs.nnx.BlockSparseSelfAttention(2, 2 * BS, ATTENTION_MASK, BS, is_causal=True, use_bias=False,
                                          rngs=nnx.Rngs(0)), ATTENTION_X),
 }
 

@@ -1,12 +1,20 @@
 """One module per op family; each reads top to bottom: public function, shape rule,
 reference, primitives, abstract eval, lowerings, batching, JVP, transpose.
 
-Besides the primitives (:mod:`.matmul`, :mod:`.conv`), two functional ops built on
-them live here, below the layers that call them: the block-sparse (m)LSTM recurrence
-(:mod:`.recurrence`, exported below) and the probed layout of dynamic sparse
-training (:mod:`.probe`).
+Besides the primitives (:mod:`.matmul`, :mod:`.conv`), functional ops built on them
+live here, below the layers that call them: block-sparse attention (:mod:`.attention`,
+public as ``jax_blocksparse.attention``; its block masks in :mod:`.block_mask`, its
+stacked layout in :mod:`.attention_layout`), the block-sparse (m)LSTM recurrence
+(:mod:`.recurrence`) and the probed layout of dynamic sparse training (:mod:`.probe`).
 """
 
+from jax_blocksparse.ops.attention import (
+    BlockMask,
+    block_mask_from_segments,
+    blocksparse_attention,
+    blocksparse_decode,
+    create_block_mask,
+)
 from jax_blocksparse.ops.recurrence import (
     LSTMSpec,
     LSTMStage,
@@ -15,4 +23,15 @@ from jax_blocksparse.ops.recurrence import (
     lstm_spec,
 )
 
-__all__ = ["LSTMSpec", "LSTMStage", "bs_lstm_sequence", "bs_lstm_step", "lstm_spec"]
+__all__ = [
+    "BlockMask",
+    "LSTMSpec",
+    "LSTMStage",
+    "block_mask_from_segments",
+    "blocksparse_attention",
+    "blocksparse_decode",
+    "bs_lstm_sequence",
+    "bs_lstm_step",
+    "create_block_mask",
+    "lstm_spec",
+]
