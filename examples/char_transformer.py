@@ -15,6 +15,12 @@ attention: ``jax.nn.dot_product_attention`` (full causal T x T) or
 Data: the Python standard-library source that examples/char_lstm.py uses (offline, about
 350 KB); every 10th chunk of 4096 characters is validation text.
 
+After training, the block-sparse model of the first T samples text: the linen layers with
+``decode=True`` keep a key-value cache (Flax's "cache" collection), and each new character
+costs one decoding step whose attention reads only the key blocks of its block row. The
+script checks that the cached, token-by-token logits equal the full-sequence forward pass
+on the sampled text, and prints the sample and the time per character.
+
 For each T in ``--seq-lens`` it prints, for both models, the parameter count, ms/step,
 the peak memory of one attention layer's forward and backward (the compiled program's
 ``memory_analysis()``: its intermediates, where dense attention keeps the T x T scores)
@@ -60,13 +66,13 @@ class DenseSelfAttention(nn.Module):
         return nn.Dense(f, name="out")(y.reshape(*lead, t, f))
 
 
-def attention_layer(kind: str, args, seq_len: int) -> nn.Module:
+def attention_layer(kind: str, args, seq_len: int, decode: bool = False) -> nn.Module:
     if kind == "dense":
         return DenseSelfAttention(args.heads)
     n = seq_len // args.block_size
     stride = args.stride or max(2, round(math.sqrt(n)))
     mask = jbs.layouts.fixed(n, stride, 1) if args.pattern == "fixed" else jbs.layouts.strided(n, stride)
-    return jbs.nn.BlockSparseSelfAttention(args.heads, jbs.layouts.causal(mask), args.block_size, causal=True)
+    return jbs.nn.BlockSparseSelfAttention(args.heads, mask, args.block_size, is_causal=True, decode=decode)
 
 
 class Block(nn.Module):
@@ -93,8 +99,13 @@ class CharTransformer(nn.Module):
     layers: tuple  # attention modules, one per block
 
     @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(self.vocab, self.d_model)(tokens) + sinusoid(tokens.shape[-1], self.d_model)
+    def __call__(self, tokens, position=None):
+        """tokens [B, T] -> logits [B, T, vocab]; when decoding, one token [B, 1] at ``position``."""
+        positions = sinusoid(tokens.shape[-1], self.d_model)
+        if position is not None:  # a decoding step: the sinusoid row of that position
+            t = self.layers[0].mask.q_len
+            positions = jax.lax.dynamic_slice_in_dim(jnp.asarray(sinusoid(t, self.d_model)), position, 1)
+        x = nn.Embed(self.vocab, self.d_model)(tokens) + positions
         for attention in self.layers:
             x = Block(attention)(x)
         return nn.Dense(self.vocab)(nn.LayerNorm()(x))
@@ -114,7 +125,7 @@ def attention_peak_bytes(layer: nn.Module, args, seq_len: int) -> int:
 
 
 def train_and_evaluate(kind, model, train, valid, seq_len, steps, args, train_it=True):
-    """(bpc or None, parameter count, ms/step or None)."""
+    """(bpc or None, parameter count, ms/step or None, the trained parameters)."""
     rng = np.random.default_rng(args.seed)
     params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((1, seq_len), jnp.int32))
     n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
@@ -140,7 +151,7 @@ def train_and_evaluate(kind, model, train, valid, seq_len, steps, args, train_it
     jax.block_until_ready(train_step(params, opt_state, batch()))  # compile (not timed)
     if not train_it:
         if not args.time_over_budget:
-            return None, n_params, None
+            return None, n_params, None, params["params"]
         steps = 2  # a step time only
     t0 = time.perf_counter()
     for step in range(steps):
@@ -150,14 +161,41 @@ def train_and_evaluate(kind, model, train, valid, seq_len, steps, args, train_it
     jax.block_until_ready(params)
     step_ms = 1000 * (time.perf_counter() - t0) / steps
     if not train_it:
-        return None, n_params, step_ms
+        return None, n_params, step_ms, params["params"]
 
     eval_loss = jax.jit(loss_fn)
     n_win = max(1, min(args.eval_windows, (len(valid) - 1) // seq_len))
     starts = np.arange(n_win) * seq_len
     losses = [float(eval_loss(params, jnp.asarray(windows(valid, starts[i : i + args.batch], seq_len))))
               * len(starts[i : i + args.batch]) for i in range(0, n_win, args.batch)]
-    return sum(losses) / n_win / math.log(2), n_params, step_ms
+    return sum(losses) / n_win / math.log(2), n_params, step_ms, params["params"]
+
+
+def sample(model, params, prompt: np.ndarray, length: int, args):
+    """Continues ``prompt`` (int [P]) by ``length`` characters with the decoding model: one cached
+    step per character (the prompt is fed the same way). Returns (tokens [P + length], the
+    decoding logits of each position [P + length - 1, vocab], seconds per step)."""
+    tokens = np.zeros((1, model.layers[0].mask.q_len), np.int32)
+    cache = jax.jit(model.init)(jax.random.key(0), tokens)["cache"]
+
+    @jax.jit
+    def step(cache, token, position, key):
+        logits, state = model.apply({"params": params, "cache": cache}, token, position, mutable=["cache"])
+        logits = logits[:, -1]
+        return state["cache"], logits, jax.random.categorical(key, logits / args.temperature)
+
+    out, all_logits = list(prompt), []
+    keys = jax.random.split(jax.random.key(args.seed), len(prompt) + length)
+    jax.block_until_ready(step(cache, jnp.zeros((1, 1), jnp.int32), 0, keys[0]))  # compile (not timed)
+    t0 = time.perf_counter()
+    for position in range(len(prompt) + length - 1):
+        token = jnp.asarray([[out[position]]], jnp.int32)
+        cache, logits, drawn = step(cache, token, position, keys[position])
+        all_logits.append(logits[0])
+        if position + 1 >= len(prompt):
+            out.append(int(drawn[0]))
+    seconds = (time.perf_counter() - t0) / max(1, len(all_logits))
+    return np.array(out), np.asarray(jnp.stack(all_logits)), seconds
 
 
 def main(argv=None):
@@ -181,6 +219,9 @@ def main(argv=None):
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=4096, help="every 10th chunk of this many chars is validation")
     parser.add_argument("--log-every", type=int, default=0)
+    parser.add_argument("--sample-chars", type=int, default=300, help="characters the sparse model samples")
+    parser.add_argument("--prompt-chars", type=int, default=64, help="validation characters that start the sample")
+    parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -207,9 +248,11 @@ def main(argv=None):
             fits = kind == "sparse" or peak <= args.memory_budget_mb * 2**20
             model = CharTransformer(len(chars), args.d_model, tuple(attention_layer(kind, args, seq_len)
                                                                     for _ in range(args.layers)))
-            bpc, n_params, ms = train_and_evaluate(kind, model, train, valid, seq_len, steps, args, train_it=fits)
+            bpc, n_params, ms, params = train_and_evaluate(kind, model, train, valid, seq_len, steps, args,
+                                                           train_it=fits)
             row[kind] = dict(bpc=bpc, params=n_params, ms=ms, peak=peak)
-            detail = f"density {layer.mask.nnz / np.prod(layer.mask.shape):.1%}, " if kind == "sparse" else ""
+            trained = (model, params)  # the sparse model (trained last) samples below
+            detail = f"density {np.tril(layer.mask.blocks[0, 0]).mean():.1%}, " if kind == "sparse" else ""
             print(f"T={seq_len} {kind:>6}: {n_params:,} parameters, {detail}"
                   f"{f'{ms:.1f} ms/step' if ms else 'not timed'}, attention peak {peak / 2**20:.1f} MiB, "
                   f"validation {f'{bpc:.3f} bits/char' if bpc is not None else 'skipped (over the memory budget)'}"
@@ -223,7 +266,27 @@ def main(argv=None):
               f"dense_ms/step={fmt(d['ms'], '.1f')} sparse_ms/step={fmt(s['ms'], '.1f')} speedup={speed} "
               f"dense_attention_peak_MiB={d['peak'] / 2**20:.1f} sparse_attention_peak_MiB={s['peak'] / 2**20:.1f}",
               flush=True)
+        if i == 0 and args.sample_chars > 0:
+            row["sample"] = sample_and_check(*trained, valid, chars, args, seq_len)
     return results
+
+
+def sample_and_check(model, params, valid, chars, args, seq_len) -> dict:
+    """Samples from the trained sparse model with its decoding twin; checks the cached logits
+    against the full-sequence forward pass on the same text."""
+    decoder = CharTransformer(model.vocab, model.d_model, tuple(attention_layer("sparse", args, seq_len, decode=True)
+                                                                for _ in range(args.layers)))
+    prompt = valid[: min(args.prompt_chars, seq_len - 1)]
+    length = min(args.sample_chars, seq_len - len(prompt))
+    tokens, logits, seconds = sample(decoder, params, prompt, length, args)
+    padded = np.zeros((1, seq_len), np.int32)
+    padded[0, : len(tokens)] = tokens
+    full = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(padded)))[0, : len(logits)]
+    error = float(np.abs(full - logits).max())
+    text = "".join(chars[t] for t in tokens[len(prompt):])
+    print(f"T={seq_len} sparse sample ({seconds * 1e3:.2f} ms/char, cached logits vs full forward: max diff "
+          f"{error:.1e}):\n{''.join(chars[t] for t in prompt)}|{text}", flush=True)
+    return dict(text=text, ms_per_char=seconds * 1e3, logit_error=error)
 
 
 if __name__ == "__main__":
