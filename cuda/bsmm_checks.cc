@@ -9,8 +9,6 @@ namespace ffi = xla::ffi;
 
 namespace jbs {
 
-bool SupportedBlockSize(int bs) { return bs == 8 || bs == 16 || bs == 32 || bs == 64 || bs == 128; }
-
 std::string ShapeStr(const ffi::AnyBuffer& b) {
   std::ostringstream os;
   os << "[";
@@ -128,9 +126,9 @@ namespace {
 ffi::Error CheckBlocks(const char* op, const char* name, const ffi::AnyBuffer& w, int64_t cap,
                        const Operands& shapes, int64_t* bs) {
   auto wd = w.dimensions();
-  if (wd.size() != 3 || wd[0] != cap || wd[1] != wd[2] || !SupportedBlockSize(static_cast<int>(wd[2]))) {
+  if (wd.size() != 3 || wd[0] != cap || wd[1] != wd[2] || !SupportedBlockSize(wd[2])) {
     return Invalid(op, std::string(name) + " must be [capacity=" + std::to_string(cap) +
-                           ", bs, bs] with bs in {8, 16, 32, 64, 128}; got " + shapes.str());
+                           ", bs, bs] with bs in " + kBlockSizesText + "; got " + shapes.str());
   }
   *bs = wd[2];
   return ffi::Error::Success();

@@ -24,13 +24,11 @@
 #include <cstdint>
 #include <string>
 
+#include "bsmm_block_sizes.h"  // SupportedBlockSize, kBlockSizesText
 #include "bsmm_problem.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jbs {
-
-// Block sizes with compiled kernels: 8, 16, 32, 64, 128.
-bool SupportedBlockSize(int bs);
 
 // "[d0, d1, ...]" of a buffer, for error messages.
 std::string ShapeStr(const xla::ffi::AnyBuffer& b);

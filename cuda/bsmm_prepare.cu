@@ -3,13 +3,14 @@
 // launches, with Launch::prepare_only, so no kernel a launch can select is missed.
 #include <initializer_list>
 
+#include "bsmm_block_sizes.h"
 #include "bsmm_kernels.h"
 
 namespace jbs {
 
 cudaError_t PrepareKernels() {
   const Launch prepare{nullptr, true};
-  for (int bs : {8, 16, 32, 64, 128}) {
+  for (int bs : kBlockSizes) {
     DsdParams dsd{};
     dsd.bs = bs;
     SddParams sdd{};

@@ -10,15 +10,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "bsmm_block_sizes.h"
 #include "bsmm_work_plan.h"
 #include "cpu/bsmm_cpu.h"
+#include "sm90/bsmm_sm90_plan.h"  // no CUDA headers: in every build
 #include "xla/ffi/api/api.h"
 
 #ifdef JBS_WITH_CUDA
 #include "bsmm_cuda_info.h"
-#endif
-#ifdef JBS_WITH_SM90
-#include "sm90/bsmm_sm90_tf32.h"  // no CUDA headers
 #endif
 
 namespace py = pybind11;
@@ -143,6 +142,72 @@ py::dict WorkPlanSdd(int32_t capacity, int32_t group, int64_t n, int32_t tile_n,
   return d;
 }
 
+template <int N>
+py::tuple IntTuple(const int (&values)[N]) {
+  return py::tuple(py::cast(std::vector<int>(std::begin(values), std::end(values))));
+}
+
+// build_info()["sm90"]: what the Hopper kernels of these sources do (sm90/bsmm_sm90_plan.h,
+// sm90/bsmm_sm90_tf32.h), in every build: the lowering (jax_blocksparse/ops/_sm90.py)
+// reads them instead of keeping copies; whether the kernels are compiled in, registrations() says.
+py::dict Sm90Facts() {
+  namespace sm90 = jbs::sm90;
+  py::dict tf32;  // op -> block sizes with TF32
+  tf32["fprop"] = IntTuple(sm90::kDsdTF32BlockSizes);
+  tf32["bprop"] = IntTuple(sm90::kDsdTF32BlockSizes);
+  tf32["updat"] = IntTuple(sm90::kSddTF32BlockSizes);
+  py::dict off;  // (op, block size) -> why TF32 is off there
+  const struct {
+    const char* op;
+    bool (*on)(int);
+    const char* why;
+  } products[] = {{"fprop", sm90::DsdTF32Block, sm90::kDsdTF32Off},
+                  {"bprop", sm90::DsdTF32Block, sm90::kDsdTF32Off},
+                  {"updat", sm90::SddTF32Block, sm90::kSddTF32Off}};
+  for (const auto& product : products) {
+    for (int bs : jbs::kBlockSizes) {
+      if (!product.on(bs)) off[py::make_tuple(product.op, bs)] = product.why;
+    }
+  }
+  py::dict d;
+  d["plan_sms"] = sm90::kPlanSms;
+  d["tf32_block_sizes"] = tf32;
+  d["tf32_off"] = off;
+  d["tf32_row_multiple"] = sm90::kSddTF32RowMultiple;
+  return d;
+}
+
+// The workspace bytes of jbs_bsmm_updat_sm90 for an updat of x [n, cb * bs], dy [n, kb * bs]
+// into dw [capacity, bs, bs] (with tf32: the padded n of x^T / dy^T): the handler's own
+// SddWorkspaceBytes, so the lowering allocates exactly what the handler checks for.
+int64_t Sm90UpdatWorkspaceBytes(const std::string& dtype, int64_t n, int32_t cb, int32_t kb, int32_t capacity,
+                                int32_t bs, bool tf32, int32_t num_sms) {
+  jbs::DType in;
+  if (dtype == "float32") {
+    in = jbs::DType::kF32;
+  } else if (dtype == "float16") {
+    in = jbs::DType::kF16;
+  } else if (dtype == "bfloat16") {
+    in = jbs::DType::kBF16;
+  } else {
+    throw py::value_error("sm90_updat_workspace_bytes: dtype must be float32, float16 or bfloat16, got '" + dtype +
+                          "'");
+  }
+  if (n < 0 || cb < 0 || kb < 0 || capacity < 0 || bs <= 0 || num_sms <= 0) {
+    throw py::value_error("sm90_updat_workspace_bytes: need n >= 0, cb >= 0, kb >= 0, capacity >= 0, bs > 0, "
+                          "num_sms > 0; got n=" + std::to_string(n) + ", cb=" + std::to_string(cb) + ", kb=" +
+                          std::to_string(kb) + ", capacity=" + std::to_string(capacity) + ", bs=" +
+                          std::to_string(bs) + ", num_sms=" + std::to_string(num_sms));
+  }
+  jbs::SddParams p{};
+  p.n = n;
+  p.cb = cb;
+  p.kb = kb;
+  p.cap = capacity;
+  p.bs = bs;
+  return static_cast<int64_t>(jbs::sm90::SddWorkspaceBytes(in, p, num_sms, tf32));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_jbs_kernels, m) {
@@ -196,6 +261,11 @@ PYBIND11_MODULE(_jbs_kernels, m) {
     return jbs::plan::PersistentGrid(items, num_sms, ctas_per_sm);
   }, "CTAs of a persistent launch over `items` work items.");
   m.def("dsd_pack_for", [](int32_t bs) { return jbs::plan::DsdPackFor(bs); }, "Outputs packed per DSD tile at block size bs.");
+  m.def("sm90_updat_workspace_bytes", &Sm90UpdatWorkspaceBytes, py::arg("dtype"), py::arg("n"), py::arg("cb"),
+        py::arg("kb"), py::arg("capacity"), py::arg("bs"), py::arg("tf32") = false,
+        py::arg("num_sms") = jbs::sm90::kPlanSms,
+        "Bytes of the jbs_bsmm_updat_sm90 workspace (SddWorkspaceBytes) for x [n, cb * bs], dy [n, kb * bs] and "
+        "dw [capacity, bs, bs] of dtype ('float32', 'float16', 'bfloat16'); 0 where the split plan needs none.");
   m.def("build_info", []() {
     py::dict d;
     d["cpu_isa"] = py::str(jbs::cpu::KernelIsa());
@@ -208,17 +278,9 @@ PYBIND11_MODULE(_jbs_kernels, m) {
 #else
     d["cuda"] = false;
 #endif
-#ifdef JBS_WITH_SM90
-    // Block sizes at which those targets run float32 on TF32 (cuda/sm90/bsmm_sm90_tf32.h).
-    py::dict tf32;
-    tf32["fprop"] = py::tuple(py::cast(std::vector<int>(std::begin(jbs::sm90::kDsdTF32BlockSizes),
-                                                        std::end(jbs::sm90::kDsdTF32BlockSizes))));
-    tf32["bprop"] = tf32["fprop"];
-    tf32["updat"] = py::tuple(py::cast(std::vector<int>(std::begin(jbs::sm90::kSddTF32BlockSizes),
-                                                        std::end(jbs::sm90::kSddTF32BlockSizes))));
-    d["sm90_tf32_block_sizes"] = tf32;
-#endif
-    d["block_sizes"] = py::make_tuple(8, 16, 32, 64, 128);
+    d["block_sizes"] = IntTuple(jbs::kBlockSizes);  // jax_blocksparse/block_sizes.json
+    d["sm90"] = Sm90Facts();
     return d;
-  }, "Facts about this build: CPU instruction set in use, CUDA version and architectures.");
+  }, "Facts about this build: CPU instruction set in use, CUDA version and architectures, block sizes, "
+     "the Hopper kernels' plan and TF32 tables.");
 }

@@ -39,7 +39,9 @@ def report() -> str:
     lines.append("")
     info = _native.extension_info()
     if info:
-        lines.append("native extension: built and loaded " + ", ".join(f"{k}={v}" for k, v in info.items()))
+        # (build_info()["sm90"], the Hopper kernels' tables: the TF32 line below says what matters)
+        facts = ", ".join(f"{k}={v}" for k, v in info.items() if k != "sm90")
+        lines.append("native extension: built and loaded " + facts)
     else:
         lines.append(f"native extension: not available: {_native.load_error()}")
     # Registered at import; jax.export artifacts name these (jbs.export.disabled_checks()).

@@ -8,6 +8,16 @@ from typing import Literal, TypedDict
 
 from typing_extensions import CapsuleType
 
+class _Sm90Facts(TypedDict):
+    # what the Hopper kernels of these sources do (cuda/sm90/bsmm_sm90_plan.h and
+    # bsmm_sm90_tf32.h), in every build: the SM count the updat workspace is sized for,
+    # op ("fprop", "bprop", "updat") -> block sizes with float32 on TF32, (op, block size)
+    # -> why TF32 is off there, and the rows a TF32 updat pads n to a multiple of
+    plan_sms: int
+    tf32_block_sizes: dict[str, tuple[int, ...]]
+    tf32_off: dict[tuple[str, int], str]
+    tf32_row_multiple: int
+
 class _BuildInfo(TypedDict, total=False):
     cpu_isa: Literal["baseline", "avx2", "avx512"]
     cuda: bool
@@ -15,10 +25,9 @@ class _BuildInfo(TypedDict, total=False):
     cudart_version: int
     cudart_runtime_version: int
     archs: list[str]
-    # op ("fprop", "bprop", "updat") -> block sizes where those targets run float32 on TF32
-    # (cuda/sm90/bsmm_sm90_tf32.h); only when built for sm_90a
-    sm90_tf32_block_sizes: dict[str, tuple[int, ...]]
+    # the table the kernels were built from (jax_blocksparse/block_sizes.json)
     block_sizes: tuple[int, ...]
+    sm90: _Sm90Facts
 
 class _SddPlan(TypedDict):
     splits: int
@@ -34,7 +43,8 @@ def registrations() -> dict[str, dict[str, CapsuleType | dict[str, CapsuleType]]
     in a build for sm_90a."""
 
 def build_info() -> _BuildInfo:
-    """Facts about this build: CPU instruction set in use, CUDA version and architectures."""
+    """Facts about this build: CPU instruction set in use, CUDA version and architectures, block sizes,
+    the Hopper kernels' plan and TF32 tables."""
 
 def work_plan_dsd(
     rows: int, tile_m: int, seg_ptr: list[int], order: list[int], pack: int
@@ -49,3 +59,10 @@ def persistent_grid(items: int, num_sms: int, ctas_per_sm: int) -> int:
 
 def dsd_pack_for(bs: int) -> int:
     """Outputs packed per DSD tile at block size ``bs``."""
+
+def sm90_updat_workspace_bytes(
+    dtype: str, n: int, cb: int, kb: int, capacity: int, bs: int, tf32: bool = False, num_sms: int = 132
+) -> int:
+    """Bytes of the jbs_bsmm_updat_sm90 workspace (SddWorkspaceBytes) for x [n, cb * bs], dy [n, kb * bs]
+    and dw [capacity, bs, bs] of ``dtype`` ("float32", "float16", "bfloat16"); 0 where the split plan
+    needs none. ``num_sms`` defaults to ``build_info()["sm90"]["plan_sms"]``."""

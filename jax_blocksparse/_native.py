@@ -103,6 +103,12 @@ def load_error(platform: str | None = None) -> str | None:
     return f"the extension has no kernels for platform {platform!r}"
 
 
+def module():
+    """The loaded extension module ``_jbs_kernels``, or None when it is not loaded
+    (:func:`load_error` says why)."""
+    return _load()[0]
+
+
 def extension_info() -> dict:
     """What the extension reports about itself (CPU instruction set, CUDA version, archs).
 

@@ -12,6 +12,7 @@ GPU). The real compile runs in CI's install.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import platform
 import re
@@ -99,6 +100,12 @@ def test_cpu_only_needs_no_nvcc(build, capfd, cpu_tree, no_named_archs):
     link = commands[-1]
     assert " -shared " in link and "out/_jbs_kernels" in link  # into --output-dir (relative to the tree)
     assert "cudart" not in link
+    # The block sizes' one table (jax_blocksparse/block_sizes.json, which Python reads) is
+    # the header every translation unit sees (cuda/bsmm_block_sizes.h includes it).
+    sizes = ", ".join(map(str, json.loads((ROOT / "jax_blocksparse" / "block_sizes.json").read_text())["block_sizes"]))
+    header = (cpu_tree / "generated" / "jbs_block_sizes.h").read_text()
+    assert f"#define JBS_BLOCK_SIZES {sizes}\n" in header and f'"{{{sizes}}}"' in header, header
+    assert all(f"-I{cpu_tree}/generated" in c for c in compiles)
 
 
 def test_no_gpu_and_no_arch_builds_the_cpu_kernels_and_says_how_to_build_for_a_gpu(

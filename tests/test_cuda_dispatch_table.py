@@ -31,7 +31,7 @@ from jax_blocksparse.ops import _sm90
 
 HOPPER_ENV = "JAX_BLOCKSPARSE_HOPPER"
 OPS = ("fprop", "bprop", "updat")
-BLOCK_SIZES = (8, 16, 32, 64, 128)
+BLOCK_SIZES = jbs.SUPPORTED_BLOCK_SIZES
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # the columns of the tables, in this order
 PRECISIONS = (None, "default", "high", "highest")  # within each dtype, in this order
 GRID = (2, 2)  # full: capacity 4
@@ -67,7 +67,7 @@ GATE_CLOSED = {
 # below HIGHEST, 16-bit inputs never do. Except fprop and bprop at block 8: their TF32
 # kernel faulted on an H100 (a misaligned shared-memory address), so until a GPU runs the
 # fixed kernel clean they take the exact float32 kernels at every precision
-# (TF32_OFF in jax_blocksparse/ops/_sm90.py; cuda/sm90/bsmm_sm90_tf32.h).
+# (cuda/sm90/bsmm_sm90_tf32.h, through jax_blocksparse/ops/_sm90.py: tf32_off()).
 #                     float32  bfloat16  float16
 GATE_OPEN = {
     ("fprop", 8):    ("FFFF", "FFFF", "FFFF"),  # TF32 off (above)

@@ -2,7 +2,8 @@
 
 Every public function of the module has a stub with the same parameter names (read
 from pybind11's signature line), and the stub declares nothing the module lacks; every
-key that build_info() returns is declared in the stub's _BuildInfo.
+key that build_info() returns is declared in the stub's _BuildInfo, and those of
+build_info()["sm90"] in its _Sm90Facts.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def test_stub_matches_the_extension():
             assert stub[name] == params, name
 
 
-def _stub_build_info_keys() -> set[str]:
+def _stub_keys(typed_dict: str = "_BuildInfo") -> set[str]:
     tree = ast.parse(STUB.read_text())
-    (cls,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "_BuildInfo")
+    (cls,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == typed_dict)
     return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
 
 
@@ -63,6 +64,8 @@ def test_stub_declares_every_build_info_key():
     require_kernels("cpu")
     from jax_blocksparse import _jbs_kernels
 
-    undeclared = set(_jbs_kernels.build_info()) - _stub_build_info_keys()
+    info = _jbs_kernels.build_info()
+    undeclared = set(info) - _stub_keys()
     assert not undeclared, f"declare {sorted(undeclared)} in _BuildInfo of jax_blocksparse/_jbs_kernels.pyi"
-    assert "sm90_tf32_block_sizes" in _stub_build_info_keys()
+    assert {"block_sizes", "sm90"} <= _stub_keys()
+    assert set(info["sm90"]) == _stub_keys("_Sm90Facts"), "update _Sm90Facts in jax_blocksparse/_jbs_kernels.pyi"

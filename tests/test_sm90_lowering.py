@@ -4,18 +4,17 @@
 rules (tests/test_cuda_lowering.py). With the Hopper gate open (JAX_BLOCKSPARSE_HOPPER=1;
 see jax_blocksparse/ops/_sm90.py) the text must call ``jbs_bsmm_*_sm90`` with the
 operands of the portable targets, updat_sm90 with its uint8 workspace result; with the
-gate closed, the portable targets only. The workspace size mirrors the C++ work plan.
+gate closed, the portable targets only, the workspace sized by the extension
+(tests/test_native_facts.py checks that size against the work plan on any machine).
 Float32 at DEFAULT/HIGH precision calls the sm_90 targets with ``tf32 = true`` and the
 K-major operands TF32 wgmma needs (fprop: w's blocks transposed; updat: x^T, dy^T);
-HIGHEST, and fprop/bprop at block 8 where TF32 is off (``_sm90.TF32_OFF``), with
-``tf32 = false`` and the operands as they are. The TF32 block sizes of the Python
-fallback table, of cuda/sm90/bsmm_sm90_tf32.h and of the extension's build_info agree.
+HIGHEST, and fprop/bprop at block 8 where TF32 is off (``_sm90.tf32_off()``), with
+``tf32 = false`` and the operands as they are.
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +111,7 @@ def test_gate_open_updat_has_workspace(monkeypatch, dtype):
     calls = _operands(text, "jbs_bsmm_updat_sm90")
     assert len(calls) == 1 and len(calls[0]) == 7, text  # x, dy, five tables
     lay, _ = _layout()
-    ws = _sm90.updat_workspace_bytes(dtype, N, lay.capacity, BLOCK)
+    ws = _sm90.updat_workspace_bytes(dtype, N, GRID, lay.capacity, BLOCK)
     assert ws > 0  # 6 slots and 2 k-steps: the plan splits N
     line = next(l for l in text.splitlines() if _at("jbs_bsmm_updat_sm90") in l)
     assert f"tensor<{ws}xui8>" in line, line
@@ -168,37 +167,11 @@ def test_gate_open_small_block_updat_has_workspace(monkeypatch, dtype, bs):
     calls = _operands(text, "jbs_bsmm_updat_sm90")
     assert len(calls) == 1 and len(calls[0]) == 7, text
     assert _at("jbs_bsmm_updat") not in text
-    ws = _sm90.updat_workspace_bytes(dtype, n, lay.capacity, bs)
+    ws = _sm90.updat_workspace_bytes(dtype, n, lay.grid, lay.capacity, bs)
     assert ws == 4 * lay.capacity * bs * bs * 4  # splits = k-steps = 4
     line = _call_line(text, "jbs_bsmm_updat_sm90")
     assert f"tensor<{ws}xui8>" in line, line
     assert f"tensor<{lay.capacity}x{bs}x{bs}x" in line
-
-
-def test_small_block_tiling_mirrors_the_header():
-    # SddGroupFor / SddTileKFor of cuda/sm90/bsmm_sm90.h.
-    assert [_sm90.sdd_group(bs) for bs in (8, 16, 32, 64, 128)] == [8, 4, 2, 4, 2]
-    assert [_sm90.sdd_tile_k(bs) for bs in (8, 16, 32, 64, 128)] == [64, 64, 64, 32, 32]
-
-
-@pytest.mark.parametrize("bs", [8, 16, 32, 64, 128])
-@pytest.mark.parametrize("n", [0, 1, 31, 32, 1000, 4096, 100_000])
-@pytest.mark.parametrize("capacity", [1, 5, 64, 263, 264, 265, 1000])
-def test_workspace_mirrors_the_work_plan(bs, n, capacity):
-    module = jbs._native._load()[0]
-    if not hasattr(module, "work_plan_sdd"):
-        pytest.skip("extension without the work-plan bindings")
-    plan = module.work_plan_sdd(capacity, _sm90.sdd_group(bs), n, _sm90.sdd_tile_k(bs), _sm90.PLAN_SMS, bs)
-    assert _sm90.updat_workspace_bytes(jnp.bfloat16, n, capacity, bs) == plan["workspace_elems"] * 4
-    assert _sm90.updat_workspace_bytes(jnp.float32, n, capacity, bs) == 0  # exact f32 runs the portable kernels
-    padded = n + (-n % _sm90.TF32_ROW_MULTIPLE)
-    # TF32 (every block size): same plan over the rows of x^T / dy^T, which the lowering pads to a multiple of 4.
-    assert _sm90.updat_workspace_bytes(jnp.float32, padded, capacity, bs, tf32=True) == (
-        _sm90.updat_workspace_bytes(jnp.bfloat16, padded, capacity, bs)
-    )
-    if n % 4:
-        assert _sm90.updat_workspace_bytes(jnp.float32, n, capacity, bs, tf32=True) == 0
-    assert _sm90.updat_workspace_bytes(jnp.bfloat16, padded, capacity, bs, tf32=True) == 0
 
 
 # ---------------------------------------------------------------------------------
@@ -274,7 +247,7 @@ def test_f32_default_updat_is_tf32_with_transposed_operands(monkeypatch, n):
         assert f"tensor<{padded}x{cols}xf32>" in d
     assert ("stablehlo.pad" in text) == (padded != n)
     lay, _ = _layout()
-    ws = _sm90.updat_workspace_bytes(jnp.float32, padded, lay.capacity, BLOCK, tf32=True)
+    ws = _sm90.updat_workspace_bytes(jnp.float32, padded, GRID, lay.capacity, BLOCK, tf32=True)
     assert f"tensor<{ws}xui8>" in line, line
 
 
@@ -355,8 +328,8 @@ def test_f32_small_blocks_tf32_below_highest(monkeypatch, op, bs, precision):
             assert "stablehlo.transpose" in d and "dims = [1, 0]" in d, d
             assert f"tensor<{padded}x{cols}xf32>" in d
         assert "stablehlo.pad" in text
-        ws = _sm90.updat_workspace_bytes(jnp.float32, padded, lay.capacity, bs, tf32=True)
-        assert ws == _sm90.updat_workspace_bytes(jnp.bfloat16, padded, lay.capacity, bs)
+        ws = _sm90.updat_workspace_bytes(jnp.float32, padded, lay.grid, lay.capacity, bs, tf32=True)
+        assert ws == _sm90.updat_workspace_bytes(jnp.bfloat16, padded, lay.grid, lay.capacity, bs)
         assert f"tensor<{ws}xui8>" in line, line
 
 
@@ -365,84 +338,3 @@ def test_portable_targets_take_no_attribute(monkeypatch):
     for op in ("fprop", "updat"):
         line = _call_line(_lower(op, jnp.float32, "default"), f"jbs_bsmm_{op}")
         assert "tf32" not in line, line
-
-
-def test_use_tf32_rule():
-    from jax import lax
-
-    f32, bf16 = np.dtype(np.float32), jnp.bfloat16
-    for target in (*BASE, *SM90):
-        op = _sm90.BASE_TARGETS.get(target, target).removeprefix("jbs_bsmm_")
-        for prec in (None, lax.Precision.DEFAULT, lax.Precision.HIGH):
-            for bs in (8, 16, 32, 64, 128):
-                # TF32 everywhere but fprop/bprop at block 8 (the switched-off kernel).
-                assert _sm90.use_tf32(target, f32, bs, prec) == (op == "updat" or bs != 8), (target, bs)
-                assert _sm90.use_tf32(op, f32, bs, prec) == _sm90.use_tf32(target, f32, bs, prec)
-                assert not _sm90.use_tf32(target, bf16, bs, prec)
-            assert not _sm90.use_tf32(target, f32, 4, prec)  # no kernel at other block sizes
-        for bs in (8, 16, 32, 64, 128):
-            assert not _sm90.use_tf32(target, f32, bs, lax.Precision.HIGHEST)
-    with pytest.raises(ValueError, match="unknown target"):
-        _sm90.use_tf32("jbs_bsmm_nope", f32, 64, None)
-
-
-# cuda/sm90/bsmm_sm90_tf32.h, the one C++ table of the TF32 block sizes.
-TF32_HEADER = Path(__file__).resolve().parents[1] / "cuda" / "sm90" / "bsmm_sm90_tf32.h"
-
-
-def _header_sizes(name):
-    m = re.search(rf"{name}\[\] = \{{([^}}]*)\}}", TF32_HEADER.read_text())
-    assert m, name
-    return tuple(int(v) for v in m.group(1).split(","))
-
-
-def test_tf32_tables_agree():
-    # The Python fallback is the header's table (DSD: fprop and bprop; SDD: updat) ...
-    dsd, sdd = _header_sizes("kDsdTF32BlockSizes"), _header_sizes("kSddTF32BlockSizes")
-    assert _sm90.TF32_BLOCK_SIZES == {"fprop": dsd, "bprop": dsd, "updat": sdd}
-    # ... TF32_OFF names exactly the block sizes it leaves out, each with its reason ...
-    left_out = {
-        (op, bs) for op, sizes in _sm90.TF32_BLOCK_SIZES.items() for bs in _sm90.SDD_BLOCK_SIZES if bs not in sizes
-    }
-    assert set(_sm90.TF32_OFF) == left_out == {("fprop", 8), ("bprop", 8)}
-    assert all(why.strip() for why in _sm90.TF32_OFF.values())
-    assert _sm90.tf32_off() == _sm90.TF32_OFF
-    assert "fprop/bprop at block 8" in _sm90.tf32_summary()
-    # ... and an extension that exports its own table (built from the header) agrees.
-    built = jbs._native.extension_info().get("sm90_tf32_block_sizes")
-    if built is not None:
-        assert {op: tuple(v) for op, v in built.items()} == _sm90.TF32_BLOCK_SIZES
-    for op in ("fprop", "bprop", "updat"):
-        assert _sm90.tf32_block_sizes(op) == _sm90.TF32_BLOCK_SIZES[op]
-
-
-def test_tf32_falls_back_without_the_exported_table(monkeypatch):
-    # An extension without build_info()["sm90_tf32_block_sizes"] (an older build) gets the
-    # Python table; one with it is followed, whatever the Python table says.
-    monkeypatch.setattr(jbs._native, "extension_info", lambda: {})
-    assert _sm90.tf32_block_sizes("jbs_bsmm_fprop") == (16, 32, 64, 128)
-    table = {"fprop": (8, 16, 32, 64, 128), "bprop": (16,), "updat": (64,)}
-    monkeypatch.setattr(jbs._native, "extension_info", lambda: {"sm90_tf32_block_sizes": table})
-    assert _sm90.tf32_block_sizes("jbs_bsmm_fprop_sm90") == (8, 16, 32, 64, 128)
-    assert _sm90.tf32_block_sizes("bprop") == (16,)
-    assert _sm90.updat_workspace_bytes(jnp.float32, 4096, 1, 16, tf32=True) == 0  # updat TF32 only at 64 there
-    assert _sm90.tf32_off()[("updat", 8)].startswith("off in this build")
-
-
-def test_tf32_operands_values():
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((3, 4, 4)).astype(np.float32)
-    x = rng.standard_normal((2, 3, 8)).astype(np.float32)  # n = 6 -> padded to 8
-    dy = rng.standard_normal((2, 3, 12)).astype(np.float32)
-    a, b = _sm90.tf32_operands("jbs_bsmm_fprop", x, w)
-    assert a is x and np.array_equal(np.asarray(b), w.transpose(0, 2, 1))
-    a, b = _sm90.tf32_operands("jbs_bsmm_bprop", x, w)
-    assert a is x and b is w
-    xt, dyt = (np.asarray(v) for v in _sm90.tf32_operands("jbs_bsmm_updat", x, dy))
-    assert xt.shape == (8, 8) and dyt.shape == (12, 8)
-    assert np.array_equal(xt[:, :6], x.reshape(6, 8).T) and not xt[:, 6:].any()
-    assert np.array_equal(dyt[:, :6], dy.reshape(6, 12).T) and not dyt[:, 6:].any()
-    # x^T dy over the padded rows is the product over the real ones.
-    np.testing.assert_allclose(xt @ dyt.T, x.reshape(6, 8).T @ dy.reshape(6, 12), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="unknown target"):
-        _sm90.tf32_operands("jbs_bsmm_nope", x, w)

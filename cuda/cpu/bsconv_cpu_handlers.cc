@@ -101,9 +101,9 @@ ffi::Error CheckBlocks(const char* op, const char* name, const ffi::AnyBuffer& w
                        const std::string& shapes, int64_t* bs) {
   auto wd = w.dimensions();
   const size_t r = wd.size();
-  if (r < 4 || wd[0] != cap || wd[r - 1] != wd[r - 2] || !SupportedBlockSize(static_cast<int>(wd[r - 1]))) {
+  if (r < 4 || wd[0] != cap || wd[r - 1] != wd[r - 2] || !SupportedBlockSize(wd[r - 1])) {
     return Invalid(op, std::string(name) + " must be [capacity=" + std::to_string(cap) +
-                           ", *kernel_size, bs, bs] with bs in {8, 16, 32, 64, 128}; got " + shapes);
+                           ", *kernel_size, bs, bs] with bs in " + kBlockSizesText + "; got " + shapes);
   }
   *bs = wd[r - 1];
   return ffi::Error::Success();

@@ -2,9 +2,9 @@
 //
 // Same operands and checks as jbs_bsmm_{fprop,bprop,updat} (bsmm_checks.h); updat_sm90
 // has one more result: a uint8 workspace for the float32 partial sums of a split N
-// reduction, sized by the lowering (jax_blocksparse/ops/_sm90.py mirrors
-// SddWorkspaceBytes for a device of at most kPlanSms SMs; a larger device plans for
-// fewer SMs so that the workspace always suffices). A result rather than the FFI
+// reduction, sized by the lowering with this same SddWorkspaceBytes for kPlanSms SMs
+// (bsmm_sm90_plan.h, through the Python binding); a larger device plans for fewer SMs
+// so that the workspace always suffices. A result rather than the FFI
 // scratch allocator, so that a CUDA graph replays with a buffer XLA owns.
 //
 // The targets require a device of compute capability 9.x (the kernels are sm_90a
@@ -42,9 +42,6 @@ namespace ffi = xla::ffi;
 namespace jbs {
 namespace sm90 {
 namespace {
-
-// The SM count the lowering sizes the updat workspace for (ops/_sm90.py: PLAN_SMS).
-constexpr int kPlanSms = 132;
 
 struct DeviceInfo {
   int major = 0;
@@ -240,8 +237,9 @@ ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
         e.failure()) {
       return e;
     }
-    if (dt.in != DType::kF32 || p.n % 4 != 0) {
-      return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true needs float32 inputs and n a multiple of 4, got " +
+    if (dt.in != DType::kF32 || p.n % kSddTF32RowMultiple != 0) {
+      return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true needs float32 inputs and n a multiple of " +
+                                         std::to_string(kSddTF32RowMultiple) + ", got " +
                                          DescribeSdd(x, dy, *dw).str() + " (x^T, dy^T)");
     }
     if (!SddTF32Block(p.bs)) {

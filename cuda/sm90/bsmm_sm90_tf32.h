@@ -1,7 +1,8 @@
-// Where the Hopper targets run float32 on TF32 tensor cores: the block sizes per product.
-// No CUDA headers: the launchers (bsmm_sm90_dispatch.cu), the FFI handlers and the
-// pybind11 module (module.cc, host compiler only; build_info()["sm90_tf32_block_sizes"],
-// which jax_blocksparse/ops/_sm90.py reads) all include it.
+// Where the Hopper targets run float32 on TF32 tensor cores: the block sizes per product,
+// and why not at the others. No CUDA headers: the launchers (bsmm_sm90_dispatch.cu), the
+// FFI handlers and the pybind11 module (module.cc, host compiler only, in every build:
+// build_info()["sm90"]["tf32_block_sizes"] and ["tf32_off"], which
+// jax_blocksparse/ops/_sm90.py reads) all include it.
 //
 // DSD (fprop, bprop) at block 8 is off: its TF32 kernel,
 // DsdPackedSm90Kernel<DsdPackedConfig<tfloat32_t, float, 8, true>>, faulted on an H100
@@ -12,6 +13,8 @@
 // FFI targets refuse tf32=true there (the lowering never asks for it).
 #ifndef JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_TF32_H_
 #define JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_TF32_H_
+
+#include "bsmm_block_sizes.h"
 
 namespace jbs {
 namespace sm90 {
@@ -30,6 +33,31 @@ constexpr bool BlockSizeIn(const int (&sizes)[N], int bs) {
 }
 constexpr bool DsdTF32Block(int bs) { return BlockSizeIn(kDsdTF32BlockSizes, bs); }
 constexpr bool SddTF32Block(int bs) { return BlockSizeIn(kSddTF32BlockSizes, bs); }
+
+// Why TF32 is off at the supported block sizes a table leaves out ("" where none is).
+constexpr char kDsdTF32Off[] =
+    "its TF32 kernel faulted on an H100 (misaligned shared address: each 8 x 8 float32 w block went out as four "
+    "unswizzled TMA boxes 64 bytes apart); fixed and checked at compile time, not yet run on a GPU";
+constexpr char kSddTF32Off[] = "";
+
+template <int N>
+constexpr bool OnlySupportedSizes(const int (&sizes)[N]) {
+  for (int s : sizes) {
+    if (!SupportedBlockSize(s)) return false;
+  }
+  return true;
+}
+template <int N>
+constexpr bool EverySupportedSize(const int (&sizes)[N]) {
+  for (int s : kBlockSizes) {
+    if (!BlockSizeIn(sizes, s)) return false;
+  }
+  return true;
+}
+static_assert(OnlySupportedSizes(kDsdTF32BlockSizes) && OnlySupportedSizes(kSddTF32BlockSizes),
+              "a TF32 block size without kernels (bsmm_block_sizes.h)");
+static_assert(EverySupportedSize(kDsdTF32BlockSizes) || kDsdTF32Off[0] != '\0', "say in kDsdTF32Off why TF32 is off");
+static_assert(EverySupportedSize(kSddTF32BlockSizes) || kSddTF32Off[0] != '\0', "say in kSddTF32Off why TF32 is off");
 
 }  // namespace sm90
 }  // namespace jbs

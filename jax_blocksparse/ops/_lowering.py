@@ -135,8 +135,12 @@ def _kernel_call(target: str, out_shape, out_dtype, *operands, precision=None):
         a, b = _sm90.tf32_operands(base, a, b)
     args = _KERNEL_OPERANDS[base](a, b, LayoutTables(*tables))
     if target == "jbs_bsmm_updat_sm90":  # + its split-reduction workspace (ops/_sm90.py)
-        n = a.shape[-1] if tf32 else int(np.prod(a.shape[:-1], dtype=np.int64))
-        ws = _sm90.updat_workspace_bytes(in_dtype, n, out_shape[0], out_shape[-1], tf32=tf32)
+        bs = out_shape[-1]
+        if tf32:  # x^T [C, n], dy^T [K, n]
+            n, c, k = a.shape[1], a.shape[0], b.shape[0]
+        else:  # x [n..., C], dy [n..., K]
+            n, c, k = int(np.prod(a.shape[:-1], dtype=np.int64)), a.shape[-1], b.shape[-1]
+        ws = _sm90.updat_workspace_bytes(in_dtype, n, (c // bs, k // bs), out_shape[0], bs, tf32=tf32)
         call = jax.ffi.ffi_call(ffi_target, (result, jax.ShapeDtypeStruct((ws,), np.uint8)))
         return call(*args, tf32=np.bool_(tf32))[0].astype(out_dtype)
     return jax.ffi.ffi_call(ffi_target, result)(*args, tf32=np.bool_(tf32)).astype(out_dtype)

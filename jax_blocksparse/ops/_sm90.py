@@ -8,21 +8,26 @@ stacks 64 / bs slots along wgmma's M) and for float32 inputs on TF32 tensor core
 below; not fprop/bprop at block 8). The other problems (exact float32) run the portable
 kernels from inside the same targets. They take the operands of the portable targets;
 ``jbs_bsmm_updat_sm90`` returns a second result, a uint8 workspace for the float32
-partial sums of a split N reduction, sized here (:func:`updat_workspace_bytes`, a mirror
-of ``SddWorkspaceBytes`` and the work plan of cuda/bsmm_work_plan.h).
+partial sums of a split N reduction, sized by the extension (:func:`updat_workspace_bytes`:
+the ``SddWorkspaceBytes`` the handler checks it with).
+
+What the kernels are, the extension says (:func:`facts`, from the host-only headers
+cuda/sm90/bsmm_sm90_plan.h and bsmm_sm90_tf32.h, in every build, a CPU-only one too):
+nothing here restates a C++ constant.
 
 Float32 precision (:func:`use_tf32`): every sm_90 target takes a bool attribute
 ``tf32``. It is true for float32 inputs when the primitive's ``precision`` is None,
 DEFAULT or HIGH, at the block sizes where the target's TF32 kernel is on
 (:func:`tf32_block_sizes`): the products then run on TF32 tensor cores (10-bit mantissa
 inputs, float32 accumulation), as ``jnp.dot`` does on the GPU. HIGHEST, and the block
-sizes where TF32 is off (:data:`TF32_OFF`: fprop and bprop at block 8, whose TF32 kernel
+sizes where TF32 is off (:func:`tf32_off`: fprop and bprop at block 8, whose TF32 kernel
 faulted on an H100), give false: the exact float32 kernels, which also satisfy
 DEFAULT/HIGH. The targets refuse ``tf32=true`` where TF32 is off. TF32 wgmma reads both operands K-major only, so
 with ``tf32`` the lowering passes some operands transposed (:func:`tf32_operands`):
 fprop's w as ``jnp.swapaxes(w, -1, -2)`` (each block transposed), updat's x and dy as
-x^T [C, n] and dy^T [K, n] with n padded by zero rows to a multiple of 4 (TMA strides
-are multiples of 16 bytes; zero rows add nothing to the sum over n). bprop's operands
+x^T [C, n] and dy^T [K, n] with n padded by zero rows to a multiple of 4
+(``facts()["tf32_row_multiple"]``: TMA strides are multiples of 16 bytes; zero rows add
+nothing to the sum over n). bprop's operands
 are K-major as they are. The updat workspace of a TF32 updat is that of the 16-bit
 kernel over the padded n (same plan).
 
@@ -38,7 +43,6 @@ only when the extension has it, the gate is open, and the target GPU is sm_90:
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
@@ -55,67 +59,52 @@ SM90_TARGETS = {
 }
 BASE_TARGETS = {v: k for k, v in SM90_TARGETS.items()}
 
-# The SM count the updat workspace is sized for (kPlanSms in cuda/sm90/bsmm_sm90_handlers.cc);
-# a device with more SMs plans its splits for this many.
-PLAN_SMS = 132
-# Mirrors of cuda/sm90/bsmm_sm90.h (Sm90RunsSdd, SddGroupFor, SddTileKFor): block sizes
-# and input dtypes of the sm_90a updat kernels (other problems run the portable kernels
-# inside the same target and need no workspace), and their tiling: rows of n per k-step at
-# blocks 64/128 (SDD_TILE_K) and at blocks 8/16/32 (SDD_SMALL_TILE_K).
-SDD_BLOCK_SIZES = (8, 16, 32, 64, 128)
-SM90_DTYPES = (np.dtype(np.float16), np.dtype("bfloat16"))
-SDD_TILE_K = 32
-SDD_SMALL_TILE_K = 64
-# Float32 on TF32 tensor cores: the block sizes per product (op -> sizes), the fallback
-# for an extension that does not export its own (build_info()["sm90_tf32_block_sizes"],
-# from cuda/sm90/bsmm_sm90_tf32.h: an older build, or cross-lowering with a CPU-only one);
-# and the multiple of rows the transposed updat operands are padded to (Sm90RunsSddTF32).
-TF32_BLOCK_SIZES = {
-    "fprop": (16, 32, 64, 128),
-    "bprop": (16, 32, 64, 128),
-    "updat": (8, 16, 32, 64, 128),
-}
-TF32_ROW_MULTIPLE = 4
-# Where TF32 is off, and why: (op, block size) -> reason. Until a GPU runs the fixed
-# kernel clean, these products take the exact float32 kernels.
-_DSD_BLOCK_8 = (
-    "its TF32 kernel faulted on an H100 (misaligned shared address: each 8 x 8 float32 w block "
-    "went out as four unswizzled TMA boxes 64 bytes apart); fixed and checked at compile time, "
-    "not yet run on a GPU"
-)
-TF32_OFF = {("fprop", 8): _DSD_BLOCK_8, ("bprop", 8): _DSD_BLOCK_8}
-
 
 def _op(target: str) -> str:
     """The op ("fprop", "bprop" or "updat") of a portable or sm_90 target name, or of the op itself."""
     op = BASE_TARGETS.get(target, target).removeprefix("jbs_bsmm_")
-    if op not in TF32_BLOCK_SIZES:
+    if op not in ("fprop", "bprop", "updat"):
         raise ValueError(f"unknown target {target!r}: expected one of {sorted(SM90_TARGETS)} or their _sm90 variants")
     return op
 
 
+def facts() -> dict:
+    """What the extension says about the sm_90 kernels (its ``build_info()["sm90"]``):
+    ``plan_sms`` (the SM count the updat workspace is sized for), ``tf32_block_sizes``
+    (op -> the block sizes with TF32), ``tf32_off`` ((op, block size) -> why TF32 is off
+    there) and ``tf32_row_multiple`` (the rows a TF32 updat pads n to). Every build
+    reports them; empty without the extension, where no sm_90 target is ever picked."""
+    return _native.extension_info().get("sm90") or {}
+
+
+def _fact(name: str):
+    found = facts().get(name)
+    if found is None:
+        raise RuntimeError(
+            f"the extension does not report the sm_90 kernels' {name!r} (build_info()['sm90']): "
+            f"{_native.load_error() or 'it is out of date'}; rebuild it with `python build.py`"
+        )
+    return found
+
+
 def tf32_block_sizes(target: str) -> tuple[int, ...]:
     """Block sizes at which the sm_90 target of ``target`` (a portable or sm_90 target name,
-    or "fprop" / "bprop" / "updat") runs float32 on TF32 tensor cores: the extension's own
-    table when it exports one, else :data:`TF32_BLOCK_SIZES`."""
+    or "fprop" / "bprop" / "updat") runs float32 on TF32 tensor cores, as the extension
+    reports them (cuda/sm90/bsmm_sm90_tf32.h); none without the extension."""
     op = _op(target)
-    built = _native.extension_info().get("sm90_tf32_block_sizes") or {}
-    return tuple(built.get(op, TF32_BLOCK_SIZES[op]))
+    return tuple(facts().get("tf32_block_sizes", {}).get(op, ()))
 
 
 def tf32_off() -> dict[tuple[str, int], str]:
-    """(op, block size) -> why TF32 is off there, for the block sizes of the kernels where
-    :func:`tf32_block_sizes` leaves it out (the reason of :data:`TF32_OFF` where it has one)."""
-    return {
-        (op, bs): TF32_OFF.get((op, bs), "off in this build (cuda/sm90/bsmm_sm90_tf32.h)")
-        for op in TF32_BLOCK_SIZES
-        for bs in SDD_BLOCK_SIZES
-        if bs not in tf32_block_sizes(op)
-    }
+    """(op, block size) -> why the sm_90 target of op does not run float32 on TF32 at that
+    block size (cuda/sm90/bsmm_sm90_tf32.h, through the extension); empty without it."""
+    return dict(facts().get("tf32_off", {}))
 
 
 def tf32_summary() -> str:
     """One line: where the sm_90 targets do not run float32 on TF32, and why."""
+    if not facts():
+        return f"unknown: {_native.load_error() or 'the extension does not report its sm_90 kernels'}"
     off = tf32_off()
     if not off:
         return "on for every op and block size below HIGHEST"
@@ -131,7 +120,7 @@ def use_tf32(target: str, dtype, bs: int, precision) -> bool:
     "bprop" / "updat") runs a product of ``dtype`` inputs at block size ``bs`` on TF32
     tensor cores: float32 at ``precision`` None, DEFAULT or HIGH (a
     :class:`jax.lax.Precision` or None, as the primitives carry it), at the block sizes of
-    :func:`tf32_block_sizes` (not fprop/bprop at block 8: :data:`TF32_OFF`)."""
+    :func:`tf32_block_sizes` (not fprop/bprop at block 8: :func:`tf32_off`)."""
     from jax import lax  # noqa: PLC0415
 
     return (
@@ -144,7 +133,8 @@ def use_tf32(target: str, dtype, bs: int, precision) -> bool:
 def tf32_operands(base_target: str, a, b):
     """The two float operands of ``base_target`` (a portable target name) as its sm_90
     target takes them with ``tf32=True``: fprop (x, w^T per block), bprop (g, w),
-    updat (x^T [C, n], dy^T [K, n], n padded with zero rows to a multiple of 4)."""
+    updat (x^T [C, n], dy^T [K, n], n padded with zero rows to a multiple of
+    ``facts()["tf32_row_multiple"]``, 4)."""
     import jax.numpy as jnp  # noqa: PLC0415
 
     if base_target == "jbs_bsmm_fprop":
@@ -153,7 +143,7 @@ def tf32_operands(base_target: str, a, b):
         return a, b
     if base_target == "jbs_bsmm_updat":
         n = int(np.prod(a.shape[:-1], dtype=np.int64))
-        pad = -n % TF32_ROW_MULTIPLE
+        pad = -n % int(_fact("tf32_row_multiple"))
 
         def t(v):
             v = v.reshape(n, v.shape[-1])
@@ -161,19 +151,6 @@ def tf32_operands(base_target: str, a, b):
 
         return t(a), t(b)
     raise ValueError(f"tf32_operands: unknown target {base_target!r}")
-
-
-def sdd_group(bs: int) -> int:
-    """Slots per updat work item at block size ``bs`` (SddGroupFor): 2 at 128, 4 at 64, and
-    64 / bs at blocks 8/16/32 (the slots stacked along wgmma's M = 64)."""
-    if bs == 128:
-        return 2
-    return 4 if bs == 64 else 64 // bs
-
-
-def sdd_tile_k(bs: int) -> int:
-    """Rows of n per updat k-step at block size ``bs`` (SddTileKFor)."""
-    return SDD_TILE_K if bs >= 64 else SDD_SMALL_TILE_K
 
 
 def hopper_env() -> bool:
@@ -217,24 +194,24 @@ def select_target(target: str, verified: frozenset[str]) -> str:
     return sm90 if cc.split(".")[0] == "9" else target
 
 
-def updat_workspace_bytes(dtype, n: int, capacity: int, bs: int, num_sms: int = PLAN_SMS, tf32: bool = False) -> int:
+def updat_workspace_bytes(dtype, n: int, grid: tuple[int, int], capacity: int, bs: int, *, tf32: bool = False,
+                          num_sms: int | None = None) -> int:
     """Bytes of the updat_sm90 workspace: float32 partials [splits, capacity, bs, bs] when the
-    plan splits the N reduction (MakeSddPlan), else 0. ``n``: rows of x/dy (leading dims;
-    with ``tf32``, float32 operands, the padded rows of x^T/dy^T: the TF32 kernel has the
-    same plan)."""
-    if tf32:
-        if np.dtype(dtype) != np.dtype(np.float32) or n % TF32_ROW_MULTIPLE:
-            return 0
-    elif np.dtype(dtype) not in SM90_DTYPES:
-        return 0
-    if bs not in (tf32_block_sizes("updat") if tf32 else SDD_BLOCK_SIZES) or capacity <= 0 or n <= 0:
-        return 0
-    group = sdd_group(bs)
-    slot_groups = math.ceil(capacity / group)
-    k_tiles = max(1, math.ceil(n / sdd_tile_k(bs)))
-    target = 2 * num_sms
-    want = 1 if slot_groups >= target else math.ceil(target / slot_groups)
-    splits = min(want, k_tiles)
-    tiles_per_split = max(1, k_tiles // splits)
-    splits = math.ceil(k_tiles / tiles_per_split)
-    return splits * capacity * bs * bs * 4 if splits > 1 else 0
+    kernel's plan splits the N reduction, else 0 (also for the problems the portable kernels
+    run). The extension computes it with the function the handler checks the workspace with
+    (``SddWorkspaceBytes``, cuda/sm90/bsmm_sm90_plan.h), for ``num_sms`` SMs (default: the
+    handler's own, ``facts()["plan_sms"]``).
+
+    ``dtype``: the input dtype; ``n``: rows of x/dy (product of their leading dims; with
+    ``tf32``, the padded rows of x^T/dy^T); ``grid``: (C // bs, K // bs); ``capacity`` and
+    ``bs``: those of dw [capacity, bs, bs]."""
+    module = _native.module()
+    compute = getattr(module, "sm90_updat_workspace_bytes", None)
+    if compute is None:
+        raise RuntimeError(
+            "updat_workspace_bytes needs the extension's sm90_updat_workspace_bytes: "
+            f"{_native.load_error() or 'it is out of date'}; rebuild it with `python build.py`"
+        )
+    cb, kb = grid
+    extra = {} if num_sms is None else {"num_sms": num_sms}
+    return compute(np.dtype(dtype).name, n, cb, kb, capacity, bs, tf32=tf32, **extra)

@@ -8,7 +8,7 @@ odd row counts; f32 outputs) with the Hopper gate open (JAX_BLOCKSPARSE_HOPPER=1
 checks that the lowering really called the *_sm90 targets. Float32 inputs at every
 block size (8/16/32 packed as above): TF32 tensor cores at DEFAULT/HIGH (within TF32 tolerance, and measurably less
 exact than float32, so the TF32 kernels really ran) where TF32 is on (``_sm90.tf32_block_sizes``;
-off for fprop/bprop at block 8, ``_sm90.TF32_OFF``: there DEFAULT is exact and the targets
+off for fprop/bprop at block 8, ``_sm90.tf32_off()``: there DEFAULT is exact and the targets
 refuse tf32=true), exact at HIGHEST. Split and unsplit updat
 reductions are both reached (few slots split N; a large N with many slots does not).
 Skips without a GPU (tests/gpu/conftest.py) and on a GPU that is not compute 9.x.
@@ -103,7 +103,7 @@ def test_sanitizer_subset(bs, op):
 
 def test_updat_split_is_deterministic():
     mask, layout = _layout("single", 128)
-    assert _sm90.updat_workspace_bytes(jnp.bfloat16, 4096, layout.capacity, 128) > 0
+    assert _sm90.updat_workspace_bytes(jnp.bfloat16, 4096, layout.grid, layout.capacity, 128) > 0
     x = jax.random.normal(jax.random.PRNGKey(0), (4096, layout.shape[0]), jnp.bfloat16)
     dy = jax.random.normal(jax.random.PRNGKey(1), (4096, layout.shape[1]), jnp.bfloat16)
     with jbs.config.implementation("kernels"):
@@ -163,7 +163,7 @@ def test_small_block_updat_rows_and_f32_output(bs, n):
 @pytest.mark.parametrize("bs", PACKED_BLOCKS)
 def test_small_block_updat_split_is_deterministic(bs):
     mask, layout = _layout("single", bs)
-    assert _sm90.updat_workspace_bytes(jnp.bfloat16, 4096, layout.capacity, bs) > 0
+    assert _sm90.updat_workspace_bytes(jnp.bfloat16, 4096, layout.grid, layout.capacity, bs) > 0
     x = jax.random.normal(jax.random.PRNGKey(0), (4096, layout.shape[0]), jnp.bfloat16)
     dy = jax.random.normal(jax.random.PRNGKey(1), (4096, layout.shape[1]), jnp.bfloat16)
     with jbs.config.implementation("kernels"):
@@ -308,7 +308,7 @@ def test_tf32_off_block_is_refused_by_the_target(monkeypatch, op):
 @pytest.mark.parametrize("bs", (16, 128))
 def test_tf32_updat_split_is_deterministic(bs):
     mask, layout = _layout("single", bs)
-    assert _sm90.updat_workspace_bytes(jnp.float32, 4096, layout.capacity, bs, tf32=True) > 0
+    assert _sm90.updat_workspace_bytes(jnp.float32, 4096, layout.grid, layout.capacity, bs, tf32=True) > 0
     x = jax.random.normal(jax.random.PRNGKey(0), (4096, layout.shape[0]), jnp.float32)
     dy = jax.random.normal(jax.random.PRNGKey(1), (4096, layout.shape[1]), jnp.float32)
     with jbs.config.implementation("kernels"):
