@@ -9,7 +9,8 @@ ops is traced anew inside it, while a user's jitted function called outside is n
 traced or compiled again because a context was entered and left.
 
 Which path a call takes is read from the CPU lowering: under "kernels" the StableHLO
-calls the FFI targets of the ``jbs_bsmm_*`` kernels, under "reference" none of them.
+calls the FFI targets of the ``jbs_bsmm_*`` and ``jbs_bsconv*`` kernels, under "reference"
+none of them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import pytest
 import jax_blocksparse as jbs
 from helpers import eqns_named, kernel_calls, rand, require_kernels
 
-PRIMITIVES = ("bsmm_fprop", "bsmm_bprop", "bsmm_updat")
+BSMM_PRIMITIVES = ("bsmm_fprop", "bsmm_bprop", "bsmm_updat")
+# The convolution's primitives and their CPU kernels (on CUDA it lowers to bsmm products).
+PRIMITIVES = (*BSMM_PRIMITIVES, "bsconv", "bsconv_wgrad")
+BSMM_TARGETS = tuple(f"jbs_{p}" for p in BSMM_PRIMITIVES)
 TARGETS = tuple(f"jbs_{p}" for p in PRIMITIVES)
 OTHER = {"reference": "kernels", "kernels": "reference"}
 
@@ -126,7 +130,7 @@ def test_impl_per_call_on_the_cuda_lowering(op, impl):
     with jbs.config.implementation(OTHER[impl]):
         impls, targets = _path(_grad(fn, impl=impl), *make(), platform="cuda")
     assert impls == {impl}
-    assert targets == (set() if impl == "reference" else set(TARGETS)), targets
+    assert targets == (set() if impl == "reference" else set(BSMM_TARGETS)), targets
 
 
 @pytest.mark.parametrize("default", ["reference", "kernels"])

@@ -39,7 +39,8 @@ BS = 8
 MASK = np.array([[1, 0, 1, 1], [0, 1, 1, 0], [1, 1, 0, 1], [0, 0, 1, 1]], bool)  # [4, 4] blocks: 32 -> 32
 CELL_MASK = np.array([[1, 1], [0, 1]], bool)  # H = 16
 OTHER = {"reference": "kernels", "kernels": "reference"}
-BSMM = ("bsmm_fprop", "bsmm_bprop", "bsmm_updat")
+# The products' primitives: bsmm's, and the convolution's (ops/conv_primitives.py).
+BSMM = ("bsmm_fprop", "bsmm_bprop", "bsmm_updat", "bsconv", "bsconv_wgrad")
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -187,7 +188,8 @@ def test_impl_and_precision_reach_every_product(name, impl):
     require_kernels("cpu")  # "kernels" must lower to the custom calls
     bsmm, dots, text, _ = _traced(name, impl)
     names = {e.primitive.name for e in bsmm}
-    assert {"bsmm_fprop", "bsmm_updat"} <= names, f"{name}: no forward or weight-gradient product in {names}"
+    forward, weight_grad = names & {"bsmm_fprop", "bsconv"}, names & {"bsmm_updat", "bsconv_wgrad"}
+    assert forward and weight_grad, f"{name}: no forward or weight-gradient product in {names}"
     assert {e.params["impl"] for e in bsmm} == {impl}
     assert {e.params["precision"] for e in bsmm} == {HIGHEST}
     # A dense input projection (the cells) or a transpose in the layers' glue runs at it too.

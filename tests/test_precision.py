@@ -20,7 +20,8 @@ import jax_blocksparse as jbs
 from helpers import eqns_named, make_problem, rand
 from jax_blocksparse.ops._checks import canonical_precision
 
-PRIMITIVES = ("bsmm_fprop", "bsmm_bprop", "bsmm_updat")
+# bsmm's primitives and the convolution's (ops/conv_primitives.py).
+PRIMITIVES = ("bsmm_fprop", "bsmm_bprop", "bsmm_updat", "bsconv", "bsconv_wgrad")
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +77,7 @@ def test_gradient_products_keep_the_precision(context):
     else:
         jaxpr = jax.make_jaxpr(jax.grad(_loss(layout, precision="highest"), argnums=(0, 1)))(x, w)
     eqns = _bsmm_eqns(jaxpr.jaxpr)
-    assert {e.primitive.name for e in eqns} == set(PRIMITIVES)
+    assert {e.primitive.name for e in eqns} == {"bsmm_fprop", "bsmm_bprop", "bsmm_updat"}
     assert all(e.params["precision"] == lax.Precision.HIGHEST for e in eqns), [e.params for e in eqns]
 
 
@@ -138,5 +139,5 @@ def test_bad_precision_raises(precision, error, match):
 
 
 def _bsmm_eqns(jaxpr):
-    """Every bsmm primitive equation of a jaxpr, nested jaxprs included."""
+    """Every bsmm or bsconv primitive equation of a jaxpr, nested jaxprs included."""
     return eqns_named(jaxpr, PRIMITIVES)
