@@ -9,6 +9,9 @@
   ``sm90_updat_workspace_bytes``, which every build holds, a CPU-only one too. So this
   file runs on any machine: the updat workspace is that of the work plan, the TF32 tables
   fit the block sizes, and _sm90 follows whatever the extension reports.
+* The dtypes: Python's table (ops/_checks.py) is needed without the extension and the
+  C++ one is code (one kernel per dtype), so the two are kept, and the test below asks
+  the handlers themselves which input dtypes they take.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
 from helpers import require_kernels
-from jax_blocksparse.ops import _sm90
+from jax_blocksparse.ops import _checks, _sm90
 
 TABLE = Path(jbs.__file__).resolve().with_name("block_sizes.json")
 OPS = ("fprop", "bprop", "updat")
@@ -52,6 +56,30 @@ def test_block_sizes_come_from_the_package_table():
 
 def test_the_extension_was_built_from_the_same_table(native):
     assert tuple(native.build_info()["block_sizes"]) == jbs.SUPPORTED_BLOCK_SIZES
+
+
+# Every dtype Python takes, and some it does not.
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.float8_e4m3fn)
+
+
+def test_the_dtype_probe_covers_python_s_table():
+    assert {np.dtype(d) for d in _checks.SUPPORTED_DTYPES} < {np.dtype(d) for d in DTYPES}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_handlers_take_exactly_the_supported_dtypes(native, dtype):
+    # The CPU fprop target called directly (no Python check in between), float32 output.
+    layout = jbs.Layout.from_mask(np.eye(2, dtype=bool), 8)
+    t = layout.tables
+    tables = [jnp.asarray(a) for a in (t.block_rows, t.block_cols, t.col_ptr, t.row_ptr, t.row_slots, t.col_order)]
+    x, w = jnp.ones((3, 16), dtype), jnp.ones(layout.w_shape, dtype)
+    call = jax.ffi.ffi_call(jbs.targets.target_name("jbs_bsmm_fprop"), jax.ShapeDtypeStruct((3, 16), jnp.float32))
+    supported = any(np.dtype(dtype) == np.dtype(d) for d in _checks.SUPPORTED_DTYPES)
+    if supported:
+        np.testing.assert_allclose(np.asarray(jax.jit(call)(x, w, *tables)), 8.0)
+    else:
+        with pytest.raises(Exception, match="inputs must share one dtype among"):
+            jax.block_until_ready(jax.jit(call)(x, w, *tables))
 
 
 # ---------------------------------------------------------------------------------
