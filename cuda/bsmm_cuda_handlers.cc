@@ -165,9 +165,11 @@ ffi::Error InitializeImpl(cudaStream_t stream) { return PrepareStreamDevice("jbs
 }  // namespace jbs
 
 // Bindings. Initialize: the stream only (it reads no operand). Execute: the shared
-// operand lists (bsmm_checks.h) after XLA's compute stream.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmInitializeCuda, jbs::InitializeImpl,
-                              ffi::Ffi::BindInitialize().Ctx<ffi::PlatformStream<cudaStream_t>>());
+// operand lists (bsmm_checks.h) after XLA's compute stream. Bind<kInitialize>() rather
+// than BindInitialize(), which the FFI headers of the oldest supported jaxlib lack.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JbsBsmmInitializeCuda, jbs::InitializeImpl,
+    ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>().Ctx<ffi::PlatformStream<cudaStream_t>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmFpropCuda, jbs::FpropImpl, jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>(),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmBpropCuda, jbs::BpropImpl, jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>(),

@@ -292,8 +292,9 @@ ffi::Error InitializeImpl(cudaStream_t stream) { return PrepareStreamDevice("jbs
 }  // namespace sm90
 }  // namespace jbs
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmInitializeSm90, jbs::sm90::InitializeImpl,
-                              ffi::Ffi::BindInitialize().Ctx<ffi::PlatformStream<cudaStream_t>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JbsBsmmInitializeSm90, jbs::sm90::InitializeImpl,
+    ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>().Ctx<ffi::PlatformStream<cudaStream_t>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmFpropSm90, jbs::sm90::FpropImpl,
                               jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>().Attr<bool>("tf32"),
                               {ffi::Traits::kCmdBufferCompatible});
