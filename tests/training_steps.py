@@ -79,6 +79,8 @@ MODELS = ("mlp", "mlp_nnx", "conv", "rnn_cells", "lstm_fused", "rigl")
 DTYPES = ("float32", "bfloat16")
 STEPS = 4
 TARGETS = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
+# A convolution's kernels on CPU (ops/conv_primitives.py); on CUDA it is bsmm products.
+CONV_CPU_TARGETS = ("jbs_bsconv", "jbs_bsconv_wgrad")
 RESULT_MARKER = "JBS_TRAINING_RESULT "
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -191,7 +193,11 @@ TOLERANCES = {
             "param_err": 0.0055,  # 3 x 0.00181
         },
         "conv": {
-            "step_loss_err": 2.1e-6,  # 3 x 6.99e-7
+            # The CPU convolution kernels (implicit GEMM, a summation order of their own)
+            # measured 4.66e-6 here (tests/test_training_steps_cpu.py); the split orders of
+            # bench/training_noise.py re-order bsmm products only, not the convolution
+            # primitives, so this floor is that order's value until the script splits them.
+            "step_loss_err": 1.4e-5,  # 3 x 4.66e-6 (the bsmm orders' floor: 6.99e-7)
             "step_grad_err": 0.017,  # 3 x 0.00535
             "loss_err": 2.6e-5,  # 3 x 8.50e-6
             "param_err": 0.035,  # 3 x 0.0114
@@ -388,7 +394,8 @@ def build_conv(dtype: str, steps: int = STEPS) -> Problem:
     masks at 50%, blocks of 32. Params float32; compute ``dtype``.
     """
     model = _ConvNet(_compute_dtype(dtype))
-    return _linen_problem("conv", dtype, model, _batches((16, 8, 8, 64), (16, 8, 8, 64), steps, seed=20))
+    targets = {"train": CONV_CPU_TARGETS if jax.default_backend() == "cpu" else TARGETS}
+    return _linen_problem("conv", dtype, model, _batches((16, 8, 8, 64), (16, 8, 8, 64), steps, seed=20), targets)
 
 
 class _Recurrent(nn.Module):
