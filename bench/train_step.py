@@ -521,8 +521,8 @@ def check_args(args):
         if not 0.0 < d <= 1.0:
             raise ValueError(f"--densities must lie in (0, 1], got {d}")
     for bs in args.block_sizes:
-        if bs not in (8, 16, 32, 64, 128):
-            raise ValueError(f"--block-sizes must be among 8, 16, 32, 64, 128, got {bs}")
+        if bs not in jbs.SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"--block-sizes must be among {', '.join(map(str, jbs.SUPPORTED_BLOCK_SIZES))}, got {bs}")
         widths = {"mlp": [("--mlp-hidden", args.mlp_hidden)],
                   "lstm": [("--lstm-hidden", args.lstm_hidden), ("--lstm-input", args.lstm_input)]}
         for m in args.models:
