@@ -85,7 +85,7 @@ import numpy as np
 
 import jax_blocksparse as jbs
 from jax_blocksparse import targets
-from jax_blocksparse.ops import _sm90
+from jax_blocksparse.ops import paths
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
 from _report import git_commit, write_json  # noqa: E402
@@ -274,16 +274,14 @@ def kernel_paths(device) -> list[str]:
     "hopper" where the extension has the sm_90 targets and the GPU is compute 9.x."""
     if device.platform != "gpu":
         return ["native"]
-    cc = _sm90._cuda_compute_capability()
-    hopper = bool(_sm90.built_targets()) and cc is not None and cc.split(".")[0] == "9"
-    return ["ampere", "hopper"] if hopper else ["ampere"]
+    return ["ampere", "hopper"] if paths.hopper_available() else ["ampere"]
 
 
 @contextlib.contextmanager
 def hopper_gate(path: str):
     """The Hopper gate as ``path`` needs it while its functions are lowered:
     ``JAX_BLOCKSPARSE_HOPPER=1`` for "hopper", unset for the others; restored after."""
-    name = _sm90.HOPPER_ENV
+    name = paths.HOPPER_ENV
     before = os.environ.get(name)
     if path == "hopper":
         os.environ[name] = "1"
@@ -490,7 +488,7 @@ def _header(args, device, device_kind, paths) -> dict:
         jax_version=jax.__version__, jax_blocksparse_version=jbs.__version__,
         versions=_versions(args.peers),
         implementation=jbs.config.get_implementation(), cuda_kernels=jbs.has_cuda_kernels(),
-        cpu_kernels=jbs.has_cpu_kernels(), extension=jbs._native.extension_info(),
+        cpu_kernels=jbs.has_cpu_kernels(), extension=jbs.extension_info(),
         paths=paths, dense_path=dense_impl_available(),
         commit=git_commit(), date=now.date().isoformat(), datetime=now.isoformat(timespec="seconds"),
         host=platform.node(), python=sys.version.split()[0],

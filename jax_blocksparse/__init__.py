@@ -14,7 +14,7 @@ Example::
 """
 
 from jax_blocksparse import _native, config, crossover, export, layouts, sharding, targets
-from jax_blocksparse._native import has_cpu_kernels, has_cuda_kernels
+from jax_blocksparse._native import extension_info, has_cpu_kernels, has_cuda_kernels
 from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
 from jax_blocksparse.ops import attention  # the public namespace jbs.attention is the op's module
 from jax_blocksparse.ops.conv import (
@@ -47,6 +47,7 @@ __all__ = [
     "config",
     "crossover",
     "export",
+    "extension_info",
     "conv_from_dense",
     "conv_to_dense",
     "from_dense",
