@@ -207,6 +207,7 @@ def main(argv=None):
     sparse_bpc, sparse_n = train_and_evaluate("sparse", sparse, train, valid, args)
     print(f"parameters sparse/dense = {sparse_n / dense_n:.2f}")
     print(f"dense_bpc={dense_bpc:.3f} sparse_bpc={sparse_bpc:.3f}")
+    return dict(dense_bpc=dense_bpc, sparse_bpc=sparse_bpc, dense_params=dense_n, sparse_params=sparse_n)
 
 
 if __name__ == "__main__":

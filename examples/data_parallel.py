@@ -181,19 +181,22 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--devices", type=int, default=None, help="devices to use (default: all local; 8 on CPU)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden width (a multiple of 16)")
     args = parser.parse_args(argv)
     devices = jax.local_devices()[: args.devices or jax.local_device_count()]
     print(f"{len(devices)} x {devices[0].platform} devices; bsmm path: "
           f"{paths.describe_path(devices[0].platform)}")
     data = load_data(args.seed)
-    reference = None
+    reference, results = None, {}
     for mode in args.modes.split(","):
-        params, m = train(mode, args.steps, args.batch_size, args.seed, len(devices), data)
+        params, m = train(mode, args.steps, args.batch_size, args.seed, len(devices), data, hidden=args.hidden)
         if reference is None and mode == "single":
             reference = params
         diff = f"{max_difference(params, reference):.1e}" if reference is not None else "n/a"
         print(f"{mode:>9}: devices={m['devices']} loss={m['loss']:.4f} test_accuracy={m['test_accuracy']:.4f} "
               f"{m['ms_per_step']:.1f} ms/step  max|params - single|={diff}")
+        results[mode] = dict(m, max_difference=None if reference is None else max_difference(params, reference))
+    return results
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python examples/quickstart.py                 # about a minute on a 2-core CPU
     python examples/quickstart.py --no-bench      # skip the timing table
     python examples/quickstart.py --seed 1 --steps 300
+    python examples/quickstart.py --steps 20 --bench-size 256 --bench-reps 2   # seconds: a smoke run
 
 1. A block-sparse layer on a small-world (Barabasi-Albert) layout, checked against
    the dense product it stands for.
@@ -82,14 +83,19 @@ def median_ms(fn, *args, reps: int):
     return 1e3 * float(np.median(times))
 
 
-def benchmark(seed: int):
+def benchmark(seed: int, size: int | None = None, reps: int | None = None):
+    """Times x @ W against bsmm at several densities; ``size`` and ``reps`` override the
+    device's defaults (W is [size, size], x [size // 8, size] then). Returns the rows."""
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     platform = paths.lowering_platform(device.platform)
     impl = jbs.config.get_implementation()
     kernels = on_gpu and paths.kernels_selected(platform, impl, "jbs_bsmm_fprop")
     # The reference path materialises one [n, bs] slice of x per block: keep it modest.
-    size, n, reps = (8192, 4096, 20) if kernels else (4096, 2048, 10) if on_gpu else (2048, 256, 7)
+    default_size, n, default_reps = (8192, 4096, 20) if kernels else (4096, 2048, 10) if on_gpu else (2048, 256, 7)
+    if size is not None:
+        n = max(size // 8, 8)
+    size, reps = size or default_size, reps or default_reps
     bs = 32
     header("2. bsmm vs dense x @ W")
     print(f"device: {device.device_kind} ({device.platform}); bsmm path: {paths.describe_path(platform, impl)} "
@@ -103,12 +109,15 @@ def benchmark(seed: int):
     dense_ms = median_ms(dense, x, W, reps=reps)
 
     print(f"{'density':>8} {'dense ms':>10} {'sparse ms':>10} {'speedup':>8}")
+    rows = []
     for density in (1.0, 0.5, 0.25, 0.1, 0.05):
         mask = jbs.layouts.random((size // bs, size // bs), density, seed=seed)
         layout = jbs.Layout.from_mask(mask, bs)
         w = jbs.from_dense(W, layout)
         sparse_ms = median_ms(sparse, x, w, layout, reps=reps)
         print(f"{density:>8.2f} {dense_ms:>10.2f} {sparse_ms:>10.2f} {dense_ms / sparse_ms:>7.2f}x")
+        rows.append(dict(density=density, dense_ms=dense_ms, sparse_ms=sparse_ms))
+    return rows
 
 
 # ---------------------------------------------------------------------------------
@@ -192,13 +201,15 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="random seed (layouts, data split, init)")
     parser.add_argument("--steps", type=int, default=600, help="training steps for the MLP")
     parser.add_argument("--no-bench", action="store_true", help="skip the timing table")
+    parser.add_argument("--bench-size", type=int, default=None,
+                        help="W is [size, size] in the timing table (default: by device; a multiple of 32)")
+    parser.add_argument("--bench-reps", type=int, default=None, help="timed runs per row (default: by device)")
     args = parser.parse_args(argv)
 
     print(f"jax {jax.__version__}, jax-blocksparse {jbs.__version__}, devices: {jax.devices()}")
     check_small_world(args.seed)
-    if not args.no_bench:
-        benchmark(args.seed)
-    train(args.seed, args.steps)
+    rows = None if args.no_bench else benchmark(args.seed, args.bench_size, args.bench_reps)
+    return dict(bench=rows, test_accuracy=train(args.seed, args.steps))
 
 
 if __name__ == "__main__":

@@ -299,6 +299,7 @@ def main(argv=None):
     }
     for name, r in results.items():
         print(f"{name}: params={r['params']} step_ms={r['step_ms']:.2f} test_accuracy={r['test_accuracy']:.4f}")
+    return results
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ default device), whatever the default backend is.
   splits bsmm instead of gathering its input, under both partitioners, and also for a
   lowering XLA cannot see into (a host callback standing in for a custom call).
 * Every layer under pmap and shard_map: tests/test_multidevice_layers.py.
-* 8-device training (examples/data_parallel.py) equals 1-device training.
+* 8-device training (examples/data_parallel.py) equals 1-device training: tests/test_examples.py.
 * Model parallel: jbs.sharding, weights split by output block columns.
 """
 
@@ -28,9 +28,7 @@ from helpers import (
     NUM_DEVICES,
     assert_close,
     collectives,
-    cpu_devices,
     cpu_mesh,
-    load_script,
     make_mask,
     make_problem,
     rand,
@@ -175,29 +173,6 @@ def test_rule_partitions_an_opaque_lowering(problem, with_rule):
     assert rows == {2} if with_rule else 2 not in rows, calls
     if not with_rule:
         assert_close(f(xs), jbs.bsmm(x, w, layout), F32, 32)
-
-
-# ---------------------------------------------------------------------------------
-# Training: 8 devices equal one (every layer alone: tests/test_multidevice_layers.py)
-# ---------------------------------------------------------------------------------
-
-
-def test_eight_device_training_equals_one_device(monkeypatch):
-    # The example trains on the default backend's local devices (jax.local_devices()):
-    # here those are the CPU backend's 8, also on a machine whose default is a GPU.
-    cpus = cpu_devices(NUM_DEVICES)
-    monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: list(cpus))
-    monkeypatch.setattr(jax, "local_device_count", lambda *args, **kwargs: len(cpus))
-    example = load_script("examples/data_parallel.py")
-    data = example.load_data(0)
-    kw = dict(steps=4, batch_size=64, data=data, hidden=64)
-    single, m1 = example.train("single", **kw)
-    for mode in ("pmap", "shard_map", "jit"):
-        params, m = example.train(mode, num_devices=NUM_DEVICES, **kw)
-        assert m["devices"] == NUM_DEVICES
-        assert abs(m["loss"] - m1["loss"]) <= 1e-5 * max(1.0, abs(m1["loss"]))
-        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(single)):
-            assert_close(a, b, F32, 256)
 
 
 # ---------------------------------------------------------------------------------

@@ -1,0 +1,137 @@
+"""Every script of examples/ runs end to end here, at a small size (seconds each).
+
+Each example is imported by its path and its ``main`` called with the flags of a quick
+run; the test checks what the script reports (its printed summary and the values it
+returns), not the quality or speed claims of a full run (README and docs/guide state
+those, measured with the default flags). :func:`test_every_example_is_run` keeps the
+list complete: a new example needs a test here.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import pytest
+
+from helpers import cpu_devices, load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: The examples this file runs, one test each (or more).
+RUN_HERE = ("char_lstm.py", "char_transformer.py", "data_parallel.py", "quickstart.py", "resnet.py",
+            "sparse_training.py", "sparsify.py")
+
+
+def test_every_example_is_run():
+    assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted(RUN_HERE)
+
+
+def test_quickstart(capsys):
+    result = load_script("examples/quickstart.py").main(["--steps", "20", "--bench-size", "256", "--bench-reps", "1"])
+    out = capsys.readouterr().out
+    assert "max |bsmm(x, w) - x @ W|" in out and "bsmm path: " in out
+    assert [row["density"] for row in result["bench"]] == [1.0, 0.5, 0.25, 0.1, 0.05]
+    assert all(row["dense_ms"] > 0 and row["sparse_ms"] > 0 for row in result["bench"])
+    assert out.strip().splitlines()[-1] == f"test_accuracy={result['test_accuracy']:.4f}"
+    assert result["test_accuracy"] > 0.5  # 20 adam steps on digits: well above chance (0.1)
+
+
+def test_resnet(capsys):
+    results = load_script("examples/resnet.py").main(["--epochs", "1", "--width", "8", "--batch-size", "128"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert set(results) == {"dense", "sparse"}
+    for name, line in zip(("dense", "sparse"), lines[-2:]):
+        r = results[name]
+        assert line == f"{name}: params={r['params']} step_ms={r['step_ms']:.2f} test_accuracy={r['test_accuracy']:.4f}"
+        assert r["params"] > 0 and 0.0 <= r["test_accuracy"] <= 1.0
+    # Equal parameter budgets by construction: the sparse model is deeper at half the blocks.
+    assert 0.5 < results["sparse"]["params"] / results["dense"]["params"] < 2.0
+
+
+def test_char_lstm(capsys):
+    result = load_script("examples/char_lstm.py").main(
+        ["--steps", "2", "--batch", "2", "--seq-len", "16", "--embed", "8", "--block-size", "8",
+         "--dense-hidden", "16", "--sparse-hidden", "32", "--eval-windows", "2"])
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == f"dense_bpc={result['dense_bpc']:.3f} sparse_bpc={result['sparse_bpc']:.3f}"
+    for key in ("dense_bpc", "sparse_bpc"):
+        assert 0 < result[key] < 8, result  # untrained: about log2(vocabulary) bits per character
+    assert result["dense_params"] > 0 and result["sparse_params"] > 0
+
+
+def test_data_parallel_on_8_devices_equals_one(capsys, monkeypatch):
+    # The example trains on the default backend's local devices (jax.local_devices()):
+    # here those are the CPU backend's 8 (conftest), also on a machine whose default is a GPU.
+    cpus = cpu_devices(8)
+    monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: list(cpus))
+    monkeypatch.setattr(jax, "local_device_count", lambda *args, **kwargs: len(cpus))
+    results = load_script("examples/data_parallel.py").main(["--steps", "4", "--batch-size", "64", "--hidden", "64"])
+    out = capsys.readouterr().out
+    assert list(results) == ["single", "pmap", "shard_map", "jit"] and "bsmm path: " in out
+    assert results["single"]["devices"] == 1
+    for mode in ("pmap", "shard_map", "jit"):
+        assert results[mode]["devices"] == 8
+        # The same training up to float32 summation order: params of magnitude ~0.1 after 4 steps.
+        assert results[mode]["max_difference"] < 1e-5, (mode, results[mode])
+        assert math.isclose(results[mode]["loss"], results["single"]["loss"], rel_tol=1e-5)
+
+
+def test_sparse_training(capsys):
+    result = load_script("examples/sparse_training.py").main(
+        ["--method", "set", "--density", "0.3", "--epochs", "2", "--quiet", "--log"])
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == f"test_accuracy={result['test_accuracy']:.4f}"
+    assert "layer2/kernel" in out and result["final_density"] == pytest.approx(0.3, abs=0.01)
+    assert result["test_accuracy"] > 0.8
+
+
+SPARSIFY_TINY = ["--steps", "3", "--finetune-steps", "2", "--densities", "0.5", "--width", "8", "--hidden", "16",
+                 "--block-size", "8", "--time-reps", "2"]
+
+
+def test_sparsify(capsys):
+    rows = load_script("examples/sparsify.py").main(SPARSIFY_TINY)["rows"]
+    out = capsys.readouterr().out
+    assert "left dense: input channels 1 not a multiple of block_size 8" in out
+    assert "left dense: output features 10 not a multiple of block_size 8" in out
+    assert "dense_accuracy=" in out
+    assert [(r["model"], r["density"]) for r in rows] == [
+        ("dense", 1.0), ("one-shot", 0.5), ("fine-tuned", 0.5), ("from scratch", 0.5)]
+    dense, one_shot, tuned, scratch = rows
+    # conv1 (1 -> 8) and the head (16 -> 10) stay dense; the other kernels halve, their biases stay.
+    kept, kernels, biases = (9 * 8 + 8) + (16 * 10 + 10), 9 * 8 * 16 + 9 * 16 * 16 + 256 * 16, 16 + 16 + 16
+    assert dense["params"] == kept + kernels + biases
+    assert one_shot["params"] == kept + kernels // 2 + biases
+    assert one_shot["params"] == tuned["params"] == scratch["params"]
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
+    assert one_shot["step_ms"] is None and all(r["step_ms"] > 0 for r in (dense, tuned, scratch))
+
+
+CHAR_TRANSFORMER_TINY = ["--steps", "3", "--long-steps", "1", "--block-size", "16", "--d-model", "16", "--heads", "2",
+                         "--layers", "1", "--batch", "1", "--eval-windows", "2"]
+
+
+def test_char_transformer(capsys):
+    results = load_script("examples/char_transformer.py").main(
+        ["--seq-lens", "128", *CHAR_TRANSFORMER_TINY, "--sample-chars", "24"])
+    out = capsys.readouterr().out
+    assert "T=128 dense_bpc=" in out and "sparse_bpc=" in out and "sparse_attention_peak_MiB=" in out
+    dense, sparse = results[128]["dense"], results[128]["sparse"]
+    assert dense["params"] == sparse["params"]
+    for row in (dense, sparse):
+        assert 0 < row["bpc"] < 8 and row["ms"] > 0 and row["peak"] > 0
+    assert sparse["peak"] < dense["peak"]
+    sample = results[128]["sample"]
+    assert len(sample["text"]) == 24 and sample["ms_per_char"] > 0 and "T=128 sparse sample" in out
+    assert sample["logit_error"] < 1e-4  # decoding with the cache gives the full forward's logits
+
+
+def test_char_transformer_skips_dense_over_budget(capsys):
+    results = load_script("examples/char_transformer.py").main(
+        ["--seq-lens", "128", *CHAR_TRANSFORMER_TINY, "--memory-budget-mb", "0", "--no-time-over-budget",
+         "--sample-chars", "0"])
+    out = capsys.readouterr().out
+    assert results[128]["dense"]["bpc"] is None and results[128]["dense"]["ms"] is None
+    assert results[128]["sparse"]["bpc"] > 0 and "dense_bpc=skipped" in out and "sample" not in results[128]
