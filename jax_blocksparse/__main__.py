@@ -17,7 +17,7 @@ import jax
 
 import jax_blocksparse as jbs
 from jax_blocksparse import _native, crossover
-from jax_blocksparse.ops import _lowering, _sm90
+from jax_blocksparse.ops import _lowering, _sm90, paths
 
 
 def _version(dist: str) -> str:
@@ -53,7 +53,7 @@ def report() -> str:
     lines.append("")
     lines.append("bsmm path by platform:")
     for plat in ("cpu", "cuda"):
-        lines.append(f"  {plat:5} {_lowering.describe_path(plat, impl)}")
+        lines.append(f"  {plat:5} {paths.describe_path(plat, impl)}")
     lines.append(f"  float32 on the Hopper targets' TF32 below HIGHEST: {_sm90.tf32_summary()}")
     lines.append("")
     lines.extend(crossover_lines(crossover.table_in_force()))
