@@ -61,7 +61,7 @@ def dsd_pack_for(bs: int) -> int:
     """Outputs packed per DSD tile at block size ``bs``."""
 
 def sm90_updat_workspace_bytes(
-    dtype: str, n: int, cb: int, kb: int, capacity: int, bs: int, tf32: bool = False, num_sms: int = 132
+    dtype: str, n: int, cb: int, kb: int, capacity: int, bs: int, tf32: bool = False, num_sms: int = ...
 ) -> int:
     """Bytes of the jbs_bsmm_updat_sm90 workspace (SddWorkspaceBytes) for x [n, cb * bs], dy [n, kb * bs]
     and dw [capacity, bs, bs] of ``dtype`` ("float32", "float16", "bfloat16"); 0 where the split plan
