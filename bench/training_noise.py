@@ -196,8 +196,11 @@ def eval_excess_precision(jaxpr, consts, *args, counter: dict | None = None):
         else:
             if prim.name in ("jit", "pjit", "scan"):
                 params = _with_sub_jaxpr(params, counter)
+            bind_params, subfuns = prim.get_bind_params(params), ()
+            if isinstance(bind_params, tuple):  # jax before 0.9.2: (subfuns, params)
+                subfuns, bind_params = bind_params
             with eqn.ctx.manager:  # as jax's own eval_jaxpr binds
-                outs = prim.bind(*invals, **prim.get_bind_params(params))
+                outs = prim.bind(*subfuns, *invals, **bind_params)
             outs = outs if prim.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]

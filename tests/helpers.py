@@ -37,7 +37,7 @@ import jax  # noqa: E402,F401  (after XLA_FLAGS, on purpose)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from jax.extend.core import jaxprs_in_params  # noqa: E402
+from jax.extend.core import ClosedJaxpr, Jaxpr  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import jax_blocksparse as jbs  # noqa: E402
@@ -287,6 +287,19 @@ def eqns_named(jaxpr, names) -> list:
         for inner in jaxprs_in_params(eqn.params):
             found += eqns_named(inner, names)
     return found
+
+
+def jaxprs_in_params(params):
+    """The jaxprs an equation's params hold (a call's, a scan's body, cond's branches).
+
+    jax.extend.core.jaxprs_in_params does the same from jax 0.10 on; the oldest
+    supported jax lacks it."""
+    for value in params.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, Jaxpr):
+                yield v
+            elif isinstance(v, ClosedJaxpr):
+                yield v.jaxpr
 
 
 ROOT = Path(__file__).resolve().parents[1]

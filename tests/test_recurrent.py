@@ -19,10 +19,9 @@ import networkx as nx
 import numpy as np
 import pytest
 from flax import nnx
-from jax.extend.core import jaxprs_in_params
 
 import jax_blocksparse as jbs
-from helpers import storage_order
+from helpers import jaxprs_in_params, storage_order
 from jax_blocksparse.nn import BlockSparseLSTM, BlockSparseLSTMCell, BlockSparseMLSTMCell
 
 BS = 8

@@ -97,3 +97,14 @@ def varying_axes(aval) -> frozenset:
     if manual is not None:
         return frozenset(manual.varying)
     return frozenset(getattr(aval, "vma", ()))
+
+
+def pvary(x, axes: tuple):
+    """``x`` marked device-varying over the shard_map mesh ``axes`` (a cast, no data moves).
+
+    ``jax.lax.pcast(x, axes, to="varying")`` from jax 0.8.2 on; ``jax.lax.pvary`` before
+    (removed in jax 0.10)."""
+    pcast = getattr(lax, "pcast", None)
+    if pcast is not None:
+        return pcast(x, axes, to="varying")
+    return lax.pvary(x, axes)

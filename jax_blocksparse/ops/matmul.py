@@ -93,6 +93,7 @@ from jax_blocksparse.ops._checks import (
     check_float32_dw,
     compute_dtype_of,
     out_dtype_of,
+    pvary,
     varying_axes,
 )
 from jax_blocksparse.ops._lowering import register_lowerings
@@ -440,7 +441,7 @@ def _matchvarying_axes(operands):
     if not union:
         return list(operands)
     return [
-        o if v == union else jax.lax.pcast(o, tuple(sorted(union - v)), to="varying")
+        o if v == union else pvary(o, tuple(sorted(union - v)))
         for o, v in zip(operands, vmas)
     ]
 

@@ -93,7 +93,7 @@ import numpy as np
 
 from jax_blocksparse import config
 from jax_blocksparse.layout import Layout, check_layout
-from jax_blocksparse.ops._checks import canonical_precision, varying_axes
+from jax_blocksparse.ops._checks import canonical_precision, pvary, varying_axes
 from jax_blocksparse.ops.matmul import bsmm, bsmm_updat
 
 __all__ = [
@@ -474,7 +474,7 @@ def _vary_like(tree, *refs):
 
     def cast(a):
         missing = tuple(sorted(axes - varying_axes(jax.typeof(a))))
-        return jax.lax.pcast(a, missing, to="varying") if missing else a
+        return pvary(a, missing) if missing else a
 
     return jax.tree.map(cast, tree)
 
