@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "bsmm_problem.h"
 #include "cpu/bsconv_cpu.h"
@@ -209,6 +210,20 @@ bool OuterInput(const ConvGeometry& g, int64_t o_outer, int64_t tap_outer, int64
   return true;
 }
 
+// OuterInput for every (outer output, outer tap), flattened [out_outer][k_outer]: the
+// input's outer index, or -1. Made once per call: the work items look it up (the
+// decoding divides, which would cost more than a short run's products).
+std::vector<int64_t> OuterTable(const ConvGeometry& g, int64_t out_outer, int64_t k_outer) {
+  std::vector<int64_t> table(static_cast<size_t>(out_outer * k_outer), -1);
+  for (int64_t o = 0; o < out_outer; ++o) {
+    for (int64_t t = 0; t < k_outer; ++t) {
+      int64_t i;
+      if (OuterInput(g, o, t, &i)) table[static_cast<size_t>(o * k_outer + t)] = i;
+    }
+  }
+  return table;
+}
+
 // Widens block `block` of rows [n, positions, blocks * BS] for batch index `b` into
 // dst[positions][BS], leaving `pad_lo` / `pad_hi` zero rows around every run of
 // `inner` positions.
@@ -282,6 +297,7 @@ struct ConvJob {
   const Unit* units;       // per line
   int64_t num_units;
   const int64_t* tap_i0;   // [phases][k_inner] inner input start, or INT64_MIN for a dilation zero
+  const int64_t* outer_in; // [out_outer][k_outer] (OuterTable)
   int64_t pad_lo, pad_hi;  // zero rows around each inner run of the widened input
   int64_t wp;              // pad_lo + in_inner + pad_hi
   float* packed;           // [nin][n][in_outer][wp][bs]
@@ -357,8 +373,8 @@ void ConvItem(void* arg, int64_t item) {
     if (block < 0 || block >= p.nin) continue;
     const float* image = job.packed + (block * p.n + b) * l.in_outer * job.wp * BS;
     for (int64_t to = 0; to < k_outer; ++to) {
-      int64_t i_outer;
-      if (!OuterInput(g, o_outer, to, &i_outer)) continue;
+      const int64_t i_outer = job.outer_in[o_outer * k_outer + to];
+      if (i_outer < 0) continue;
       const float* run = image + i_outer * job.wp * BS;
       for (int64_t ti = 0; ti < l.k_inner; ++ti) {
         if (i0s[ti] == kNoInput) continue;
@@ -440,6 +456,8 @@ bool RunConvBlock(ConvJob& job, const Parallel& par) {
   job.units = units;
   job.num_units = num_units;
   job.tap_i0 = tap_i0;
+  const std::vector<int64_t> outer_in = OuterTable(g, l.out_outer, l.taps / l.k_inner);
+  job.outer_in = outer_in.data();
   job.wp = job.pad_lo + l.in_inner + job.pad_hi;
 
   int64_t longest = 0;
@@ -480,6 +498,8 @@ struct WgradJob {
   int64_t lines;
   float* pa;  // [a_blocks][n][in positions][bs]
   float* pb;  // [b_blocks][n][out positions][bs]
+  const int64_t* outer_in;  // [out_outer][k_outer] (OuterTable)
+  const int64_t* tap_i0;    // [phases][k_inner] inner input start, or kNoInput
   int64_t max_segments;
   int64_t chunk;  // reduction length per pass over the accumulator (operands stay in L1)
   int* failed;    // set when an item found no scratch memory
@@ -528,19 +548,22 @@ void WgradItem(void* arg, int64_t item) {
   const int64_t a_block = p.transpose_kernel ? cb : rb, b_block = p.transpose_kernel ? rb : cb;
   const bool valid = rb >= 0 && cb >= 0 && a_block < p.a_blocks && b_block < p.b_blocks;
   int64_t count = 0;
+  // Floats between consecutive positions of a run of each operand.
+  const int64_t l_step = (p.transpose_kernel ? l.ostep : l.istep) * BS;
+  const int64_t r_step = (p.transpose_kernel ? l.istep : l.ostep) * BS;
   if (valid) {
     const int64_t gtap = p.transpose_kernel ? l.taps - 1 - tap : tap;  // the tap the geometry reads
     const int64_t to = gtap / l.k_inner, ti = gtap % l.k_inner;
     const int64_t in_run = l.in_outer * l.in_inner, out_run = l.out_outer * l.out_inner;
     for (int64_t line = 0; line < job.lines; ++line) {
       const int64_t b = line / l.out_outer, o_outer = line % l.out_outer;
-      int64_t i_outer;
-      if (!OuterInput(g, o_outer, to, &i_outer)) continue;
+      const int64_t i_outer = job.outer_in[o_outer * (l.taps / l.k_inner) + to];
+      if (i_outer < 0) continue;
       const float* a_line = job.pa + ((a_block * p.n + b) * in_run + i_outer * l.in_inner) * BS;
       const float* b_line = job.pb + ((b_block * p.n + b) * out_run + o_outer * l.out_inner) * BS;
       for (int64_t ph = 0; ph < l.phases; ++ph) {
-        int64_t i0;
-        if (!InnerStart(g, ph, ti, &i0)) continue;
+        const int64_t i0 = job.tap_i0[ph * l.k_inner + ti];
+        if (i0 == kNoInput) continue;
         // Outputs m of the phase whose input i0 + m * istep is in range.
         const int64_t length = PhaseLength(l, ph);
         const int64_t m_lo = i0 >= 0 ? 0 : CeilDiv(-i0, l.istep);
@@ -548,17 +571,25 @@ void WgradItem(void* arg, int64_t item) {
         for (int64_t m = m_lo; m < m_hi; m += job.chunk) {
           const float* a_run = a_line + (i0 + m * l.istep) * BS;
           const float* b_run = b_line + (ph + m * l.ostep) * BS;
-          lhs[count] = p.transpose_kernel ? b_run : a_run;
-          rhs[count] = p.transpose_kernel ? a_run : b_run;
-          lengths[count] = static_cast<int32_t>(Min(job.chunk, m_hi - m));
+          const float* l_run = p.transpose_kernel ? b_run : a_run;
+          const float* r_run = p.transpose_kernel ? a_run : b_run;
+          const int64_t len = Min(job.chunk, m_hi - m);
+          // A run that continues the previous one in both operands (the next line of a
+          // whole-width tap) extends it: fewer, longer segments.
+          if (count > 0 && lengths[count - 1] + len <= job.chunk && lhs[count - 1] + lengths[count - 1] * l_step == l_run &&
+              rhs[count - 1] + lengths[count - 1] * r_step == r_run) {
+            lengths[count - 1] += static_cast<int32_t>(len);
+            continue;
+          }
+          lhs[count] = l_run;
+          rhs[count] = r_run;
+          lengths[count] = static_cast<int32_t>(len);
           ++count;
         }
       }
     }
   }
   // acc[BS, BS] = sum of lhs^T @ rhs, in passes of about `chunk` positions.
-  const int64_t l_step = (p.transpose_kernel ? l.ostep : l.istep) * BS;
-  const int64_t r_step = (p.transpose_kernel ? l.istep : l.ostep) * BS;
   for (int64_t first = 0; first < count;) {
     int64_t last = first, total = 0;
     while (last < count && (last == first || total + lengths[last] <= job.chunk)) total += lengths[last++];
@@ -582,6 +613,16 @@ bool RunWgradBlock(WgradJob& job, const Parallel& par) {
   job.max_segments = Max(1, job.lines * per_line);
   const int64_t a_floats = int64_t{p.a_blocks} * p.n * l.in_outer * l.in_inner * BS;
   const int64_t b_floats = int64_t{p.b_blocks} * p.n * l.out_outer * l.out_inner * BS;
+  const std::vector<int64_t> outer_in = OuterTable(p.g, l.out_outer, l.taps / l.k_inner);
+  std::vector<int64_t> tap_i0(static_cast<size_t>(l.phases * l.k_inner), kNoInput);
+  for (int64_t ph = 0; ph < l.phases; ++ph) {
+    for (int64_t t = 0; t < l.k_inner; ++t) {
+      int64_t i0;
+      if (InnerStart(p.g, ph, t, &i0)) tap_i0[static_cast<size_t>(ph * l.k_inner + t)] = i0;
+    }
+  }
+  job.outer_in = outer_in.data();
+  job.tap_i0 = tap_i0.data();
   job.pa = CallBuffer(0).Get(Max(a_floats, 1));
   job.pb = CallBuffer(1).Get(Max(b_floats, 1));
   if (job.pa == nullptr || job.pb == nullptr) return false;
