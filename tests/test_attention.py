@@ -16,12 +16,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_blocksparse as jbs
-from helpers import assert_close, collectives, cpu_mesh, eqns_named, rand, require_kernels, xla_optimizations_off
+from helpers import (
+    assert_close,
+    collectives,
+    cpu_mesh,
+    eqns_named,
+    jaxprs_in_params,
+    rand,
+    require_kernels,
+    xla_optimizations_off,
+)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 att = jbs.attention
