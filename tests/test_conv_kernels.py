@@ -334,3 +334,14 @@ def test_handlers_reject_bad_operands(case, pattern):
             _raw_call("jbs_bsconv_wgrad", w.shape, x, rand((1, 4, 4, 16), F32), *t[:5], **attrs)
         else:
             _raw_call("jbs_bsconv", y, *ops, **attrs)
+
+
+def test_four_spatial_dims_run_as_bsmm_products():
+    """The kernels take 1 to 3 spatial dims; a 4-D convolution lowers to the bsmm compositions."""
+    layout, w = _problem("random", 8, (2, 2), (2, 1, 2, 2), F32)
+    x = rand((2, 3, 2, 3, 4, 16), F32, 2)
+    fk, fr = (_fwd_and_grads(jbs.bsconv, layout, impl, strides=(1, 1, 2, 1)) for impl in ("kernels", "reference"))
+    calls = kernel_calls(fk.lower(x, w).as_text())
+    assert calls and calls <= {"jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat"}, calls
+    for got, want in zip(jax.tree.leaves(fk(x, w)), jax.tree.leaves(fr(x, w))):
+        assert_close(got, want, F32, 8 * 16)

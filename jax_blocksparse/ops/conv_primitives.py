@@ -29,7 +29,8 @@ Lowerings (the ``impl`` parameter, :mod:`jax_blocksparse.config`):
   from the blocks (also ``impl="dense"``);
 * "cpu": the implicit-GEMM kernels of the native extension (``jbs_bsconv``,
   ``jbs_bsconv_wgrad``: cuda/cpu/bsconv_cpu.h), which read the NHWC input with the taps
-  as offsets and make nothing of size taps x input;
+  as offsets and make nothing of size taps x input; 1 to 3 spatial dims (more: the bsmm
+  compositions below, on the CPU bsmm kernels);
 * "cuda": the bsmm compositions of :mod:`jax_blocksparse.ops.conv` (im2col, or col2im
   for an input-dilated convolution without strides), whose bsmm products take the CUDA
   kernels; the weight gradient is the composition's linear transpose (one
@@ -59,6 +60,8 @@ from jax_blocksparse.ops._partitioning import mark_partitioned, partitioned
 from jax_blocksparse.ops.conv_spec import ConvSpec, dimension_numbers, dual, output_spatial
 from jax_blocksparse.ops.matmul import _matchvarying_axes
 
+# Spatial dims the CPU kernels take (cuda/cpu/bsconv_cpu.h: kMaxConvDims).
+MAX_KERNEL_DIMS = 3
 CONV_TARGET = "jbs_bsconv"
 WGRAD_TARGET = "jbs_bsconv_wgrad"
 
@@ -303,7 +306,9 @@ def _register_lowerings(primitive, reference, kernel, composed, target: str) -> 
             if _platform == "cuda":
                 return composed_rule(ctx, *operands, **params)
             if kernels_selected(_platform, impl, target):
-                return kernel_rule(ctx, *operands, **params)
+                # The CPU kernels take 1 to 3 spatial dims; more run as bsmm products.
+                rule = kernel_rule if params["spec"].ndim <= MAX_KERNEL_DIMS else composed_rule
+                return rule(ctx, *operands, **params)
             return reference_rule(ctx, *operands, **params)
 
         mlir.register_lowering(primitive, partitioned(primitive, rule), platform=platform)
