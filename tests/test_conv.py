@@ -27,7 +27,7 @@ from helpers import (
     storage_order,
     xla_optimizations_off,
 )
-from jax_blocksparse.ops.conv import stack_taps
+from jax_blocksparse.ops.conv_im2col import stack_taps
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 HIGHEST = lax.Precision.HIGHEST

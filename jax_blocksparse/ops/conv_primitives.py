@@ -31,7 +31,7 @@ Lowerings (the ``impl`` parameter, :mod:`jax_blocksparse.config`):
   ``jbs_bsconv_wgrad``: cuda/cpu/bsconv_cpu.h), which read the NHWC input with the taps
   as offsets and make nothing of size taps x input; 1 to 3 spatial dims (more: the bsmm
   compositions below, on the CPU bsmm kernels);
-* "cuda": the bsmm compositions of :mod:`jax_blocksparse.ops.conv` (im2col, or col2im
+* "cuda": the bsmm compositions of :mod:`jax_blocksparse.ops.conv_im2col` (im2col, or col2im
   for an input-dilated convolution without strides), whose bsmm products take the CUDA
   kernels; the weight gradient is the composition's linear transpose (one
   ``bsmm_updat`` over the tap-stacked layout).
@@ -57,6 +57,7 @@ from jax_blocksparse import targets
 from jax_blocksparse.layout import Layout, LayoutTables
 from jax_blocksparse.ops._lowering import KERNEL_PLATFORMS, kernels_selected
 from jax_blocksparse.ops._partitioning import mark_partitioned, partitioned
+from jax_blocksparse.ops.conv_im2col import Geometry, Precision, conv_col2im, conv_im2col, conv_to_dense
 from jax_blocksparse.ops.conv_spec import ConvSpec, dimension_numbers, dual, output_spatial
 from jax_blocksparse.ops.matmul import _matchvarying_axes
 
@@ -153,8 +154,6 @@ def _layout(tables, block_size: int) -> Layout:
 def _dense_kernel(w, tables, spec: ConvSpec):
     """The dense kernel [*k, Cin, Cout] the convolution applies (flipped, channels swapped
     with ``transpose_kernel``)."""
-    from jax_blocksparse.ops.conv import conv_to_dense  # conv.py binds these primitives
-
     W = conv_to_dense(w, _layout(tables, w.shape[-1]))
     if spec.transpose_kernel:
         W = jnp.flip(W, axis=tuple(range(spec.ndim))).swapaxes(-1, -2)
@@ -204,26 +203,22 @@ def wgrad_reference(a, b, *tables, spec, kernel_size, block_size, compute_dtype,
 
 
 def _composition(spec: ConvSpec):
-    """The bsmm composition of ops/conv.py for ``spec``: a function of (a, w, layout, g, prec)."""
-    from jax_blocksparse.ops import conv as compositions  # conv.py binds these primitives
-
+    """The bsmm composition of ops/conv_im2col.py for ``spec``: a function of (a, w, layout, g, prec)."""
     strided = any(s != 1 for s in spec.strides)
     dilated = any(d != 1 for d in spec.lhs_dilation)
     # Input dilation without strides: col2im skips the dilation's zeros.
-    body = compositions._conv_col2im if dilated and not strided else compositions._conv_im2col
+    body = conv_col2im if dilated and not strided else conv_im2col
     return functools.partial(body, transpose_kernel=spec.transpose_kernel)
 
 
 def _composed_conv(a, w, tables, spec, compute_dtype, out_dtype, precision, impl):
-    from jax_blocksparse.ops import conv as compositions
-
     kernel_size = tuple(w.shape[1:-2])
     layout = _layout(tables, w.shape[-1])
-    g = compositions._Geometry(
+    g = Geometry(
         kernel_size, spec.strides, spec.padding, spec.lhs_dilation, spec.rhs_dilation,
         output_spatial(a.shape[1:-1], kernel_size, spec),
     )
-    prec = compositions._Precision(np.dtype(compute_dtype), np.dtype(out_dtype), False, precision, impl)
+    prec = Precision(np.dtype(compute_dtype), np.dtype(out_dtype), False, precision, impl)
     return _composition(spec)(a.astype(compute_dtype), w.astype(compute_dtype), layout, g, prec)
 
 
