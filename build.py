@@ -78,20 +78,33 @@ def _tool(name: str) -> str | None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Build the jax-blocksparse native extension in place (drives CMakeLists.txt).")
+        description="Build the jax-blocksparse native extension in place (drives CMakeLists.txt)."
+    )
     parser.add_argument(
-        "--cuda-arch", default=None,
+        "--cuda-arch",
+        default=None,
         help="comma-separated sm_XY (SASS) and compute_XY (PTX) targets; default: $CUDAARCHS, else the GPUs "
-             f"nvidia-smi reports, else none (release set: {','.join(RELEASE_ARCHS)})")
+        f"nvidia-smi reports, else none (release set: {','.join(RELEASE_ARCHS)})",
+    )
     parser.add_argument("--cpu-only", action="store_true", help="build the CPU kernels only, even if nvcc is found")
-    parser.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 1,
-                        help="parallel compiler processes (default: CPU count, %(default)s)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="configure, then print the compiler commands without running them")
-    parser.add_argument("--output-dir", default=str(DEFAULT_OUTPUT_DIR),
-                        help="where the extension goes (default: %(default)s)")
-    parser.add_argument("--build-dir", default=str(BUILD_DIR),
-                        help="the CMake build tree (default: %(default)s); a second one keeps builds apart")
+    parser.add_argument(
+        "--jobs",
+        "-j",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="parallel compiler processes (default: CPU count, %(default)s)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="configure, then print the compiler commands without running them"
+    )
+    parser.add_argument(
+        "--output-dir", default=str(DEFAULT_OUTPUT_DIR), help="where the extension goes (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--build-dir",
+        default=str(BUILD_DIR),
+        help="the CMake build tree (default: %(default)s); a second one keeps builds apart",
+    )
     parser.add_argument("--nvcc", default=None, help="nvcc to use (default: $CUDACXX, $CUDA_HOME/bin/nvcc, PATH)")
     parser.add_argument("--cxx", default=None, help="host C++ compiler (default: CMake's choice: $CXX, c++)")
     parser.add_argument("--force", action="store_true", help="rebuild every object even if up to date")
@@ -123,8 +136,9 @@ def planned_commands(build_dir: Path, ninja: str | None) -> list[str]:
     """The compiler and linker commands a build of a configured tree runs, in order
     (all of them, whether or not up to date)."""
     if ninja and (build_dir / "build.ninja").exists():
-        out = subprocess.run([ninja, "-C", str(build_dir), "-t", "commands"], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(
+            [ninja, "-C", str(build_dir), "-t", "commands"], capture_output=True, text=True, check=True
+        ).stdout
         # Ninja wraps a link in ": && ... && :"; keep the command itself.
         return [line.removeprefix(": && ").removesuffix(" && :").strip() for line in out.splitlines() if line.strip()]
     import json  # noqa: PLC0415  (Makefiles: compile commands only, from compile_commands.json)

@@ -13,8 +13,14 @@ def git_commit() -> str:
     if os.environ.get("JBS_COMMIT"):
         return os.environ["JBS_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10, check=False)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=10,
+            check=False,
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -68,16 +68,52 @@ CASES = ("step", "gqa", "packed", "decode")
 PRESETS = {
     # CPU: dense attention up to T = 4k (its fp32 scores at 8k, 1 GiB for 4 heads, are past the
     # budget: a step there takes minutes on 2 cores); block-sparse up to 16k.
-    "cpu": dict(seq_lens=[1024, 2048, 4096, 8192, 16384], gqa_seq_lens=[4096], packed_seq_lens=[4096],
-                decode_seq_lens=[4096, 16384], batch=1, heads=4, gqa_heads=8, gqa_kv_heads=2, head_dim=64,
-                dtype="float32", dense_budget_gb=0.5, repeats=3, doc_len=512),
-    "gpu": dict(seq_lens=[1024, 2048, 4096, 8192, 16384], gqa_seq_lens=[4096, 16384], packed_seq_lens=[8192],
-                decode_seq_lens=[8192, 32768], batch=1, heads=16, gqa_heads=16, gqa_kv_heads=4, head_dim=64,
-                dtype="bfloat16", dense_budget_gb=40.0, repeats=10, doc_len=1024),
+    "cpu": dict(
+        seq_lens=[1024, 2048, 4096, 8192, 16384],
+        gqa_seq_lens=[4096],
+        packed_seq_lens=[4096],
+        decode_seq_lens=[4096, 16384],
+        batch=1,
+        heads=4,
+        gqa_heads=8,
+        gqa_kv_heads=2,
+        head_dim=64,
+        dtype="float32",
+        dense_budget_gb=0.5,
+        repeats=3,
+        doc_len=512,
+    ),
+    "gpu": dict(
+        seq_lens=[1024, 2048, 4096, 8192, 16384],
+        gqa_seq_lens=[4096, 16384],
+        packed_seq_lens=[8192],
+        decode_seq_lens=[8192, 32768],
+        batch=1,
+        heads=16,
+        gqa_heads=16,
+        gqa_kv_heads=4,
+        head_dim=64,
+        dtype="bfloat16",
+        dense_budget_gb=40.0,
+        repeats=10,
+        doc_len=1024,
+    ),
     # A few seconds on CPU, for the test.
-    "quick": dict(seq_lens=[256, 512], gqa_seq_lens=[256], packed_seq_lens=[256], decode_seq_lens=[512], batch=1,
-                  heads=2, gqa_heads=4, gqa_kv_heads=1, head_dim=32, dtype="float32", dense_budget_gb=1.0,
-                  repeats=2, doc_len=64),
+    "quick": dict(
+        seq_lens=[256, 512],
+        gqa_seq_lens=[256],
+        packed_seq_lens=[256],
+        decode_seq_lens=[512],
+        batch=1,
+        heads=2,
+        gqa_heads=4,
+        gqa_kv_heads=1,
+        head_dim=32,
+        dtype="float32",
+        dense_budget_gb=1.0,
+        repeats=2,
+        doc_len=64,
+    ),
 }
 
 
@@ -99,8 +135,11 @@ def memory(fn, *args) -> dict | None:
     analysis = fn.lower(*args).compile().memory_analysis()
     if analysis is None:
         return None
-    return dict(temp_bytes=int(analysis.temp_size_in_bytes), argument_bytes=int(analysis.argument_size_in_bytes),
-                output_bytes=int(analysis.output_size_in_bytes))
+    return dict(
+        temp_bytes=int(analysis.temp_size_in_bytes),
+        argument_bytes=int(analysis.argument_size_in_bytes),
+        output_bytes=int(analysis.output_size_in_bytes),
+    )
 
 
 def step(attention):
@@ -142,8 +181,9 @@ def flex_peer(shape, kv_heads, dtype, repeats, block_size, mask=None, documents=
             allowed = allowed & (docs[bi, q_idx] == docs[bi, kv_idx])
         return allowed
 
-    block_mask = create_block_mask(mask_mod, b if docs is not None else None, None, t, t, device="cuda",
-                                   BLOCK_SIZE=block_size)
+    block_mask = create_block_mask(
+        mask_mod, b if docs is not None else None, None, t, t, device="cuda", BLOCK_SIZE=block_size
+    )
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     q = torch.randn((b, h, t, d), device="cuda", dtype=tdtype, requires_grad=True)  # torch: [B, H, T, D]
     k, v = (torch.randn((b, kv_heads, t, d), device="cuda", dtype=tdtype, requires_grad=True) for _ in range(2))
@@ -188,8 +228,9 @@ def _flex(row, args, **kw):
     if "flex" not in args.peers:
         return
     try:
-        row["flex_s"], row["flex_peak_bytes"] = flex_peer(dtype=args.dtype, repeats=args.repeats,
-                                                          block_size=args.block_size, **kw)
+        row["flex_s"], row["flex_peak_bytes"] = flex_peer(
+            dtype=args.dtype, repeats=args.repeats, block_size=args.block_size, **kw
+        )
     except Exception as e:
         row["flex_s"] = None
         row["flex_error"] = _error(e)
@@ -218,8 +259,15 @@ def run_step(args, seq_len: int, on_gpu: bool, heads: int, kv_heads: int, case: 
     shape = (args.batch, seq_len, heads, args.head_dim)
     kv_shape = (args.batch, seq_len, kv_heads, args.head_dim)
     q, k, v, ct = _randoms(args, [shape, kv_shape, kv_shape, shape])
-    row = dict(case=case, seq_len=seq_len, heads=heads, kv_heads=kv_heads, blocks=n, density=float(mask.mean()),
-               nnz_blocks=int(mask.sum()))
+    row = dict(
+        case=case,
+        seq_len=seq_len,
+        heads=heads,
+        kv_heads=kv_heads,
+        blocks=n,
+        density=float(mask.mean()),
+        nnz_blocks=int(mask.sum()),
+    )
 
     def sparse(q, k, v):
         return jbs.attention.blocksparse_attention(q, k, v, mask, bs, is_causal=True)
@@ -245,7 +293,7 @@ def documents(args, batch: int, seq_len: int) -> np.ndarray:
         start, doc = 0, 0
         while start < seq_len:
             length = max(args.block_size, int(rng.exponential(args.doc_len)))
-            ids[b, start:start + length] = doc
+            ids[b, start : start + length] = doc
             start, doc = start + length, doc + 1
     return ids
 
@@ -265,8 +313,16 @@ def run_packed(args, seq_len: int, on_gpu: bool) -> dict:
     # the causal triangle), so that other documents of similar lengths run in the same step.
     n = seq_len // bs
     capacity = int(min(-(-tiles.max() // n) * n, n * (n + 1) // 2))
-    row = dict(case="packed", seq_len=seq_len, heads=heads, kv_heads=heads, blocks=n, capacity=capacity,
-               documents=float(seg.max(axis=1).mean() + 1), density=float(tiles.mean()) / (n * n))
+    row = dict(
+        case="packed",
+        seq_len=seq_len,
+        heads=heads,
+        kv_heads=heads,
+        blocks=n,
+        capacity=capacity,
+        documents=float(seg.max(axis=1).mean() + 1),
+        density=float(tiles.mean()) / (n * n),
+    )
     seg = jnp.asarray(seg)
 
     def sparse(q, k, v, seg):
@@ -290,12 +346,22 @@ def run_decode(args, seq_len: int, on_gpu: bool) -> dict:
     cache = (args.batch, seq_len, heads, args.head_dim)
     q, k, v = _randoms(args, [(args.batch, 1, heads, args.head_dim), cache, cache])
     position = jnp.int32(seq_len - 1)
-    row = dict(case="decode", seq_len=seq_len, heads=heads, kv_heads=heads, position=seq_len - 1,
-               row_blocks=int(mask[-1].sum()), density=float(mask.mean()))
+    row = dict(
+        case="decode",
+        seq_len=seq_len,
+        heads=heads,
+        kv_heads=heads,
+        position=seq_len - 1,
+        row_blocks=int(mask[-1].sum()),
+        density=float(mask.mean()),
+    )
 
     sparse = jax.jit(lambda q, k, v, p: jbs.attention.blocksparse_decode(q, k, v, p, mask, bs))
-    dense = jax.jit(lambda q, k, v, p: jax.nn.dot_product_attention(
-        q, k, v, key_value_seq_lengths=jnp.full((q.shape[0],), p + 1, jnp.int32)))
+    dense = jax.jit(
+        lambda q, k, v, p: jax.nn.dot_product_attention(
+            q, k, v, key_value_seq_lengths=jnp.full((q.shape[0],), p + 1, jnp.int32)
+        )
+    )
     _measure(row, "sparse", sparse, (q, k, v, position), args.repeats, with_memory=False)
     _measure(row, "dense", dense, (q, k, v, position), args.repeats, with_memory=False)
     return row
@@ -324,43 +390,86 @@ def _ms(v):
     return f"{v * 1e3:.2f}" if v and v < 0.01 else (f"{v * 1e3:.1f}" if v else "-")
 
 
-HEADER = (f"{'case':>6} {'T':>6} {'H/KVH':>6} {'density':>8} {'sparse ms':>10} {'ref ms':>8} {'dense ms':>9} "
-          f"{'cudnn ms':>9} {'flex ms':>8} {'speedup':>8} {'sparse MiB':>10} {'dense MiB':>10}")
+HEADER = (
+    f"{'case':>6} {'T':>6} {'H/KVH':>6} {'density':>8} {'sparse ms':>10} {'ref ms':>8} {'dense ms':>9} "
+    f"{'cudnn ms':>9} {'flex ms':>8} {'speedup':>8} {'sparse MiB':>10} {'dense MiB':>10}"
+)
 
 
 def line(row) -> str:
     speedup = row.get("speedup_vs_dense")
-    return (f"{row['case']:>6} {row['seq_len']:>6} {str(row['heads']) + '/' + str(row['kv_heads']):>6} "
-            f"{row['density']:>8.3f} {_ms(row.get('sparse_s')):>10} "
-            f"{_ms(row.get('sparse_reference_s')):>8} {_ms(row.get('dense_s')):>9} {_ms(row.get('dense_cudnn_s')):>9} "
-            f"{_ms(row.get('flex_s')):>8} {(f'{speedup:.1f}x' if speedup else '-'):>8} "
-            f"{_mb(row.get('sparse_memory')):>10} {_mb(row.get('dense_memory')):>10}")
+    return (
+        f"{row['case']:>6} {row['seq_len']:>6} {str(row['heads']) + '/' + str(row['kv_heads']):>6} "
+        f"{row['density']:>8.3f} {_ms(row.get('sparse_s')):>10} "
+        f"{_ms(row.get('sparse_reference_s')):>8} {_ms(row.get('dense_s')):>9} {_ms(row.get('dense_cudnn_s')):>9} "
+        f"{_ms(row.get('flex_s')):>8} {(f'{speedup:.1f}x' if speedup else '-'):>8} "
+        f"{_mb(row.get('sparse_memory')):>10} {_mb(row.get('dense_memory')):>10}"
+    )
 
 
 def run(args) -> dict:
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     now = datetime.datetime.now(datetime.timezone.utc)
-    config = {name: getattr(args, name) for name in (
-        "preset", "cases", "seq_lens", "gqa_seq_lens", "packed_seq_lens", "decode_seq_lens", "block_size", "batch",
-        "heads", "kv_heads", "gqa_heads", "gqa_kv_heads", "head_dim", "dtype", "pattern", "stride", "doc_len",
-        "dense_budget_gb", "peers", "repeats")}
+    config = {
+        name: getattr(args, name)
+        for name in (
+            "preset",
+            "cases",
+            "seq_lens",
+            "gqa_seq_lens",
+            "packed_seq_lens",
+            "decode_seq_lens",
+            "block_size",
+            "batch",
+            "heads",
+            "kv_heads",
+            "gqa_heads",
+            "gqa_kv_heads",
+            "head_dim",
+            "dtype",
+            "pattern",
+            "stride",
+            "doc_len",
+            "dense_budget_gb",
+            "peers",
+            "repeats",
+        )
+    }
     report = dict(
-        device=str(device), device_kind=getattr(device, "device_kind", device.platform), platform=device.platform,
-        jax_version=jax.__version__, jax_blocksparse_version=jbs.__version__, commit=git_commit(),
-        date=now.date().isoformat(), datetime=now.isoformat(timespec="seconds"), host=platform.node(),
-        python=sys.version.split()[0], implementation=jbs.config.get_implementation(),
-        cpu_kernels=jbs.has_cpu_kernels(), cuda_kernels=jbs.has_cuda_kernels(), config=config,
-        timing=("step, gqa, packed: jit(value_and_grad) of vdot(attention(q, k, v), ct) w.r.t. q, k, v (ct: a "
-                "random argument); decode: one token at position T-1 against a T-token cache; median seconds per "
-                "call of back-to-back calls; memory from compiled.memory_analysis() (temp = intermediates' peak)"),
-        results=[], complete=False,
+        device=str(device),
+        device_kind=getattr(device, "device_kind", device.platform),
+        platform=device.platform,
+        jax_version=jax.__version__,
+        jax_blocksparse_version=jbs.__version__,
+        commit=git_commit(),
+        date=now.date().isoformat(),
+        datetime=now.isoformat(timespec="seconds"),
+        host=platform.node(),
+        python=sys.version.split()[0],
+        implementation=jbs.config.get_implementation(),
+        cpu_kernels=jbs.has_cpu_kernels(),
+        cuda_kernels=jbs.has_cuda_kernels(),
+        config=config,
+        timing=(
+            "step, gqa, packed: jit(value_and_grad) of vdot(attention(q, k, v), ct) w.r.t. q, k, v (ct: a "
+            "random argument); decode: one token at position T-1 against a T-token cache; median seconds per "
+            "call of back-to-back calls; memory from compiled.memory_analysis() (temp = intermediates' peak)"
+        ),
+        results=[],
+        complete=False,
     )
-    print(f"# {report['device_kind']}  B={args.batch} D={args.head_dim} bs={args.block_size} {args.dtype} "
-          f"pattern=causal {args.pattern}")
+    print(
+        f"# {report['device_kind']}  B={args.batch} D={args.head_dim} bs={args.block_size} {args.dtype} "
+        f"pattern=causal {args.pattern}"
+    )
     print(HEADER)
-    lens = {"step": args.seq_lens, "gqa": args.gqa_seq_lens, "packed": args.packed_seq_lens,
-            "decode": args.decode_seq_lens}
+    lens = {
+        "step": args.seq_lens,
+        "gqa": args.gqa_seq_lens,
+        "packed": args.packed_seq_lens,
+        "decode": args.decode_seq_lens,
+    }
     for case in args.cases:
         for seq_len in lens[case]:
             row = run_case(args, case, seq_len, on_gpu)
@@ -395,12 +504,20 @@ def parse_args(argv=None):
     p.add_argument("--doc-len", type=int, help="mean document length of the packed case")
     p.add_argument("--dense-budget-gb", type=float, help="skip dense attention past this much fp32 score memory")
     p.add_argument("--peers", nargs="*", default=["flex"], choices=["flex"], help="GPU peers besides cudnn")
-    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
-                   help="on CPU, also time the pure-JAX reference lowering (step and gqa cases)")
+    p.add_argument(
+        "--reference",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CPU, also time the pure-JAX reference lowering (step and gqa cases)",
+    )
     p.add_argument("--repeats", type=int)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None,
-                   help="output JSON (default bench/results/attention-<device>-<date>.json; 'none' for no file)")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="output JSON (default bench/results/attention-<device>-<date>.json; 'none' for no file)",
+    )
     args = p.parse_args(argv)
     device = jax.devices()[0]
     args.preset = args.preset or ("gpu" if device.platform == "gpu" else "cpu")
@@ -412,8 +529,11 @@ def parse_args(argv=None):
     if bad:
         p.error(f"sequence lengths {bad} are not multiples of --block-size {args.block_size}")
     if args.json is None:
-        kind = (getattr(device, "device_kind", "gpu").replace(" ", "_") if device.platform == "gpu"
-                else f"cpu-{_cores()}cores")
+        kind = (
+            getattr(device, "device_kind", "gpu").replace(" ", "_")
+            if device.platform == "gpu"
+            else f"cpu-{_cores()}cores"
+        )
         args.json = RESULTS / f"attention-{kind}-{datetime.date.today().isoformat()}.json"
     elif str(args.json) == "none":
         args.json = None

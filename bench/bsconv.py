@@ -29,10 +29,24 @@ from bsmm import time_fn
 import jax_blocksparse as jbs
 
 PRESETS = {
-    "cpu": dict(batch=8, spatial=16, channels=256, kernel=3, block_sizes=[32], densities=[1.0, 0.5, 0.25, 0.1],
-                dtypes=["float32"]),
-    "gpu": dict(batch=64, spatial=28, channels=512, kernel=3, block_sizes=[16, 32, 64],
-                densities=[1.0, 0.5, 0.25, 0.1, 0.05], dtypes=["bfloat16", "float32"]),
+    "cpu": dict(
+        batch=8,
+        spatial=16,
+        channels=256,
+        kernel=3,
+        block_sizes=[32],
+        densities=[1.0, 0.5, 0.25, 0.1],
+        dtypes=["float32"],
+    ),
+    "gpu": dict(
+        batch=64,
+        spatial=28,
+        channels=512,
+        kernel=3,
+        block_sizes=[16, 32, 64],
+        densities=[1.0, 0.5, 0.25, 0.1, 0.05],
+        dtypes=["bfloat16", "float32"],
+    ),
 }
 
 
@@ -88,8 +102,10 @@ def run(args):
     device = jax.devices()[0]
     peak = args.peak_gflops if args.peak_gflops else cpu_fma_peak_gflops() if device.platform == "cpu" else None
     rows = []
-    print(f"{'pass':8} {'dtype':9} {'bs':>4} {'density':>8} {'dense ms':>9} {'sparse ms':>10} "
-          f"{'effic.':>7} {'speedup':>8} {'dense GF/s':>10} {'sparse GF/s':>11} {'load':>5}")
+    print(
+        f"{'pass':8} {'dtype':9} {'bs':>4} {'density':>8} {'dense ms':>9} {'sparse ms':>10} "
+        f"{'effic.':>7} {'speedup':>8} {'dense GF/s':>10} {'sparse GF/s':>11} {'load':>5}"
+    )
     key = jax.random.key(args.seed)
     for dtype in args.dtypes:
         for bs in args.block_sizes:
@@ -100,24 +116,44 @@ def run(args):
                     t_sparse = time_fn(sparse, *s_args, repeats=args.repeats)
                     d = layout.density
                     flops = _dense_flops(args, name)
-                    row = dict(pass_=name, dtype=dtype, block_size=bs, density=d, dense_s=t_dense,
-                               sparse_s=t_sparse, efficiency=t_dense * d / t_sparse, speedup=t_dense / t_sparse,
-                               dense_gflops=flops / t_dense / 1e9, sparse_gflops=flops * d / t_sparse / 1e9,
-                               load_average=os.getloadavg()[0])
+                    row = dict(
+                        pass_=name,
+                        dtype=dtype,
+                        block_size=bs,
+                        density=d,
+                        dense_s=t_dense,
+                        sparse_s=t_sparse,
+                        efficiency=t_dense * d / t_sparse,
+                        speedup=t_dense / t_sparse,
+                        dense_gflops=flops / t_dense / 1e9,
+                        sparse_gflops=flops * d / t_sparse / 1e9,
+                        load_average=os.getloadavg()[0],
+                    )
                     if peak:
                         row["dense_peak_fraction"] = row["dense_gflops"] / peak
                         row["sparse_peak_fraction"] = row["sparse_gflops"] / peak
                     rows.append(row)
-                    print(f"{name:8} {dtype:9} {bs:>4} {d:>8.3f} {t_dense * 1e3:>9.3f} {t_sparse * 1e3:>10.3f} "
-                          f"{row['efficiency']:>7.2f} {row['speedup']:>8.2f} {row['dense_gflops']:>10.1f} "
-                          f"{row['sparse_gflops']:>11.1f} {row['load_average']:>5.1f}", flush=True)
-    return dict(device=str(device), device_kind=getattr(device, "device_kind", device.platform),
-                jax_version=jax.__version__, implementation=jbs.config.get_implementation(),
-                cuda_kernels=jbs.has_cuda_kernels(), cpu_kernels=jbs.has_cpu_kernels(),
-                cpu_isa=jbs.extension_info().get("cpu_isa"), cpu_count=os.cpu_count(), peak_gflops=peak,
-                commit=git_commit(), date=datetime.date.today().isoformat(),
-                shape=dict(batch=args.batch, spatial=args.spatial, channels=args.channels, kernel=args.kernel),
-                results=rows)
+                    print(
+                        f"{name:8} {dtype:9} {bs:>4} {d:>8.3f} {t_dense * 1e3:>9.3f} {t_sparse * 1e3:>10.3f} "
+                        f"{row['efficiency']:>7.2f} {row['speedup']:>8.2f} {row['dense_gflops']:>10.1f} "
+                        f"{row['sparse_gflops']:>11.1f} {row['load_average']:>5.1f}",
+                        flush=True,
+                    )
+    return dict(
+        device=str(device),
+        device_kind=getattr(device, "device_kind", device.platform),
+        jax_version=jax.__version__,
+        implementation=jbs.config.get_implementation(),
+        cuda_kernels=jbs.has_cuda_kernels(),
+        cpu_kernels=jbs.has_cpu_kernels(),
+        cpu_isa=jbs.extension_info().get("cpu_isa"),
+        cpu_count=os.cpu_count(),
+        peak_gflops=peak,
+        commit=git_commit(),
+        date=datetime.date.today().isoformat(),
+        shape=dict(batch=args.batch, spatial=args.spatial, channels=args.channels, kernel=args.kernel),
+        results=rows,
+    )
 
 
 def main(argv=None):

@@ -96,24 +96,56 @@ PATHS = ("ampere", "hopper", "native")
 
 PRESETS = {
     # One CPU measurement: 4096 x 4096 weight, block 32, N = 256, float32.
-    "cpu": dict(size=(4096, 4096, 256), block_sizes=[32], densities=[1.0, 0.5, 0.25, 0.1, 0.05],
-                dtypes=["float32"], ops=list(OPS)),
-    "gpu": dict(size=(4096, 4096, 4096), block_sizes=[8, 16, 32, 64, 128],
-                densities=[1.0, 0.5, 0.25, 0.1, 0.05, 0.01], dtypes=["bfloat16", "float16", "float32"],
-                ops=list(OPS)),
+    "cpu": dict(
+        size=(4096, 4096, 256),
+        block_sizes=[32],
+        densities=[1.0, 0.5, 0.25, 0.1, 0.05],
+        dtypes=["float32"],
+        ops=list(OPS),
+    ),
+    "gpu": dict(
+        size=(4096, 4096, 4096),
+        block_sizes=[8, 16, 32, 64, 128],
+        densities=[1.0, 0.5, 0.25, 0.1, 0.05, 0.01],
+        dtypes=["bfloat16", "float16", "float32"],
+        ops=list(OPS),
+    ),
     # tests/gpu/check.sh: bf16 first (both paths, 72 rows), then f16 and f32 (TF32 on
     # the Hopper path) until its deadline; torch's BSR beside them.
-    "check": dict(size=(4096, 4096, 4096), block_sizes=[32, 64, 128], densities=[1.0, 0.25, 0.1, 0.05],
-                  dtypes=["bfloat16", "float16", "float32"], ops=list(OPS), repeats=3, min_time=0.01, chain=10,
-                  peers=["torch_bsr"]),
+    "check": dict(
+        size=(4096, 4096, 4096),
+        block_sizes=[32, 64, 128],
+        densities=[1.0, 0.25, 0.1, 0.05],
+        dtypes=["bfloat16", "float16", "float32"],
+        ops=list(OPS),
+        repeats=3,
+        min_time=0.01,
+        chain=10,
+        peers=["torch_bsr"],
+    ),
     # The CPU crossovers of "auto" (bench/crossover.py): the native kernels against the dense
     # product at every block size, float32 and bfloat16, on a 2048 x 2048 weight, N = 512.
-    "crossover-cpu": dict(size=(2048, 2048, 512), block_sizes=[8, 16, 32, 64, 128],
-                          densities=[1.0, 0.5, 0.25, 0.1, 0.05], dtypes=["float32", "bfloat16"], ops=list(OPS),
-                          reference=False),
+    "crossover-cpu": dict(
+        size=(2048, 2048, 512),
+        block_sizes=[8, 16, 32, 64, 128],
+        densities=[1.0, 0.5, 0.25, 0.1, 0.05],
+        dtypes=["float32", "bfloat16"],
+        ops=list(OPS),
+        reference=False,
+    ),
     # Seconds on a CPU: tests/test_gpu_check.py checks the JSON with it.
-    "quick": dict(size=(256, 256, 64), block_sizes=[32], densities=[1.0, 0.25], dtypes=["float32"],
-                  ops=list(OPS), repeats=1, min_time=0.0, chain=2, peers=[], reference=False),
+    "quick": dict(
+        size=(256, 256, 64),
+        block_sizes=[32],
+        densities=[1.0, 0.25],
+        dtypes=["float32"],
+        ops=list(OPS),
+        repeats=1,
+        min_time=0.0,
+        chain=2,
+        peers=[],
+        reference=False,
+    ),
 }
 
 # Where neither the command line nor the preset sets them. chain None: 10 on a GPU,
@@ -463,8 +495,9 @@ def jax_bcoo_peer(x, W_masked, *, repeats, min_time):
 
 
 def _versions(peers) -> dict:
-    out = dict(jax=jax.__version__, jax_blocksparse=jbs.__version__, python=sys.version.split()[0],
-               numpy=np.__version__)
+    out = dict(
+        jax=jax.__version__, jax_blocksparse=jbs.__version__, python=sys.version.split()[0], numpy=np.__version__
+    )
     if "torch_bsr" in peers:
         try:
             import torch
@@ -484,29 +517,50 @@ def _header(args, device, device_kind, paths) -> dict:
     c, k, n = args.size
     now = datetime.datetime.now(datetime.timezone.utc)
     return dict(
-        device=str(device), device_kind=device_kind, platform=device.platform,
-        jax_version=jax.__version__, jax_blocksparse_version=jbs.__version__,
+        device=str(device),
+        device_kind=device_kind,
+        platform=device.platform,
+        jax_version=jax.__version__,
+        jax_blocksparse_version=jbs.__version__,
         versions=_versions(args.peers),
-        implementation=jbs.config.get_implementation(), cuda_kernels=jbs.has_cuda_kernels(),
-        cpu_kernels=jbs.has_cpu_kernels(), extension=jbs.extension_info(),
-        paths=paths, dense_path=dense_impl_available(),
-        commit=git_commit(), date=now.date().isoformat(), datetime=now.isoformat(timespec="seconds"),
-        host=platform.node(), python=sys.version.split()[0],
+        implementation=jbs.config.get_implementation(),
+        cuda_kernels=jbs.has_cuda_kernels(),
+        cpu_kernels=jbs.has_cpu_kernels(),
+        extension=jbs.extension_info(),
+        paths=paths,
+        dense_path=dense_impl_available(),
+        commit=git_commit(),
+        date=now.date().isoformat(),
+        datetime=now.isoformat(timespec="seconds"),
+        host=platform.node(),
+        python=sys.version.split()[0],
         size=dict(C=c, K=k, N=n),
-        config=dict(block_sizes=args.block_sizes, densities=args.densities, dtypes=args.dtypes, ops=args.ops,
-                    peers=args.peers, seed=args.seed, preset=args.preset),
+        config=dict(
+            block_sizes=args.block_sizes,
+            densities=args.densities,
+            dtypes=args.dtypes,
+            ops=args.ops,
+            peers=args.peers,
+            seed=args.seed,
+            preset=args.preset,
+        ),
         timing=dict(
-            chain=args.chain, repeats=args.repeats, min_time_s=args.min_time, statistic="median",
+            chain=args.chain,
+            repeats=args.repeats,
+            min_time_s=args.min_time,
+            statistic="median",
             layout="jit argument, straight from Layout.from_mask (not device_put, not closed over)",
-            device_time=(f"sparse_s, dense_s, dense_path_s: back-to-back calls of one compiled function applying "
-                         f"the op {args.chain} times in a data-dependent chain, per call / {args.chain}"),
+            device_time=(
+                f"sparse_s, dense_s, dense_path_s: back-to-back calls of one compiled function applying "
+                f"the op {args.chain} times in a data-dependent chain, per call / {args.chain}"
+            ),
             call_time="sparse_call_s, dense_call_s: back-to-back calls of the single op, per call "
-                      "(host time where that exceeds device time)",
+            "(host time where that exceeds device time)",
             paths="each path's functions compiled ahead of time with JAX_BLOCKSPARSE_HOPPER=1 (hopper) or unset "
-                  "(ampere, native); target: the jbs FFI target in the compiled HLO that was timed",
+            "(ampere, native); target: the jbs FFI target in the compiled HLO that was timed",
             dense_path="dense_path_s: impl='dense' (blocks scattered into a dense weight, then XLA's dot)",
             torch="torch_bsr_s: CUDA graph of chained calls, replayed, per call (torch_bsr_method); "
-                  "torch_bsr_call_s: back-to-back calls timed with CUDA events",
+            "torch_bsr_call_s: back-to-back calls timed with CUDA events",
         ),
     )
 
@@ -519,21 +573,25 @@ def _num(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-HEADER = (f"{'op':6} {'dtype':9} {'bs':>4} {'density':>8} {'path':7} {'mode':9} {'dense ms':>9} {'sparse ms':>10} "
-          f"{'effic.':>7} {'speedup':>8} {'bound':>6} {'dpath ms':>9} {'call ms':>8} {'call eff':>8} "
-          f"{'torch ms':>9} {'vs torch':>8} {'bcoo ms':>8} {'ref ms':>8}  target")
+HEADER = (
+    f"{'op':6} {'dtype':9} {'bs':>4} {'density':>8} {'path':7} {'mode':9} {'dense ms':>9} {'sparse ms':>10} "
+    f"{'effic.':>7} {'speedup':>8} {'bound':>6} {'dpath ms':>9} {'call ms':>8} {'call eff':>8} "
+    f"{'torch ms':>9} {'vs torch':>8} {'bcoo ms':>8} {'ref ms':>8}  target"
+)
 
 
 def _line(row) -> str:
     bound = row.get("roofline_speedup_bound")
     vs = row.get("speedup_vs_torch_bsr")
-    text = (f"{row['op']:6} {row['dtype']:9} {row['block_size']:>4} {row['density']:>8.3f} {row['path']:7} "
-            f"{row.get('mode') or '-':9} {_ms(row.get('dense_s')):>9} {_ms(row.get('sparse_s')):>10} "
-            f"{_num(row.get('efficiency'), '7.2f'):>7} {_num(row.get('speedup'), '8.2f'):>8} "
-            f"{(f'{bound:.1f}' if bound else 'n/a'):>6} {_ms(row.get('dense_path_s')):>9} "
-            f"{_ms(row.get('sparse_call_s')):>8} {_num(row.get('call_efficiency'), '8.2f'):>8} "
-            f"{_ms(row.get('torch_bsr_s')):>9} {(f'{vs:.2f}x' if vs else '-'):>8} "
-            f"{_ms(row.get('jax_bcoo_s')):>8} {_ms(row.get('reference_s')):>8}  {row.get('target') or '-'}")
+    text = (
+        f"{row['op']:6} {row['dtype']:9} {row['block_size']:>4} {row['density']:>8.3f} {row['path']:7} "
+        f"{row.get('mode') or '-':9} {_ms(row.get('dense_s')):>9} {_ms(row.get('sparse_s')):>10} "
+        f"{_num(row.get('efficiency'), '7.2f'):>7} {_num(row.get('speedup'), '8.2f'):>8} "
+        f"{(f'{bound:.1f}' if bound else 'n/a'):>6} {_ms(row.get('dense_path_s')):>9} "
+        f"{_ms(row.get('sparse_call_s')):>8} {_num(row.get('call_efficiency'), '8.2f'):>8} "
+        f"{_ms(row.get('torch_bsr_s')):>9} {(f'{vs:.2f}x' if vs else '-'):>8} "
+        f"{_ms(row.get('jax_bcoo_s')):>8} {_ms(row.get('reference_s')):>8}  {row.get('target') or '-'}"
+    )
     if row.get("error"):
         text += f"  ERROR {row['error']}"
     return text
@@ -564,17 +622,35 @@ class Bench:
         if (dtype, op) not in self.dense_times:  # the dense product's shapes do not depend on the layout
             _, dense1 = self.kernels[self.paths[0]].single[op]
             _, densek = self.kernels[self.paths[0]].chains[op]
-            self.dense_times[(dtype, op)] = (time_chain(densek, args.chain, *d_args, **timing),
-                                             time_calls(dense1, *d_args, **timing))
+            self.dense_times[(dtype, op)] = (
+                time_chain(densek, args.chain, *d_args, **timing),
+                time_calls(dense1, *d_args, **timing),
+            )
         dense_s, dense_call_s = self.dense_times[(dtype, op)]
-        out = dict(dense_s=dense_s, dense_call_s=dense_call_s, dense_path_s=None,
-                   roofline_speedup_bound=roofline_bound(op, c, k, n, layout.density, dtype, self.device_kind))
+        out = dict(
+            dense_s=dense_s,
+            dense_call_s=dense_call_s,
+            dense_path_s=None,
+            roofline_speedup_bound=roofline_bound(op, c, k, n, layout.density, dtype, self.device_kind),
+        )
         if self.dense_impl is not None:
             sparse_dense, _ = self.dense_impl.chains[op]
             out["dense_path_s"] = time_chain(sparse_dense, args.chain, *s_args, **timing)
         if self.platform == "gpu" and "torch_bsr" in args.peers:
-            out.update(torch_bsr_peer(op, c, k, n, bs, np.asarray(mask), dtype, repeats=args.repeats,
-                                      min_time=args.min_time, chain=args.chain))
+            out.update(
+                torch_bsr_peer(
+                    op,
+                    c,
+                    k,
+                    n,
+                    bs,
+                    np.asarray(mask),
+                    dtype,
+                    repeats=args.repeats,
+                    min_time=args.min_time,
+                    chain=args.chain,
+                )
+            )
         if self.platform == "gpu" and "jax_bcoo" in args.peers and op == "fprop":
             x, W = d_args
             W_masked = jbs.to_dense(jbs.from_dense(W, layout), layout)
@@ -591,10 +667,14 @@ class Bench:
         sparsek, _ = self.kernels[path].chains[op]
         chain_exe, target, lowered = compile_checked(sparsek, s_args, path)
         single_exe, single_target, _ = compile_checked(sparse1, s_args, path)
-        out = dict(path=path_of(target, self.platform, path), requested_path=path, target=target,
-                   mode=arithmetic_mode(dtype, target, lowered, self.platform),
-                   sparse_s=time_chain(chain_exe, args.chain, *s_args, **self.timing),
-                   sparse_call_s=time_calls(single_exe, *s_args, **self.timing))
+        out = dict(
+            path=path_of(target, self.platform, path),
+            requested_path=path,
+            target=target,
+            mode=arithmetic_mode(dtype, target, lowered, self.platform),
+            sparse_s=time_chain(chain_exe, args.chain, *s_args, **self.timing),
+            sparse_call_s=time_calls(single_exe, *s_args, **self.timing),
+        )
         if single_target != target:
             out["call_target"] = single_target
         return out
@@ -683,8 +763,9 @@ def run(args) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="parameter set; default 'gpu' on a GPU, else 'cpu'")
+    p.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None, help="parameter set; default 'gpu' on a GPU, else 'cpu'"
+    )
     p.add_argument("--size", type=int, nargs=3, metavar=("C", "K", "N"))
     p.add_argument("--block-sizes", type=int, nargs="+")
     p.add_argument("--densities", type=float, nargs="+")
@@ -696,11 +777,19 @@ def parse_args(argv=None):
     p.add_argument("--peers", nargs="*", choices=list(PEERS), help="peers to time beside (GPU only); default all")
     p.add_argument("--no-peers", dest="peers", action="store_const", const=[], help="no peers")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
-                   help="also time the pure-JAX reference lowering (default: on CPU only)")
-    p.add_argument("--deadline", type=float, default=None,
-                   help="start no new row after this many seconds from the start of the process "
-                        "(the JSON then says complete: false)")
+    p.add_argument(
+        "--reference",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time the pure-JAX reference lowering (default: on CPU only)",
+    )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="start no new row after this many seconds from the start of the process "
+        "(the JSON then says complete: false)",
+    )
     p.add_argument("--json", type=Path, help="write results here (rewritten after every row)")
     args = p.parse_args(argv)
     on_gpu = jax.devices()[0].platform == "gpu"

@@ -24,8 +24,19 @@ HEADLINE_DENSITY = 0.1
 OPS = ("fprop", "bprop", "updat")
 PATH_ORDER = ("ampere", "hopper", "native")
 ISOLATED_STEPS = ("gpu-tests", "training", "suite")  # steps run by tests/gpu/run_isolated.py
-HEADLINE_FIELDS = ("efficiency", "speedup", "call_efficiency", "roofline_speedup_bound", "sparse_s", "dense_s",
-                   "dense_path_s", "torch_bsr_s", "speedup_vs_torch_bsr", "target", "mode")
+HEADLINE_FIELDS = (
+    "efficiency",
+    "speedup",
+    "call_efficiency",
+    "roofline_speedup_bound",
+    "sparse_s",
+    "dense_s",
+    "dense_path_s",
+    "torch_bsr_s",
+    "speedup_vs_torch_bsr",
+    "target",
+    "mode",
+)
 
 
 def read_steps(out: Path) -> list[dict]:
@@ -39,9 +50,16 @@ def read_steps(out: Path) -> list[dict]:
         if len(parts) < 6 or parts[0] == "name":
             continue
         name, status, rc, secs, limit, log = parts[:6]
-        steps.append(dict(name=name, status=status, rc=int(rc) if rc.lstrip("-").isdigit() else None,
-                          seconds=float(secs) if secs else None, limit_s=int(limit) if limit.isdigit() else None,
-                          log=log))
+        steps.append(
+            dict(
+                name=name,
+                status=status,
+                rc=int(rc) if rc.lstrip("-").isdigit() else None,
+                seconds=float(secs) if secs else None,
+                limit_s=int(limit) if limit.isdigit() else None,
+                log=log,
+            )
+        )
     return steps
 
 
@@ -57,7 +75,7 @@ def _read_json(out: Path, name: str):
 
 
 def isolated_counts(out: Path, step: str) -> str | None:
-    """"J jobs: P passed, F fail, ...; tests: ..." from a run_isolated.py JSON."""
+    """ "J jobs: P passed, F fail, ...; tests: ..." from a run_isolated.py JSON."""
     report, why = _read_json(out, f"{step}.json")
     if report is None:
         return why
@@ -82,9 +100,11 @@ def sanitizer_counts(out: Path) -> str | None:
         passed = re.findall(r"(\d+) passed", text)
         failed = re.findall(r"(\d+) failed", text)
         errors = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+)", text)
-        parts.append(f"{tool}: {passed[-1] if passed else 0} passed"
-                     + (f", {failed[-1]} failed" if failed else "")
-                     + f", {errors[-1] if errors else '?'} errors")
+        parts.append(
+            f"{tool}: {passed[-1] if passed else 0} passed"
+            + (f", {failed[-1]} failed" if failed else "")
+            + f", {errors[-1] if errors else '?'} errors"
+        )
     return "; ".join(parts) or None
 
 
@@ -163,10 +183,19 @@ def failures(out: Path) -> list[dict]:
                 continue
             first = job.get("first_failure") or {}
             sanitizer = job.get("sanitizer") or {}
-            found.append(dict(step=step, job=job.get("id"), status=job.get("status"), test=first.get("test"),
-                              error=first.get("error"), cuda_error=job.get("cuda_error"),
-                              memcheck=sanitizer.get("status"), memcheck_report=sanitizer.get("first_report"),
-                              log=f"{step}/{job['log']}" if job.get("log") else None))
+            found.append(
+                dict(
+                    step=step,
+                    job=job.get("id"),
+                    status=job.get("status"),
+                    test=first.get("test"),
+                    error=first.get("error"),
+                    cuda_error=job.get("cuda_error"),
+                    memcheck=sanitizer.get("status"),
+                    memcheck_report=sanitizer.get("first_report"),
+                    log=f"{step}/{job['log']}" if job.get("log") else None,
+                )
+            )
     return found
 
 
@@ -201,8 +230,10 @@ def _headline_table(heads: list[dict]) -> list[str]:
     paths = [p for p in PATH_ORDER if any(p in h["paths"] for h in heads)]
     paths += sorted({p for h in heads for p in h["paths"]} - set(paths))
     cell = 12  # "0.12  1.18x"
-    lines = [f"bench, {HEADLINE_DTYPE}, density {HEADLINE_DENSITY}: efficiency (dense time x density / sparse "
-             "time) and speedup (dense time / sparse time), device time"]
+    lines = [
+        f"bench, {HEADLINE_DTYPE}, density {HEADLINE_DENSITY}: efficiency (dense time x density / sparse "
+        "time) and speedup (dense time / sparse time), device time"
+    ]
     top = f"{'':>4} " + " | ".join(f"{p:^{3 * cell + 2}}" for p in paths)
     sub = f"{'bs':>4} " + " | ".join(" ".join(f"{op:>{cell}}" for op in OPS) for _ in paths)
     lines += [top, sub]
@@ -210,14 +241,20 @@ def _headline_table(heads: list[dict]) -> list[str]:
         cells = []
         for p in paths:
             ops = h["paths"].get(p, {})
-            cells.append(" ".join(f"{_f(ops.get(op, {}).get('efficiency'), '.2f')} "
-                                  f"{_f(ops.get(op, {}).get('speedup'), '.2f')}x".rjust(cell) for op in OPS))
+            cells.append(
+                " ".join(
+                    f"{_f(ops.get(op, {}).get('efficiency'), '.2f')} "
+                    f"{_f(ops.get(op, {}).get('speedup'), '.2f')}x".rjust(cell)
+                    for op in OPS
+                )
+            )
         lines.append(f"{h['block_size']:>4} " + " | ".join(cells))
     return lines
 
 
-def render(out: Path, steps: list[dict], heads: list[dict], meta: str, failed_tests: list[dict],
-           left: dict[str, list[str]]) -> str:
+def render(
+    out: Path, steps: list[dict], heads: list[dict], meta: str, failed_tests: list[dict], left: dict[str, list[str]]
+) -> str:
     lines = []
     if meta:
         keep = [m for m in meta.splitlines() if m.split(":")[0] in ("date", "commit", "gpu", "cuda_arch")]
@@ -226,8 +263,10 @@ def render(out: Path, steps: list[dict], heads: list[dict], meta: str, failed_te
     lines += [head, "-" * 100]
     for s in steps:
         counts = COUNTS.get(s["name"], lambda _: None)(out) or ""
-        lines.append(f"{s['name']:12} {s['status']:8} {_f(s['rc'], 'd'):>4} {_f(s['seconds'], '8.1f')} "
-                     f"{_f(s['limit_s'], 'd'):>6}  {counts}")
+        lines.append(
+            f"{s['name']:12} {s['status']:8} {_f(s['rc'], 'd'):>4} {_f(s['seconds'], '8.1f')} "
+            f"{_f(s['limit_s'], 'd'):>6}  {counts}"
+        )
     total = sum(s["seconds"] or 0 for s in steps)
     lines.append(f"{'total':12} {'':8} {'':>4} {total:8.1f}")
     if failed_tests:
@@ -239,13 +278,14 @@ def render(out: Path, steps: list[dict], heads: list[dict], meta: str, failed_te
             elif f.get("memcheck"):
                 lines.append(f"      memcheck: {f['memcheck']}")
     for step, ids in left.items():
-        lines.append(f"  [{step}] not run (budget spent): {len(ids)} job(s): {', '.join(ids[:6])}"
-                     + (" ..." if len(ids) > 6 else ""))
+        lines.append(
+            f"  [{step}] not run (budget spent): {len(ids)} job(s): {', '.join(ids[:6])}"
+            + (" ..." if len(ids) > 6 else "")
+        )
     if heads:
         lines += [""] + _headline_table(heads)
     failed = [s["name"] for s in steps if s["status"] != "pass"]
-    lines += ["", f"FAILED steps: {', '.join(failed)}" if failed else
-              ("all steps passed" if steps else "no step ran")]
+    lines += ["", f"FAILED steps: {', '.join(failed)}" if failed else ("all steps passed" if steps else "no step ran")]
     return "\n".join(lines)
 
 
@@ -261,10 +301,13 @@ def main(argv=None) -> int:
     left = not_run(out)
     meta = (out / "meta.txt").read_text(errors="replace") if (out / "meta.txt").exists() else ""
     print(render(out, steps, heads, meta, failed_tests, left))
-    summary = dict(steps=[dict(s, counts=COUNTS.get(s["name"], lambda _: None)(out)) for s in steps],
-                   failures=failed_tests, not_run=left,
-                   headline=dict(dtype=HEADLINE_DTYPE, density=HEADLINE_DENSITY, rows=heads),
-                   passed=bool(steps) and all(s["status"] == "pass" for s in steps))
+    summary = dict(
+        steps=[dict(s, counts=COUNTS.get(s["name"], lambda _: None)(out)) for s in steps],
+        failures=failed_tests,
+        not_run=left,
+        headline=dict(dtype=HEADLINE_DTYPE, density=HEADLINE_DENSITY, rows=heads),
+        passed=bool(steps) and all(s["status"] == "pass" for s in steps),
+    )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return 0 if summary["passed"] else 1
 

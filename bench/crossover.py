@@ -41,8 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 PACKAGE_TABLE = ROOT / "jax_blocksparse" / "crossovers.json"
 ROW_FIELDS = ("op", "block_size", "density", "target", "mode", "sparse_s")
-ABOUT = ("Written by bench/crossover.py from the results under bench/results/: do not edit. "
-         "crossover: the block density above which the dense product beats the kernel.")
+ABOUT = (
+    "Written by bench/crossover.py from the results under bench/results/: do not edit. "
+    "crossover: the block density above which the dense product beats the kernel."
+)
 DIGITS = 3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
@@ -74,7 +76,8 @@ def _platform(report) -> str:
 def crossover_rows(report) -> list[dict]:
     """The rows of a bench report that a crossover can be computed from (fields above)."""
     return [
-        r for r in report.get("results", [])
+        r
+        for r in report.get("results", [])
         if all(r.get(f) is not None for f in ROW_FIELDS) and (r.get("dense_path_s") or r.get("dense_s"))
     ]
 
@@ -87,8 +90,15 @@ def entries_of(report, source: str) -> list[dict]:
         key = (_platform(report), report["device_kind"], r["target"], r["mode"], int(r["block_size"]))
         groups.setdefault(key, []).append((float(r["density"]), dense / r["sparse_s"]))
     return [
-        dict(platform=p, device_kind=kind, target=t, mode=m, block_size=bs,
-             crossover=crossover_density(points), source=source)
+        dict(
+            platform=p,
+            device_kind=kind,
+            target=t,
+            mode=m,
+            block_size=bs,
+            crossover=crossover_density(points),
+            source=source,
+        )
         for (p, kind, t, m, bs), points in sorted(groups.items())
     ]
 
@@ -131,8 +141,10 @@ def package_table() -> dict:
 def _summary(table) -> str:
     lines = [f"{len(table['entries'])} entries"]
     for e in table["entries"]:
-        lines.append(f"  {e['platform']:5} {e['device_kind'][:28]:28} {e['target']:22} {e['mode']:9} "
-                     f"bs {e['block_size']:>3}: {e['crossover']:.3f}")
+        lines.append(
+            f"  {e['platform']:5} {e['device_kind'][:28]:28} {e['target']:22} {e['mode']:9} "
+            f"bs {e['block_size']:>3}: {e['crossover']:.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -140,8 +152,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="*", type=Path, help="bench/bsmm.py JSON files (not with --package)")
     p.add_argument("--out", type=Path, help="write the table of RESULTS here")
-    p.add_argument("--package", action="store_true",
-                   help="the table of every result under bench/results/, into jax_blocksparse/crossovers.json")
+    p.add_argument(
+        "--package",
+        action="store_true",
+        help="the table of every result under bench/results/, into jax_blocksparse/crossovers.json",
+    )
     p.add_argument("--check", action="store_true", help="with --package: only check the package's table")
     args = p.parse_args(argv)
     if args.package == bool(args.results):
@@ -153,8 +168,11 @@ def main(argv=None) -> int:
         if args.check:
             shipped = _read(PACKAGE_TABLE) if PACKAGE_TABLE.exists() else None
             if shipped != table:
-                print(f"{PACKAGE_TABLE.relative_to(ROOT)} is not the table of bench/results/: "
-                      "run python bench/crossover.py --package", file=sys.stderr)
+                print(
+                    f"{PACKAGE_TABLE.relative_to(ROOT)} is not the table of bench/results/: "
+                    "run python bench/crossover.py --package",
+                    file=sys.stderr,
+                )
                 return 1
             print(f"{PACKAGE_TABLE.relative_to(ROOT)} is up to date ({len(table['entries'])} entries)")
             return 0

@@ -50,8 +50,6 @@ def per_call_us(fn, *args, calls: int, repeats: int = 5) -> float:
     return best * 1e6
 
 
-
-
 def measure(calls: int, block_size: int = 16, grid=(4, 4), rows: int = 8) -> list[dict]:
     mask = np.random.default_rng(0).random(grid) < 0.5
     layout = jbs.Layout.from_mask(mask, block_size)
@@ -70,14 +68,26 @@ def measure(calls: int, block_size: int = 16, grid=(4, 4), rows: int = 8) -> lis
         as_argument = per_call_us(jax.jit(sparse), x, w, dy, layout, calls=calls)
         closed = per_call_us(jax.jit(lambda x, w, dy, s=sparse: s(x, w, dy, layout)), x, w, dy, calls=calls)
         # keep_unused: the extra arguments reach the executable, as the layout's tables do.
-        dense_many = per_call_us(jax.jit(lambda x, W, dy, *unused, d=dense: d(x, W, dy), keep_unused=True),
-                                 x, dense_w, dy, *tables, calls=calls)
+        dense_many = per_call_us(
+            jax.jit(lambda x, W, dy, *unused, d=dense: d(x, W, dy), keep_unused=True),
+            x,
+            dense_w,
+            dy,
+            *tables,
+            calls=calls,
+        )
         dense_few = per_call_us(jax.jit(dense), x, dense_w, dy, calls=calls)
-        rows_out.append(dict(
-            op=name, bsmm_layout_argument_us=as_argument, dense_same_arguments_us=dense_many,
-            bsmm_layout_closed_over_us=closed, dense_us=dense_few,
-            ratio_argument=as_argument / dense_many, ratio_closed_over=closed / dense_few,
-        ))
+        rows_out.append(
+            dict(
+                op=name,
+                bsmm_layout_argument_us=as_argument,
+                dense_same_arguments_us=dense_many,
+                bsmm_layout_closed_over_us=closed,
+                dense_us=dense_few,
+                ratio_argument=as_argument / dense_many,
+                ratio_closed_over=closed / dense_few,
+            )
+        )
     return rows_out
 
 
@@ -88,21 +98,39 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     rows = measure(args.calls)
-    print(f"host time per jitted call, {device.platform} ({device.device_kind}); "
-          f"bsmm path: {paths.describe_path(device.platform)}")
-    print(f"{'op':6} {'bsmm(arg) us':>13} {'dot(same #args) us':>19} {'ratio':>6}   "
-          f"{'bsmm(closed) us':>16} {'dot us':>7} {'ratio':>6}")
+    print(
+        f"host time per jitted call, {device.platform} ({device.device_kind}); "
+        f"bsmm path: {paths.describe_path(device.platform)}"
+    )
+    print(
+        f"{'op':6} {'bsmm(arg) us':>13} {'dot(same #args) us':>19} {'ratio':>6}   "
+        f"{'bsmm(closed) us':>16} {'dot us':>7} {'ratio':>6}"
+    )
     for r in rows:
-        print(f"{r['op']:6} {r['bsmm_layout_argument_us']:13.1f} {r['dense_same_arguments_us']:19.1f} "
-              f"{r['ratio_argument']:6.2f}   {r['bsmm_layout_closed_over_us']:16.1f} {r['dense_us']:7.1f} "
-              f"{r['ratio_closed_over']:6.2f}")
+        print(
+            f"{r['op']:6} {r['bsmm_layout_argument_us']:13.1f} {r['dense_same_arguments_us']:19.1f} "
+            f"{r['ratio_argument']:6.2f}   {r['bsmm_layout_closed_over_us']:16.1f} {r['dense_us']:7.1f} "
+            f"{r['ratio_closed_over']:6.2f}"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(
-            benchmark="dispatch", device=f"{device.platform}:{device.device_kind}", host=platform.node(),
-            cpu_count=__import__("os").cpu_count(), jax=jax.__version__, commit=git_commit(),
-            date=datetime.date.today().isoformat(), calls=args.calls, rows=rows,
-        ), indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                dict(
+                    benchmark="dispatch",
+                    device=f"{device.platform}:{device.device_kind}",
+                    host=platform.node(),
+                    cpu_count=__import__("os").cpu_count(),
+                    jax=jax.__version__,
+                    commit=git_commit(),
+                    date=datetime.date.today().isoformat(),
+                    calls=args.calls,
+                    rows=rows,
+                ),
+                indent=2,
+            )
+            + "\n"
+        )
         print(f"wrote {args.json}")
 
 

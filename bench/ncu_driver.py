@@ -41,8 +41,17 @@ def problems(args) -> list[dict]:
             if c % bs or k % bs:
                 continue
             for op in args.ops:
-                out.append(dict(index=len(out), op=op, family=FAMILY[op], dtype=dtype, block_size=bs,
-                                density=args.density, size=dict(C=c, K=k, N=n)))
+                out.append(
+                    dict(
+                        index=len(out),
+                        op=op,
+                        family=FAMILY[op],
+                        dtype=dtype,
+                        block_size=bs,
+                        density=args.density,
+                        size=dict(C=c, K=k, N=n),
+                    )
+                )
     return out
 
 
@@ -78,8 +87,10 @@ def run(args, plan: list[dict]) -> list[dict]:
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*operands))
         p["wall_s"] = time.perf_counter() - t0
-        print(f"{p['index']:3d} {op:6} {dtype:9} bs={bs:<4d} nnz={p['nnz']:<6d} {p['wall_s'] * 1e3:9.3f} ms (wall)",
-              flush=True)
+        print(
+            f"{p['index']:3d} {op:6} {dtype:9} bs={bs:<4d} nnz={p['nnz']:<6d} {p['wall_s'] * 1e3:9.3f} ms (wall)",
+            flush=True,
+        )
     return plan
 
 
@@ -88,11 +99,16 @@ def parse_args(argv=None):
     p.add_argument("--size", type=int, nargs=3, metavar=("C", "K", "N"), default=[4096, 4096, 4096])
     p.add_argument("--density", type=float, default=0.1)
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64, 128])
-    p.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float16", "float32"],
-                   default=["bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--dtypes", nargs="+", choices=["bfloat16", "float16", "float32"], default=["bfloat16", "float16", "float32"]
+    )
     p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
-    p.add_argument("--impl", choices=jbs.config.IMPLEMENTATIONS, default="kernels",
-                   help="implementation to trace with (default kernels: the reference launches no jbs kernel)")
+    p.add_argument(
+        "--impl",
+        choices=jbs.config.IMPLEMENTATIONS,
+        default="kernels",
+        help="implementation to trace with (default kernels: the reference launches no jbs kernel)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--problems", type=Path, help="write the problems, in launch order, here (JSON)")
     return p.parse_args(argv)
@@ -101,8 +117,12 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     plan = problems(args)
-    meta = dict(device=str(jax.devices()[0]), device_kind=getattr(jax.devices()[0], "device_kind", ""),
-                impl=args.impl, problems=plan)
+    meta = dict(
+        device=str(jax.devices()[0]),
+        device_kind=getattr(jax.devices()[0], "device_kind", ""),
+        impl=args.impl,
+        problems=plan,
+    )
     if args.problems:
         args.problems.parent.mkdir(parents=True, exist_ok=True)
         args.problems.write_text(json.dumps(meta, indent=2))

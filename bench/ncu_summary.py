@@ -40,15 +40,35 @@ METRICS = (DURATION, OCCUPANCY, TENSOR, DRAM, REGISTERS)
 
 # The hand-made summary's columns (ncu_kernels.csv of the 2026-11-22 H100 run;
 # tests/data/ncu_kernels_h100_excerpt.csv is its first lines).
-SUMMARY_COLUMNS = {"duration_ns": (DURATION, "nsecond"), "warps_active_pct": (OCCUPANCY, "%"),
-                   "tensor_pipe_pct": (TENSOR, "%"), "dram_pct": (DRAM, "%"), "regs": (REGISTERS, "register")}
+SUMMARY_COLUMNS = {
+    "duration_ns": (DURATION, "nsecond"),
+    "warps_active_pct": (OCCUPANCY, "%"),
+    "tensor_pipe_pct": (TENSOR, "%"),
+    "dram_pct": (DRAM, "%"),
+    "regs": (REGISTERS, "register"),
+}
 KERNEL_COLUMNS = ("Kernel Name", "Function Name", "Demangled Name", "kernel")
 
-TIME_TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "\u00b5s": 1.0, "ms": 1e3, "msecond": 1e3,
-              "s": 1e6, "second": 1e6}
+TIME_TO_US = {
+    "ns": 1e-3,
+    "nsecond": 1e-3,
+    "us": 1.0,
+    "usecond": 1.0,
+    "\u00b5s": 1.0,
+    "ms": 1e3,
+    "msecond": 1e3,
+    "s": 1e6,
+    "second": 1e6,
+}
 
-DTYPES = {"__nv_bfloat16": "bfloat16", "nv_bfloat16": "bfloat16", "bfloat16": "bfloat16", "__half": "float16",
-          "half": "float16", "float": "float32"}
+DTYPES = {
+    "__nv_bfloat16": "bfloat16",
+    "nv_bfloat16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "__half": "float16",
+    "half": "float16",
+    "float": "float32",
+}
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
@@ -77,13 +97,13 @@ def read_launches(text: str) -> tuple[str, list[dict]]:
     rows = _csv_rows(text)
     for i, row in enumerate(rows):
         if row and row[0] == "kernel" and "duration_ns" in row:
-            return "summary", _summary_launches(row, rows[i + 1:])
+            return "summary", _summary_launches(row, rows[i + 1 :])
         kernel_col = next((c for c in KERNEL_COLUMNS if c in row), None)
         if kernel_col is None:
             continue
         if "Metric Name" in row and "Metric Value" in row:
-            return "details", _details_launches(row, rows[i + 1:], kernel_col)
-        return "raw", _raw_launches(row, rows[i + 1:], kernel_col)
+            return "details", _details_launches(row, rows[i + 1 :], kernel_col)
+        return "raw", _raw_launches(row, rows[i + 1 :], kernel_col)
     return "none", []
 
 
@@ -100,11 +120,18 @@ def _raw_launches(header, rows, kernel_col):
         if not row[k].strip() and not units:  # the units row: no kernel name
             units = {name: row[j] for name, j in idx.items()}
             continue
-        metrics = {name: (row[j], units.get(name, "")) for name, j in idx.items()
-                   if "__" in name}  # metric names look like unit__counter.rollup
-        launches.append(dict(id=row[idx["ID"]] if "ID" in idx else str(len(launches)), kernel=row[k],
-                             block=row[idx["Block Size"]] if "Block Size" in idx else "",
-                             grid=row[idx["Grid Size"]] if "Grid Size" in idx else "", metrics=metrics))
+        metrics = {
+            name: (row[j], units.get(name, "")) for name, j in idx.items() if "__" in name
+        }  # metric names look like unit__counter.rollup
+        launches.append(
+            dict(
+                id=row[idx["ID"]] if "ID" in idx else str(len(launches)),
+                kernel=row[k],
+                block=row[idx["Block Size"]] if "Block Size" in idx else "",
+                grid=row[idx["Grid Size"]] if "Grid Size" in idx else "",
+                metrics=metrics,
+            )
+        )
     return launches
 
 
@@ -117,10 +144,16 @@ def _details_launches(header, rows, kernel_col):
             continue
         try:
             key = (row[idx["ID"]] if "ID" in idx else "0", row[idx.get("Process ID", idx[kernel_col])])
-            launch = by_id.setdefault(key, dict(id=key[0], kernel=row[idx[kernel_col]],
-                                                block=row[idx["Block Size"]] if "Block Size" in idx else "",
-                                                grid=row[idx["Grid Size"]] if "Grid Size" in idx else "",
-                                                metrics={}))
+            launch = by_id.setdefault(
+                key,
+                dict(
+                    id=key[0],
+                    kernel=row[idx[kernel_col]],
+                    block=row[idx["Block Size"]] if "Block Size" in idx else "",
+                    grid=row[idx["Grid Size"]] if "Grid Size" in idx else "",
+                    metrics={},
+                ),
+            )
             launch["metrics"][row[idx["Metric Name"]]] = (row[idx["Metric Value"]], row[idx["Metric Unit"]])
         except (IndexError, KeyError):
             continue
@@ -134,9 +167,15 @@ def _summary_launches(header, rows):
         if len(row) != len(header):
             continue
         metrics = {metric: (row[idx[col]], unit) for col, (metric, unit) in SUMMARY_COLUMNS.items() if col in idx}
-        launches.append(dict(id=str(len(launches)), kernel=row[idx["kernel"]].replace(";", ","),
-                             block=row[idx["block"]] if "block" in idx else "",
-                             grid=row[idx["grid"]] if "grid" in idx else "", metrics=metrics))
+        launches.append(
+            dict(
+                id=str(len(launches)),
+                kernel=row[idx["kernel"]].replace(";", ","),
+                block=row[idx["block"]] if "block" in idx else "",
+                grid=row[idx["grid"]] if "grid" in idx else "",
+                metrics=metrics,
+            )
+        )
     return launches
 
 
@@ -199,56 +238,88 @@ def summarize(launches: list[dict], problems: list[dict] | None = None) -> dict:
             warnings.append(f"{len(jbs_launches)} jbs launches for {len(problems)} problems: paired by kernel name")
         free = list(problems or [])
         for info in parsed:
-            hit = next((p for p in free if (p["op"], p["dtype"], p["block_size"]) ==
-                        (info["op"], info["dtype"], info["block_size"])), None)
+            hit = next(
+                (
+                    p
+                    for p in free
+                    if (p["op"], p["dtype"], p["block_size"]) == (info["op"], info["dtype"], info["block_size"])
+                ),
+                None,
+            )
             if hit is not None:
                 free.remove(hit)
             pairs.append(hit)
     rows = []
     for launch, info, problem in zip(jbs_launches, parsed, pairs):
         m = launch["metrics"]
-        row = dict(kernel=info["short"], kernel_full=launch["kernel"],
-                   op=(problem or {}).get("op", info["op"]), dtype=(problem or {}).get("dtype", info["dtype"]),
-                   block_size=(problem or {}).get("block_size", info["block_size"]),
-                   density=(problem or {}).get("density"), nnz=(problem or {}).get("nnz"),
-                   duration_us=_value(m, DURATION), occupancy_pct=_value(m, OCCUPANCY),
-                   tensor_pipe_pct=_value(m, TENSOR), dram_pct=_value(m, DRAM),
-                   registers=_value(m, REGISTERS), grid=launch["grid"], block=launch["block"])
+        row = dict(
+            kernel=info["short"],
+            kernel_full=launch["kernel"],
+            op=(problem or {}).get("op", info["op"]),
+            dtype=(problem or {}).get("dtype", info["dtype"]),
+            block_size=(problem or {}).get("block_size", info["block_size"]),
+            density=(problem or {}).get("density"),
+            nnz=(problem or {}).get("nnz"),
+            duration_us=_value(m, DURATION),
+            occupancy_pct=_value(m, OCCUPANCY),
+            tensor_pipe_pct=_value(m, TENSOR),
+            dram_pct=_value(m, DRAM),
+            registers=_value(m, REGISTERS),
+            grid=launch["grid"],
+            block=launch["block"],
+        )
         if problem is not None:
             said = {f: info[f] for f in ("op", "dtype", "block_size") if info[f] is not None}
             wrong = {f: v for f, v in said.items() if v != problem[f]}
             if wrong:
                 row["name_disagrees"] = wrong
-                warnings.append(f"launch {launch['id']} ({info['short']}) paired with problem {problem['index']} "
-                                f"({problem['op']} {problem['dtype']} bs={problem['block_size']}), name says {wrong}")
+                warnings.append(
+                    f"launch {launch['id']} ({info['short']}) paired with problem {problem['index']} "
+                    f"({problem['op']} {problem['dtype']} bs={problem['block_size']}), name says {wrong}"
+                )
         rows.append(row)
-    missing = [name for name in METRICS if rows and all(_value(launch["metrics"], name) is None
-                                                       for launch in jbs_launches)]
+    missing = [
+        name for name in METRICS if rows and all(_value(launch["metrics"], name) is None for launch in jbs_launches)
+    ]
     if missing:
         warnings.append(f"metrics without values: {', '.join(missing)}")
-    return dict(launches=len(launches), jbs_launches=len(jbs_launches), problems=len(problems or []),
-                matched_by=matched_by, rows=rows, warnings=warnings)
+    return dict(
+        launches=len(launches),
+        jbs_launches=len(jbs_launches),
+        problems=len(problems or []),
+        matched_by=matched_by,
+        rows=rows,
+        warnings=warnings,
+    )
 
 
 def table(rows: list[dict]) -> str:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    head = (f"{'kernel':44} {'op':6} {'dtype':9} {'bs':>4} {'duration us':>11} {'occupancy %':>11} "
-            f"{'tensor %':>8} {'DRAM %':>7} {'regs':>5}")
+    head = (
+        f"{'kernel':44} {'op':6} {'dtype':9} {'bs':>4} {'duration us':>11} {'occupancy %':>11} "
+        f"{'tensor %':>8} {'DRAM %':>7} {'regs':>5}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['kernel'][:44]:44} {r['op'] or '-':6} {r['dtype'] or '-':9} {f(r['block_size'], 'd'):>4} "
-                     f"{f(r['duration_us'], '.1f'):>11} {f(r['occupancy_pct'], '.1f'):>11} "
-                     f"{f(r['tensor_pipe_pct'], '.1f'):>8} {f(r['dram_pct'], '.1f'):>7} {f(r['registers'], '.0f'):>5}")
+        lines.append(
+            f"{r['kernel'][:44]:44} {r['op'] or '-':6} {r['dtype'] or '-':9} {f(r['block_size'], 'd'):>4} "
+            f"{f(r['duration_us'], '.1f'):>11} {f(r['occupancy_pct'], '.1f'):>11} "
+            f"{f(r['tensor_pipe_pct'], '.1f'):>8} {f(r['dram_pct'], '.1f'):>7} {f(r['registers'], '.0f'):>5}"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("csv", type=Path, nargs="+",
-                   help="ncu's CSV output; with several files, the first that holds launches is read "
-                        "(e.g. the --log-file, then the console log)")
+    p.add_argument(
+        "csv",
+        type=Path,
+        nargs="+",
+        help="ncu's CSV output; with several files, the first that holds launches is read "
+        "(e.g. the --log-file, then the console log)",
+    )
     p.add_argument("--problems", type=Path, help="bench/ncu_driver.py --problems JSON (skipped if missing)")
     p.add_argument("--json", type=Path, help="write the summary here")
     p.add_argument("--min-rows", type=int, default=1, help="exit 1 with fewer jbs rows than this (default 1)")
@@ -272,8 +343,11 @@ def main(argv=None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
     if len(summary["rows"]) < args.min_rows:
-        print(f"ncu_summary: {len(summary['rows'])} jbs kernel rows in {', '.join(map(str, args.csv))}, "
-              f"expected at least {args.min_rows}", file=sys.stderr)
+        print(
+            f"ncu_summary: {len(summary['rows'])} jbs kernel rows in {', '.join(map(str, args.csv))}, "
+            f"expected at least {args.min_rows}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -84,29 +84,53 @@ MODELS = ("mlp", "lstm")
 
 PRESETS = {
     # The sizes of the GPU measurement: MLP 4 x 8192, batch 8192; LSTM 4096, T = 64.
-    "full": dict(mlp_hidden=8192, mlp_layers=4, mlp_batch=8192, lstm_hidden=4096, lstm_input=None,
-                 lstm_steps=64, lstm_batch=64, block_sizes=[32, 64, 128], densities=[1.0, 0.25, 0.1, 0.05],
-                 steps=10, warmup=2),
+    "full": dict(
+        mlp_hidden=8192,
+        mlp_layers=4,
+        mlp_batch=8192,
+        lstm_hidden=4096,
+        lstm_input=None,
+        lstm_steps=64,
+        lstm_batch=64,
+        block_sizes=[32, 64, 128],
+        densities=[1.0, 0.25, 0.1, 0.05],
+        steps=10,
+        warmup=2,
+    ),
     # About 35 s of CPU time on a 2-core CPU (26 rows), most of it compiling.
-    "quick": dict(mlp_hidden=512, mlp_layers=4, mlp_batch=256, lstm_hidden=512, lstm_input=None,
-                  lstm_steps=8, lstm_batch=32, block_sizes=[32, 64, 128], densities=[1.0, 0.25, 0.1, 0.05],
-                  steps=7, warmup=2),
+    "quick": dict(
+        mlp_hidden=512,
+        mlp_layers=4,
+        mlp_batch=256,
+        lstm_hidden=512,
+        lstm_input=None,
+        lstm_steps=8,
+        lstm_batch=32,
+        block_sizes=[32, 64, 128],
+        densities=[1.0, 0.25, 0.1, 0.05],
+        steps=7,
+        warmup=2,
+    ),
 }
 
 DTYPES = ("bfloat16", "float16", "float32")
 
 BASELINES = {
     "mlp": "flax.linen.Dense layers of the same widths (same dtype, float32 params, same Adam)",
-    "lstm": ("DenseLSTM: the same cell math (flax LSTMCell, gates i,f,g,o, float32 state) with dense "
-             "jnp.matmul products: one input projection over all T steps, one [B,H]x[H,4H] product per "
-             "step, and the fused layer's backward pass (one weight-gradient product over all T*B rows)"),
+    "lstm": (
+        "DenseLSTM: the same cell math (flax LSTMCell, gates i,f,g,o, float32 state) with dense "
+        "jnp.matmul products: one input projection over all T steps, one [B,H]x[H,4H] product per "
+        "step, and the fused layer's backward pass (one weight-gradient product over all T*B rows)"
+    ),
 }
 
 SPARSE = {
     "mlp": "jbs.nn.BlockSparseDense layers, each a random layout (jbs.layouts.random) at the row's density",
-    "lstm": ("jbs.nn.BlockSparseLSTM (fused) of a BlockSparseLSTMCell with layer_norm=False, internal_steps=0: "
-             "random per-gate recurrent layout [H/bs, 4H/bs] and random block-sparse input projection "
-             "[D/bs, 4H/bs], both at the row's density"),
+    "lstm": (
+        "jbs.nn.BlockSparseLSTM (fused) of a BlockSparseLSTMCell with layer_norm=False, internal_steps=0: "
+        "random per-gate recurrent layout [H/bs, 4H/bs] and random block-sparse input projection "
+        "[D/bs, 4H/bs], both at the row's density"
+    ),
 }
 
 _F32 = jnp.float32
@@ -136,8 +160,9 @@ class MLP(nn.Module):
             if self.masks is None:
                 x = nn.Dense(self.hidden, dtype=self.dtype, param_dtype=_F32, name=f"layer{i}")(x)
             else:
-                x = jbs.nn.BlockSparseDense(self.hidden, self.masks[i], self.block_size, dtype=self.dtype,
-                                            param_dtype=_F32, name=f"layer{i}")(x)
+                x = jbs.nn.BlockSparseDense(
+                    self.hidden, self.masks[i], self.block_size, dtype=self.dtype, param_dtype=_F32, name=f"layer{i}"
+                )(x)
             if i + 1 < self.layers:
                 x = nn.relu(x)
         return x
@@ -227,9 +252,15 @@ def sparse_lstm(hidden, in_features, block_size, density, dtype, seed):
     """The fused block-sparse LSTM of a row: random recurrent and input layouts at ``density``."""
     hb, db = hidden // block_size, in_features // block_size
     cell = jbs.nn.BlockSparseLSTMCell(
-        hidden, jbs.layouts.random((hb, 4 * hb), density, seed=seed), block_size,
+        hidden,
+        jbs.layouts.random((hb, 4 * hb), density, seed=seed),
+        block_size,
         input_mask=jbs.layouts.random((db, 4 * hb), density, seed=seed + 1),
-        layer_norm=False, internal_steps=0, dtype=dtype, param_dtype=_F32)
+        layer_norm=False,
+        internal_steps=0,
+        dtype=dtype,
+        param_dtype=_F32,
+    )
     return jbs.nn.BlockSparseLSTM(cell)
 
 
@@ -340,16 +371,19 @@ class Trainer:
 
     def summary(self, times) -> dict:
         """The row fields of this model from its timed steps' seconds."""
-        return dict(ms_per_step=1e3 * float(np.median(times)), step_ms=[1e3 * t for t in times],
-                    compile_s=self.compile_s, first_loss=self.first_loss, last_loss=float(self.loss),
-                    params=self.params)
+        return dict(
+            ms_per_step=1e3 * float(np.median(times)),
+            step_ms=[1e3 * t for t in times],
+            compile_s=self.compile_s,
+            first_loss=self.first_loss,
+            last_loss=float(self.loss),
+            params=self.params,
+        )
 
 
 # ---------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------
-
-
 
 
 def device_name(device) -> str:
@@ -383,21 +417,43 @@ def _sizes(args) -> dict:
 def header(args, device) -> dict:
     now = datetime.datetime.now(datetime.timezone.utc)
     return dict(
-        benchmark="train_step", device=str(device), device_kind=getattr(device, "device_kind", device.platform),
-        platform=device.platform, device_name=device_name(device), host=platform.node(), cpu_count=os.cpu_count(),
-        commit=git_commit(), date=now.date().isoformat(), datetime=now.isoformat(timespec="seconds"),
-        jax_version=jax.__version__, jax_blocksparse_version=jbs.__version__, flax_version=_version("flax"),
-        optax_version=optax.__version__, python=sys.version.split()[0],
-        implementation=jbs.config.get_implementation(), implementation_path=bsmm_path(device),
+        benchmark="train_step",
+        device=str(device),
+        device_kind=getattr(device, "device_kind", device.platform),
+        platform=device.platform,
+        device_name=device_name(device),
+        host=platform.node(),
+        cpu_count=os.cpu_count(),
+        commit=git_commit(),
+        date=now.date().isoformat(),
+        datetime=now.isoformat(timespec="seconds"),
+        jax_version=jax.__version__,
+        jax_blocksparse_version=jbs.__version__,
+        flax_version=_version("flax"),
+        optax_version=optax.__version__,
+        python=sys.version.split()[0],
+        implementation=jbs.config.get_implementation(),
+        implementation_path=bsmm_path(device),
         on_kernels=on_kernels(device),
-        preset=args.preset, dtype=args.dtype, param_dtype="float32",
-        optimizer=f"optax.adam({args.learning_rate})", models=args.models, sizes=_sizes(args),
-        block_sizes=args.block_sizes, densities=args.densities, seed=args.seed,
-        baselines={m: BASELINES[m] for m in args.models}, sparse_models={m: SPARSE[m] for m in args.models},
+        preset=args.preset,
+        dtype=args.dtype,
+        param_dtype="float32",
+        optimizer=f"optax.adam({args.learning_rate})",
+        models=args.models,
+        sizes=_sizes(args),
+        block_sizes=args.block_sizes,
+        densities=args.densities,
+        seed=args.seed,
+        baselines={m: BASELINES[m] for m in args.models},
+        sparse_models={m: SPARSE[m] for m in args.models},
         init="host_params: kernels normal with variance 1 / fan-in (size / output width), biases zero",
-        timing=dict(steps=args.steps, warmup=args.warmup, statistic="median",
-                    method="jax.jit(step, donate_argnums=0), compiled once; each timed step blocked on "
-                           "(new state, loss) with jax.block_until_ready; warmup steps not timed"),
+        timing=dict(
+            steps=args.steps,
+            warmup=args.warmup,
+            statistic="median",
+            method="jax.jit(step, donate_argnums=0), compiled once; each timed step blocked on "
+            "(new state, loss) with jax.block_until_ready; warmup steps not timed",
+        ),
     )
 
 
@@ -408,17 +464,19 @@ def _version(module) -> str | None:
         return None
 
 
-TABLE_HEADER = (f"{'model':5} {'kind':6} {'block':>5} {'density':>8} {'ms/step':>10} {'dense ms/step':>13} "
-                f"{'speedup':>8} {'loss first->last':>22}")
+TABLE_HEADER = (
+    f"{'model':5} {'kind':6} {'block':>5} {'density':>8} {'ms/step':>10} {'dense ms/step':>13} "
+    f"{'speedup':>8} {'loss first->last':>22}"
+)
 
 
 def table_line(row) -> str:
     block = "-" if row["block"] is None else str(row["block"])
-    return (f"{row['model']:5} {row['kind']:6} {block:>5} {row['density']:>8.3f} {row['ms_per_step']:>10.3f} "
-            f"{row['dense_ms_per_step']:>13.3f} {row['speedup']:>7.2f}x "
-            f"{row['first_loss']:>10.4g} ->{row['last_loss']:>10.4g}")
-
-
+    return (
+        f"{row['model']:5} {row['kind']:6} {block:>5} {row['density']:>8.3f} {row['ms_per_step']:>10.3f} "
+        f"{row['dense_ms_per_step']:>13.3f} {row['speedup']:>7.2f}x "
+        f"{row['first_loss']:>10.4g} ->{row['last_loss']:>10.4g}"
+    )
 
 
 def run(args) -> dict:
@@ -427,11 +485,15 @@ def run(args) -> dict:
     dtype = jnp.dtype(args.dtype)
     report = header(args, device)
     report.update(rows=[], complete=False, stopped=None)
-    print(f"train step, {device.platform} ({report['device_kind']}), {args.dtype} compute, preset "
-          f"{args.preset}; bsmm path: {report['implementation_path']}")
+    print(
+        f"train step, {device.platform} ({report['device_kind']}), {args.dtype} compute, preset "
+        f"{args.preset}; bsmm path: {report['implementation_path']}"
+    )
     if not report["on_kernels"]:
-        print("  note: the block-sparse rows run bsmm's pure-JAX reference lowering, not the native kernels "
-              "(JAX_BLOCKSPARSE_IMPL=kernels selects kernels not yet verified on this hardware)")
+        print(
+            "  note: the block-sparse rows run bsmm's pure-JAX reference lowering, not the native kernels "
+            "(JAX_BLOCKSPARSE_IMPL=kernels selects kernels not yet verified on this hardware)"
+        )
     for m in args.models:
         print(f"  {m} {report['sizes'][m]}: dense = {BASELINES[m]}")
     print(TABLE_HEADER)
@@ -444,13 +506,26 @@ def run(args) -> dict:
         dense.run(args.warmup - 1)
         dense_times = [dense.timed_step() for _ in range(args.steps)]
         dense_row = dense.summary(dense_times)
-        _add_row(report, args, dict(model=model_name, kind="dense", block=None, density=1.0, requested_density=1.0,
-                                    **dense_row, dense_ms_per_step=dense_row["ms_per_step"], speedup=1.0))
+        _add_row(
+            report,
+            args,
+            dict(
+                model=model_name,
+                kind="dense",
+                block=None,
+                density=1.0,
+                requested_density=1.0,
+                **dense_row,
+                dense_ms_per_step=dense_row["ms_per_step"],
+                speedup=1.0,
+            ),
+        )
         for bs in args.block_sizes:
             for density in args.densities:
                 if args.deadline is not None and time.perf_counter() - _T_START > args.deadline:
-                    report["stopped"] = (f"deadline of {args.deadline} s reached before {model_name} "
-                                         f"block={bs} density={density}")
+                    report["stopped"] = (
+                        f"deadline of {args.deadline} s reached before {model_name} block={bs} density={density}"
+                    )
                     break
                 model = build_model(model_name, args, dtype, bs, density)
                 sparse = Trainer(model, x, y, out_features=out_features, **setup)
@@ -464,10 +539,21 @@ def run(args) -> dict:
                     times["sparse"].append(sparse.timed_step())
                 row = sparse.summary(times["sparse"])
                 dense_ms = 1e3 * float(np.median(times["dense"]))
-                _add_row(report, args, dict(model=model_name, kind="sparse", block=bs, density=_model_density(model),
-                                            requested_density=density, **row, dense_ms_per_step=dense_ms,
-                                            dense_step_ms=[1e3 * t for t in times["dense"]],
-                                            speedup=dense_ms / row["ms_per_step"]))
+                _add_row(
+                    report,
+                    args,
+                    dict(
+                        model=model_name,
+                        kind="sparse",
+                        block=bs,
+                        density=_model_density(model),
+                        requested_density=density,
+                        **row,
+                        dense_ms_per_step=dense_ms,
+                        dense_step_ms=[1e3 * t for t in times["dense"]],
+                        speedup=dense_ms / row["ms_per_step"],
+                    ),
+                )
                 del sparse
             if report["stopped"]:
                 break
@@ -510,8 +596,16 @@ def _positive(name, value):
 
 def check_args(args):
     """Raises ValueError naming the argument when sizes, blocks or densities do not fit."""
-    for name in ("mlp_hidden", "mlp_layers", "mlp_batch", "lstm_hidden", "lstm_input", "lstm_steps",
-                 "lstm_batch", "steps"):
+    for name in (
+        "mlp_hidden",
+        "mlp_layers",
+        "mlp_batch",
+        "lstm_hidden",
+        "lstm_input",
+        "lstm_steps",
+        "lstm_batch",
+        "steps",
+    ):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
     if args.warmup < 1:
         raise ValueError(f"--warmup must be >= 1 (the first call compiles and runs), got {args.warmup}")
@@ -523,19 +617,23 @@ def check_args(args):
     for bs in args.block_sizes:
         if bs not in jbs.SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"--block-sizes must be among {', '.join(map(str, jbs.SUPPORTED_BLOCK_SIZES))}, got {bs}")
-        widths = {"mlp": [("--mlp-hidden", args.mlp_hidden)],
-                  "lstm": [("--lstm-hidden", args.lstm_hidden), ("--lstm-input", args.lstm_input)]}
+        widths = {
+            "mlp": [("--mlp-hidden", args.mlp_hidden)],
+            "lstm": [("--lstm-hidden", args.lstm_hidden), ("--lstm-input", args.lstm_input)],
+        }
         for m in args.models:
             for name, width in widths[m]:
                 if width % bs:
-                    raise ValueError(f"{name} ({width}) must be a multiple of every block size; "
-                                     f"{width} % {bs} = {width % bs}")
+                    raise ValueError(
+                        f"{name} ({width}) must be a multiple of every block size; {width} % {bs} = {width % bs}"
+                    )
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="sizes; default 'full' on a GPU, else 'quick'")
+    p.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None, help="sizes; default 'full' on a GPU, else 'quick'"
+    )
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--mlp-hidden", type=int)
     p.add_argument("--mlp-layers", type=int)
@@ -551,10 +649,18 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, help="untimed steps after compiling, the first included")
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--deadline", type=float, default=None,
-                   help="start no new row after this many seconds from the start of the process")
-    p.add_argument("--json", type=Path, default=None,
-                   help="write the results here (default bench/results/train_step-<device>-<date>.json)")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="start no new row after this many seconds from the start of the process",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="write the results here (default bench/results/train_step-<device>-<date>.json)",
+    )
     p.add_argument("--no-json", action="store_true", help="print the table only")
     args = p.parse_args(argv)
     device = jax.devices()[0]

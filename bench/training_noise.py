@@ -85,8 +85,14 @@ _BF16 = np.dtype(jnp.bfloat16)
 
 #: The second summation orders: name -> (parts, interleaved). The contraction's index i
 #: goes to part i // (n / parts) (blocks of consecutive indices) or, interleaved, i % parts.
-SPLITS = {"split_halves": (2, False), "split_even_odd": (2, True), "split_thirds": (3, False),
-          "split_quarters": (4, False), "split_mod4": (4, True), "split_eighths": (8, False)}
+SPLITS = {
+    "split_halves": (2, False),
+    "split_even_odd": (2, True),
+    "split_thirds": (3, False),
+    "split_quarters": (4, False),
+    "split_mod4": (4, True),
+    "split_eighths": (8, False),
+}
 #: Comparisons whose largest value is the floor: other orders of the same float32 accumulations.
 FLOOR_OF = (*SPLITS, "cpu_kernels")
 
@@ -161,8 +167,7 @@ def install_split_references() -> None:
 def _with_sub_jaxpr(params: dict, counter) -> dict:
     """``params`` of jit / scan with their ``jaxpr`` evaluated by :func:`eval_excess_precision`."""
     closed = params["jaxpr"]
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-             for v in closed.jaxpr.invars]
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in closed.jaxpr.invars]
     inner = jax.make_jaxpr(lambda *a: eval_excess_precision(closed.jaxpr, closed.consts, *a, counter=counter))(*avals)
     return dict(params, jaxpr=inner)
 
@@ -188,8 +193,7 @@ def eval_excess_precision(jaxpr, consts, *args, counter: dict | None = None):
             full = prim.bind(*invals, **dict(params, out_dtype=_F32))
             unrounded[eqn.outvars[0]] = full
             outs = [full.astype(jnp.bfloat16)]
-        elif (prim.name == "convert_element_type" and source in unrounded
-              and np.dtype(params["new_dtype"]) == _F32):
+        elif prim.name == "convert_element_type" and source in unrounded and np.dtype(params["new_dtype"]) == _F32:
             if counter is not None:
                 counter["collapsed"] = counter.get("collapsed", 0) + 1
             outs = [unrounded[source]]
@@ -275,8 +279,9 @@ def measure_model(name: str, steps: int = ts.STEPS, log=None) -> dict:
         out[dtype]["cpu_kernels"] = differences(problem, compiled[dtype, "kernels"], base)
     f32 = problems["float32"]
     out["bfloat16"]["bf16_vs_f32"] = differences(f32, compiled["bfloat16", "reference"], runs["float32", "reference"])
-    out["bfloat16"]["excess_precision"] = differences(problems["bfloat16"], compiled["bfloat16", "kernels"],
-                                                      emulated_run)
+    out["bfloat16"]["excess_precision"] = differences(
+        problems["bfloat16"], compiled["bfloat16", "kernels"], emulated_run
+    )
     return out
 
 
@@ -310,7 +315,7 @@ def run_model(model: str, steps: int, timeout: float) -> dict:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ts.REPO_ROOT)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER):])
+            return json.loads(line[len(RESULT_MARKER) :])
     raise RuntimeError(f"{model}: the child printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 
 

@@ -73,8 +73,8 @@ void RowsAndFeatures(const ffi::AnyBuffer& b, int64_t* rows, int64_t* features) 
 }  // namespace
 
 ffi::Error CheckTables(const char* op, const ffi::AnyBuffer& block_rows, const ffi::AnyBuffer& block_cols,
-                       const ffi::AnyBuffer& col_ptr, const ffi::AnyBuffer& row_ptr,
-                       const ffi::AnyBuffer& row_slots, Tables* t) {
+                       const ffi::AnyBuffer& col_ptr, const ffi::AnyBuffer& row_ptr, const ffi::AnyBuffer& row_slots,
+                       Tables* t) {
   const ffi::AnyBuffer* all[] = {&block_rows, &block_cols, &col_ptr, &row_ptr, &row_slots};
   const char* names[] = {"block_rows", "block_cols", "col_ptr", "row_ptr", "row_slots"};
   for (int i = 0; i < 5; ++i) {
@@ -87,12 +87,12 @@ ffi::Error CheckTables(const char* op, const ffi::AnyBuffer& block_rows, const f
   t->kb = col_ptr.dimensions()[0] - 1;
   t->cb = row_ptr.dimensions()[0] - 1;
   if (t->kb < 0 || t->cb < 0) {
-    return Invalid(op, "col_ptr and row_ptr need at least one entry, got " + ShapeStr(col_ptr) +
-                           " and " + ShapeStr(row_ptr));
+    return Invalid(
+        op, "col_ptr and row_ptr need at least one entry, got " + ShapeStr(col_ptr) + " and " + ShapeStr(row_ptr));
   }
   if (block_cols.dimensions()[0] != t->cap || row_slots.dimensions()[0] != t->cap) {
-    return Invalid(op, "block_rows, block_cols and row_slots must all be [capacity], got " +
-                           ShapeStr(block_rows) + ", " + ShapeStr(block_cols) + ", " + ShapeStr(row_slots));
+    return Invalid(op, "block_rows, block_cols and row_slots must all be [capacity], got " + ShapeStr(block_rows) +
+                           ", " + ShapeStr(block_cols) + ", " + ShapeStr(row_slots));
   }
   if (t->cap > INT32_MAX || t->cb > INT32_MAX || t->kb > INT32_MAX) {
     return Invalid(op, "layout too large for int32 tables");
@@ -105,12 +105,12 @@ ffi::Error CheckTables(const char* op, const ffi::AnyBuffer& block_rows, const f
   return ffi::Error::Success();
 }
 
-ffi::Error CheckDtypes(const char* op, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
-                       const ffi::AnyBuffer& out, KernelDtypes* dtypes) {
+ffi::Error CheckDtypes(const char* op, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer& out,
+                       KernelDtypes* dtypes) {
   if (!ToDType(a.element_type(), &dtypes->in) || a.element_type() != b.element_type()) {
     return Invalid(op, std::string("inputs must share one dtype among float32, float16, bfloat16, got ") +
-                           DtypeName(a.element_type()) + " " + ShapeStr(a) + " and " +
-                           DtypeName(b.element_type()) + " " + ShapeStr(b));
+                           DtypeName(a.element_type()) + " " + ShapeStr(a) + " and " + DtypeName(b.element_type()) +
+                           " " + ShapeStr(b));
   }
   if (out.element_type() != a.element_type() && out.element_type() != ffi::DataType::F32) {
     return Invalid(op, std::string("output dtype must be the input dtype or float32, got ") +
@@ -123,12 +123,12 @@ ffi::Error CheckDtypes(const char* op, const ffi::AnyBuffer& a, const ffi::AnyBu
 namespace {
 
 // w (or dw) must be [cap, bs, bs] with a supported bs; returns bs through `bs`.
-ffi::Error CheckBlocks(const char* op, const char* name, const ffi::AnyBuffer& w, int64_t cap,
-                       const Operands& shapes, int64_t* bs) {
+ffi::Error CheckBlocks(const char* op, const char* name, const ffi::AnyBuffer& w, int64_t cap, const Operands& shapes,
+                       int64_t* bs) {
   auto wd = w.dimensions();
   if (wd.size() != 3 || wd[0] != cap || wd[1] != wd[2] || !SupportedBlockSize(wd[2])) {
-    return Invalid(op, std::string(name) + " must be [capacity=" + std::to_string(cap) +
-                           ", bs, bs] with bs in " + kBlockSizesText + "; got " + shapes.str());
+    return Invalid(op, std::string(name) + " must be [capacity=" + std::to_string(cap) + ", bs, bs] with bs in " +
+                           kBlockSizesText + "; got " + shapes.str());
   }
   *bs = wd[2];
   return ffi::Error::Success();
@@ -143,7 +143,8 @@ ffi::Error CheckLeadingDims(const char* op, const char* a_name, const ffi::AnyBu
     return Invalid(op, std::string(a_name) + " and " + b_name + " must have the same rank >= 1; got " + shapes.str());
   }
   for (size_t i = 0; i + 1 < ad.size(); ++i) {
-    if (ad[i] != bd[i]) return Invalid(op, std::string(a_name) + " and " + b_name + " must share leading dims; got " + shapes.str());
+    if (ad[i] != bd[i])
+      return Invalid(op, std::string(a_name) + " and " + b_name + " must share leading dims; got " + shapes.str());
   }
   return ffi::Error::Success();
 }
@@ -155,10 +156,9 @@ std::string GridStr(const Tables& t, int64_t bs) {
 }
 
 ffi::Error CheckDsd(const char* op, bool transpose, const ffi::AnyBuffer& lhs, const ffi::AnyBuffer& w,
-                    const ffi::AnyBuffer& block_rows, const ffi::AnyBuffer& block_cols,
-                    const ffi::AnyBuffer& col_ptr, const ffi::AnyBuffer& row_ptr,
-                    const ffi::AnyBuffer& row_slots, const ffi::AnyBuffer& order, ffi::AnyBuffer& out,
-                    KernelDtypes* dtypes, DsdParams* p) {
+                    const ffi::AnyBuffer& block_rows, const ffi::AnyBuffer& block_cols, const ffi::AnyBuffer& col_ptr,
+                    const ffi::AnyBuffer& row_ptr, const ffi::AnyBuffer& row_slots, const ffi::AnyBuffer& order,
+                    ffi::AnyBuffer& out, KernelDtypes* dtypes, DsdParams* p) {
   const Operands shapes = DescribeDsd(lhs, w, out);  // formatted only for an error
   Tables t;
   if (ffi::Error e = CheckTables(op, block_rows, block_cols, col_ptr, row_ptr, row_slots, &t); e.failure()) return e;
@@ -172,13 +172,12 @@ ffi::Error CheckDsd(const char* op, bool transpose, const ffi::AnyBuffer& lhs, c
   RowsAndFeatures(lhs, &n, &fin);
   RowsAndFeatures(out, &n_out, &fout);
   if (fin != nin * bs || fout != nseg * bs) {
-    return Invalid(op, "need lhs [..., " + std::to_string(nin * bs) + "] and out [..., " +
-                           std::to_string(nseg * bs) + "] for " + GridStr(t, bs) + "; got " + shapes.str());
+    return Invalid(op, "need lhs [..., " + std::to_string(nin * bs) + "] and out [..., " + std::to_string(nseg * bs) +
+                           "] for " + GridStr(t, bs) + "; got " + shapes.str());
   }
-  if (order.element_type() != ffi::DataType::S32 || order.dimensions().size() != 1 ||
-      order.dimensions()[0] != nseg) {
-    return Invalid(op, "order must be int32 [" + std::to_string(nseg) + "], got " +
-                           DtypeName(order.element_type()) + " " + ShapeStr(order));
+  if (order.element_type() != ffi::DataType::S32 || order.dimensions().size() != 1 || order.dimensions()[0] != nseg) {
+    return Invalid(op, "order must be int32 [" + std::to_string(nseg) + "], got " + DtypeName(order.element_type()) +
+                           " " + ShapeStr(order));
   }
   p->a = lhs.untyped_data();
   p->w = w.untyped_data();
@@ -196,11 +195,9 @@ ffi::Error CheckDsd(const char* op, bool transpose, const ffi::AnyBuffer& lhs, c
   return ffi::Error::Success();
 }
 
-ffi::Error CheckSdd(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
-                    const ffi::AnyBuffer& block_rows, const ffi::AnyBuffer& block_cols,
-                    const ffi::AnyBuffer& col_ptr, const ffi::AnyBuffer& row_ptr,
-                    const ffi::AnyBuffer& row_slots, ffi::AnyBuffer& dw, KernelDtypes* dtypes,
-                    SddParams* p) {
+ffi::Error CheckSdd(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& block_rows,
+                    const ffi::AnyBuffer& block_cols, const ffi::AnyBuffer& col_ptr, const ffi::AnyBuffer& row_ptr,
+                    const ffi::AnyBuffer& row_slots, ffi::AnyBuffer& dw, KernelDtypes* dtypes, SddParams* p) {
   const Operands shapes = DescribeSdd(x, dy, dw);  // formatted only for an error
   Tables t;
   if (ffi::Error e = CheckTables(op, block_rows, block_cols, col_ptr, row_ptr, row_slots, &t); e.failure()) return e;
@@ -212,8 +209,8 @@ ffi::Error CheckSdd(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffe
   RowsAndFeatures(x, &n, &c);
   RowsAndFeatures(dy, &n2, &k);
   if (c != t.cb * bs || k != t.kb * bs) {
-    return Invalid(op, "need x [..., " + std::to_string(t.cb * bs) + "] and dy [..., " +
-                           std::to_string(t.kb * bs) + "] for " + GridStr(t, bs) + "; got " + shapes.str());
+    return Invalid(op, "need x [..., " + std::to_string(t.cb * bs) + "] and dy [..., " + std::to_string(t.kb * bs) +
+                           "] for " + GridStr(t, bs) + "; got " + shapes.str());
   }
   p->x = x.untyped_data();
   p->dy = dy.untyped_data();

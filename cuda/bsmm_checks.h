@@ -67,9 +67,9 @@ struct Tables {
   const int32_t* row_slots;
   int64_t cap, cb, kb;
 };
-xla::ffi::Error CheckTables(const char* op, const xla::ffi::AnyBuffer& block_rows, const xla::ffi::AnyBuffer& block_cols,
-                            const xla::ffi::AnyBuffer& col_ptr, const xla::ffi::AnyBuffer& row_ptr,
-                            const xla::ffi::AnyBuffer& row_slots, Tables* t);
+xla::ffi::Error CheckTables(const char* op, const xla::ffi::AnyBuffer& block_rows,
+                            const xla::ffi::AnyBuffer& block_cols, const xla::ffi::AnyBuffer& col_ptr,
+                            const xla::ffi::AnyBuffer& row_ptr, const xla::ffi::AnyBuffer& row_slots, Tables* t);
 
 // Both float inputs share one supported dtype; the output is that dtype or float32.
 xla::ffi::Error CheckDtypes(const char* op, const xla::ffi::AnyBuffer& a, const xla::ffi::AnyBuffer& b,
@@ -79,19 +79,18 @@ xla::ffi::Error CheckDtypes(const char* op, const xla::ffi::AnyBuffer& a, const 
 std::string GridStr(const Tables& t, int64_t bs);
 
 // fprop (transpose = false: lhs = x, out = y) and bprop (transpose = true: lhs = g, out = dx).
-xla::ffi::Error CheckDsd(const char* op, bool transpose, const xla::ffi::AnyBuffer& lhs,
-                         const xla::ffi::AnyBuffer& w, const xla::ffi::AnyBuffer& block_rows,
-                         const xla::ffi::AnyBuffer& block_cols, const xla::ffi::AnyBuffer& col_ptr,
-                         const xla::ffi::AnyBuffer& row_ptr, const xla::ffi::AnyBuffer& row_slots,
-                         const xla::ffi::AnyBuffer& order, xla::ffi::AnyBuffer& out,
-                         KernelDtypes* dtypes, DsdParams* p);
+xla::ffi::Error CheckDsd(const char* op, bool transpose, const xla::ffi::AnyBuffer& lhs, const xla::ffi::AnyBuffer& w,
+                         const xla::ffi::AnyBuffer& block_rows, const xla::ffi::AnyBuffer& block_cols,
+                         const xla::ffi::AnyBuffer& col_ptr, const xla::ffi::AnyBuffer& row_ptr,
+                         const xla::ffi::AnyBuffer& row_slots, const xla::ffi::AnyBuffer& order,
+                         xla::ffi::AnyBuffer& out, KernelDtypes* dtypes, DsdParams* p);
 
 // updat.
 xla::ffi::Error CheckSdd(const char* op, const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& dy,
                          const xla::ffi::AnyBuffer& block_rows, const xla::ffi::AnyBuffer& block_cols,
                          const xla::ffi::AnyBuffer& col_ptr, const xla::ffi::AnyBuffer& row_ptr,
-                         const xla::ffi::AnyBuffer& row_slots, xla::ffi::AnyBuffer& dw,
-                         KernelDtypes* dtypes, SddParams* p);
+                         const xla::ffi::AnyBuffer& row_slots, xla::ffi::AnyBuffer& dw, KernelDtypes* dtypes,
+                         SddParams* p);
 
 // The operands of the targets, bound in the order documented above, after the
 // platform's context (CUDA: the stream; CPU: XLA's thread pool).

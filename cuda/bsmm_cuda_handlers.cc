@@ -102,19 +102,18 @@ ffi::Error RequirePrepared(const char* op, cudaStream_t stream) {
 }
 
 ffi::Error LaunchError(const char* op, cudaError_t err, const Operands& shapes) {
-  return ffi::Error::Internal(std::string(op) + ": kernel launch failed (" + cudaGetErrorString(err) +
-                              ") for " + shapes.str());
+  return ffi::Error::Internal(std::string(op) + ": kernel launch failed (" + cudaGetErrorString(err) + ") for " +
+                              shapes.str());
 }
 
 // fprop (transpose = false) and bprop (transpose = true).
-ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::AnyBuffer a,
-                   ffi::AnyBuffer w, ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols,
-                   ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots,
-                   ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer w,
+                   ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
+                   ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> out) {
   KernelDtypes dt;
   DsdParams p;
-  if (ffi::Error e = CheckDsd(op, transpose, a, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
-                              order, *out, &dt, &p);
+  if (ffi::Error e =
+          CheckDsd(op, transpose, a, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order, *out, &dt, &p);
       e.failure()) {
     return e;
   }
@@ -129,15 +128,13 @@ ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::Any
 ffi::Error FpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
                      ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
                      ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> y) {
-  return DsdImpl("jbs_bsmm_fprop", false, stream, x, w, block_rows, block_cols, col_ptr, row_ptr,
-                 row_slots, order, y);
+  return DsdImpl("jbs_bsmm_fprop", false, stream, x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order, y);
 }
 
 ffi::Error BpropImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
                      ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
                      ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> dx) {
-  return DsdImpl("jbs_bsmm_bprop", true, stream, g, w, block_rows, block_cols, col_ptr, row_ptr,
-                 row_slots, order, dx);
+  return DsdImpl("jbs_bsmm_bprop", true, stream, g, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order, dx);
 }
 
 ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer block_rows,

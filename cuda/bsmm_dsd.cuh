@@ -31,8 +31,7 @@ struct Piece {
 
 // Piece `q` of stage `t` of an output block whose entries are [start, start + nent).
 template <int BS, int KC>
-__device__ __forceinline__ Piece GetPiece(const DsdParams& p, int start, int nent, int nnz, int t,
-                                          int q) {
+__device__ __forceinline__ Piece GetPiece(const DsdParams& p, int start, int nent, int nnz, int t, int q) {
   constexpr int W = KC < BS ? KC : BS;
   const int kg = t * KC + q * W;  // position in the concatenated k range (< nent * BS)
   const int e = kg / BS;
@@ -108,10 +107,8 @@ struct DsdTcShape {
   static_assert(STAGES >= 2, "need at least double buffering");
 };
 
-template <typename T, typename OutT, int BS, int TN, int WM, int WN, int KC, int STAGES,
-          bool TRANS_W>
-__global__ void __launch_bounds__(WM* WN * 32)
-    DsdTcKernel(const DsdParams p) {
+template <typename T, typename OutT, int BS, int TN, int WM, int WN, int KC, int STAGES, bool TRANS_W>
+__global__ void __launch_bounds__(WM * WN * 32) DsdTcKernel(const DsdParams p) {
   using S = DsdTcShape<BS, TN, WM, WN, KC, STAGES, TRANS_W>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* const smem = reinterpret_cast<T*>(smem_raw);
@@ -257,8 +254,7 @@ __global__ void __launch_bounds__(WM* WN * 32)
   }
 }
 
-template <typename T, typename OutT, int BS, int TN, int WM, int WN, int KC, int STAGES,
-          bool TRANS_W>
+template <typename T, typename OutT, int BS, int TN, int WM, int WN, int KC, int STAGES, bool TRANS_W>
 cudaError_t LaunchDsdTc(const DsdParams& p, const Launch& launch) {
   using S = DsdTcShape<BS, TN, WM, WN, KC, STAGES, TRANS_W>;
   auto kernel = DsdTcKernel<T, OutT, BS, TN, WM, WN, KC, STAGES, TRANS_W>;
@@ -290,8 +286,7 @@ cudaError_t DispatchDsdTc(const DsdParams& p, const Launch& launch) {
 // Threads form TY x TX over the TN x BS tile; thread (ty, tx) owns rows ty + i*TY and
 // columns tx + j*TX. Shared memory: As[k][row] (transposed, +1 pad) and Bs[k][n].
 template <int BS, int TN, int TX, int TY, int KC, bool TRANS_W>
-__global__ void __launch_bounds__(TX* TY)
-    DsdF32Kernel(const DsdParams p) {
+__global__ void __launch_bounds__(TX* TY) DsdF32Kernel(const DsdParams p) {
   constexpr int kThreads = TX * TY;
   constexpr int RM = TN / TY;
   constexpr int RN = BS / TX;
@@ -331,13 +326,11 @@ __global__ void __launch_bounds__(TX* TY)
         if constexpr (!TRANS_W) {  // Bs[k][n] = w[s][k_off + kr][n]
           const int kr = c / BS;
           const int nn = c - kr * BS;
-          Bs[q * W + kr][nn] =
-              pc.ok ? __ldg(w + pc.w_off + static_cast<int64_t>(pc.k_off + kr) * BS + nn) : 0.f;
+          Bs[q * W + kr][nn] = pc.ok ? __ldg(w + pc.w_off + static_cast<int64_t>(pc.k_off + kr) * BS + nn) : 0.f;
         } else {  // Bs[k][n] = w[s][n][k_off + kk]
           const int nn = c / W;
           const int kk = c - nn * W;
-          Bs[q * W + kk][nn] =
-              pc.ok ? __ldg(w + pc.w_off + static_cast<int64_t>(nn) * BS + pc.k_off + kk) : 0.f;
+          Bs[q * W + kk][nn] = pc.ok ? __ldg(w + pc.w_off + static_cast<int64_t>(nn) * BS + pc.k_off + kk) : 0.f;
         }
       }
     }
@@ -364,8 +357,7 @@ __global__ void __launch_bounds__(TX* TY)
     const int64_t row = tile.row0 + ty + i * TY;
     if (row >= p.n) continue;
 #pragma unroll
-    for (int j = 0; j < RN; ++j)
-      out[row * ldo + static_cast<int64_t>(tile.seg) * BS + tx + j * TX] = acc[i][j];
+    for (int j = 0; j < RN; ++j) out[row * ldo + static_cast<int64_t>(tile.seg) * BS + tx + j * TX] = acc[i][j];
   }
 }
 

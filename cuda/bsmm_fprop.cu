@@ -8,8 +8,7 @@ cudaError_t LaunchDsdF32(bool transpose_w, const DsdParams& p, const Launch& lau
   return transpose_w ? detail::DispatchDsdF32<true>(p, launch) : detail::DispatchDsdF32<false>(p, launch);
 }
 
-cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p,
-                      const Launch& launch) {
+cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch) {
   switch (in) {
     case DType::kF32: return out_f32 ? LaunchDsdF32(transpose_w, p, launch) : cudaErrorInvalidValue;
     case DType::kF16: return LaunchDsdF16(out_f32, transpose_w, p, launch);

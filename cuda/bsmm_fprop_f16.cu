@@ -10,8 +10,7 @@ cudaError_t LaunchDsdF16(bool out_f32, bool transpose_w, const DsdParams& p, con
     return transpose_w ? detail::DispatchDsdTc<T, float, true>(p, launch)
                        : detail::DispatchDsdTc<T, float, false>(p, launch);
   }
-  return transpose_w ? detail::DispatchDsdTc<T, T, true>(p, launch)
-                     : detail::DispatchDsdTc<T, T, false>(p, launch);
+  return transpose_w ? detail::DispatchDsdTc<T, T, true>(p, launch) : detail::DispatchDsdTc<T, T, false>(p, launch);
 }
 
 }  // namespace jbs

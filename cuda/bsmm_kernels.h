@@ -32,8 +32,7 @@ cudaError_t PrepareKernels();
 
 // DSD product. `transpose_w` selects bprop (W(s) = w[s]^T). `out_f32` selects a float32
 // output; otherwise the output has the input dtype.
-cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p,
-                      const Launch& launch);
+cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
 
 // SDD product (updat).
 cudaError_t LaunchSdd(DType in, bool out_f32, const SddParams& p, const Launch& launch);

@@ -46,12 +46,12 @@ struct DsdParams {
 };
 
 struct SddParams {
-  const void* x;             // [n, cb * bs]
-  const void* dy;            // [n, kb * bs]
-  void* dw;                  // [cap, bs, bs] every element is written (0 at padding)
-  const int32_t* block_rows; // [cap] input block row of each slot
-  const int32_t* block_cols; // [cap] output block column of each slot
-  const int32_t* nnz;        // scalar (col_ptr + KB)
+  const void* x;              // [n, cb * bs]
+  const void* dy;             // [n, kb * bs]
+  void* dw;                   // [cap, bs, bs] every element is written (0 at padding)
+  const int32_t* block_rows;  // [cap] input block row of each slot
+  const int32_t* block_cols;  // [cap] output block column of each slot
+  const int32_t* nnz;         // scalar (col_ptr + KB)
   int64_t n;
   int cb;
   int kb;

@@ -24,8 +24,8 @@ namespace detail {
 // y_src[g]: the first g' <= g whose valid slot has the same dy column as slot g (g
 // itself when none, and for invalid slots), whose dy tile slot g reads.
 template <int BS, int G>
-__device__ __forceinline__ void LoadSlotInfo(const SddParams& p, int nnz, int64_t (&x_col)[G],
-                                             int64_t (&y_col)[G], int (&valid)[G], int (&y_src)[G]) {
+__device__ __forceinline__ void LoadSlotInfo(const SddParams& p, int nnz, int64_t (&x_col)[G], int64_t (&y_col)[G],
+                                             int (&valid)[G], int (&y_src)[G]) {
   const int g = threadIdx.x;
   if (g < G) {
     const int slot = blockIdx.x * G + g;
@@ -72,7 +72,7 @@ struct SddTcShape {
   static constexpr int kMt = kWtm / 16;
   static constexpr int kNt = kWtn / 8;
   static constexpr int kStride = BS + 8;
-  static constexpr int kTileElems = TK * kStride;       // one matrix of one slot
+  static constexpr int kTileElems = TK * kStride;         // one matrix of one slot
   static constexpr int kStageElems = 2 * G * kTileElems;  // x and dy of every slot
   static constexpr int kSmemBytes = STAGES * kStageElems * 2;
   static_assert(BS >= 16 || (WPM == 1 && BS == 8), "BS = 8 uses one half-empty m16 tile");
@@ -82,8 +82,7 @@ struct SddTcShape {
 };
 
 template <typename T, typename OutT, int BS, int G, int WPM, int WPN, int TK, int STAGES>
-__global__ void __launch_bounds__(G* WPM* WPN * 32)
-    SddTcKernel(const SddParams p) {
+__global__ void __launch_bounds__(G * WPM * WPN * 32) SddTcKernel(const SddParams p) {
   using S = SddTcShape<BS, G, WPM, WPN, TK, STAGES>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* const smem = reinterpret_cast<T*>(smem_raw);

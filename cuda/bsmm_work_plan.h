@@ -96,9 +96,7 @@ JBS_HD DsdItem DsdItemAt(const DsdPlan& p, int64_t item) {
 }
 
 JBS_HD int64_t DsdRowBegin(const DsdPlan& p, const DsdItem& it) { return int64_t{it.m_tile} * p.tile_m; }
-JBS_HD int64_t DsdRowEnd(const DsdPlan& p, const DsdItem& it) {
-  return Min64(p.rows, DsdRowBegin(p, it) + p.tile_m);
-}
+JBS_HD int64_t DsdRowEnd(const DsdPlan& p, const DsdItem& it) { return Min64(p.rows, DsdRowBegin(p, it) + p.tile_m); }
 
 // Members of a group: pack, except for the last group.
 JBS_HD int32_t DsdGroupSize(const DsdPlan& p, int32_t group) {
@@ -125,8 +123,8 @@ JBS_HD int32_t DsdGroupSteps(const DsdPlan& p, const int32_t* seg_ptr, const int
 }
 
 // Layout entry read by `member` at `step`, or -1 when the member has no entry there.
-JBS_HD int32_t DsdEntry(const DsdPlan& p, const int32_t* seg_ptr, const int32_t* order, int32_t group,
-                        int32_t member, int32_t step) {
+JBS_HD int32_t DsdEntry(const DsdPlan& p, const int32_t* seg_ptr, const int32_t* order, int32_t group, int32_t member,
+                        int32_t step) {
   int32_t out = DsdOutput(p, order, group, member);
   return step < DsdLength(seg_ptr, out) ? seg_ptr[out] + step : -1;
 }

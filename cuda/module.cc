@@ -115,7 +115,8 @@ py::list WorkPlanDsd(int64_t rows, int32_t tile_m, const std::vector<int32_t>& s
     py::list members;
     for (int32_t m = 0; m < plan::DsdGroupSize(p, it.group); ++m) {
       py::list entries;
-      for (int32_t s = 0; s < steps; ++s) entries.append(plan::DsdEntry(p, seg_ptr.data(), order.data(), it.group, m, s));
+      for (int32_t s = 0; s < steps; ++s)
+        entries.append(plan::DsdEntry(p, seg_ptr.data(), order.data(), it.group, m, s));
       members.append(py::make_tuple(plan::DsdOutput(p, order.data(), it.group, m), entries));
     }
     items.append(py::make_tuple(it.m_tile, it.group, plan::DsdRowBegin(p, it), plan::DsdRowEnd(p, it), members));
@@ -194,10 +195,11 @@ int64_t Sm90UpdatWorkspaceBytes(const std::string& dtype, int64_t n, int32_t cb,
                           "'");
   }
   if (n < 0 || cb < 0 || kb < 0 || capacity < 0 || bs <= 0 || num_sms <= 0) {
-    throw py::value_error("sm90_updat_workspace_bytes: need n >= 0, cb >= 0, kb >= 0, capacity >= 0, bs > 0, "
-                          "num_sms > 0; got n=" + std::to_string(n) + ", cb=" + std::to_string(cb) + ", kb=" +
-                          std::to_string(kb) + ", capacity=" + std::to_string(capacity) + ", bs=" +
-                          std::to_string(bs) + ", num_sms=" + std::to_string(num_sms));
+    throw py::value_error(
+        "sm90_updat_workspace_bytes: need n >= 0, cb >= 0, kb >= 0, capacity >= 0, bs > 0, "
+        "num_sms > 0; got n=" +
+        std::to_string(n) + ", cb=" + std::to_string(cb) + ", kb=" + std::to_string(kb) + ", capacity=" +
+        std::to_string(capacity) + ", bs=" + std::to_string(bs) + ", num_sms=" + std::to_string(num_sms));
   }
   jbs::SddParams p{};
   p.n = n;
@@ -212,75 +214,86 @@ int64_t Sm90UpdatWorkspaceBytes(const std::string& dtype, int64_t n, int32_t cb,
 
 PYBIND11_MODULE(_jbs_kernels, m) {
   m.doc() = "jax-blocksparse native kernels (XLA FFI handlers for CPU and, when built, CUDA)";
-  m.def("registrations", []() {
-    py::dict cpu;
-    cpu[kFpropV1] = Capsule(JbsBsmmFpropCpu);
-    cpu[kBpropV1] = Capsule(JbsBsmmBpropCpu);
-    cpu[kUpdatV1] = Capsule(JbsBsmmUpdatCpu);
-    cpu[kBsconvV1] = Capsule(JbsBsconvCpu);
-    cpu[kBsconvWgradV1] = Capsule(JbsBsconvWgradCpu);
-    py::dict by_platform;
-    by_platform["cpu"] = cpu;
+  m.def(
+      "registrations",
+      []() {
+        py::dict cpu;
+        cpu[kFpropV1] = Capsule(JbsBsmmFpropCpu);
+        cpu[kBpropV1] = Capsule(JbsBsmmBpropCpu);
+        cpu[kUpdatV1] = Capsule(JbsBsmmUpdatCpu);
+        cpu[kBsconvV1] = Capsule(JbsBsconvCpu);
+        cpu[kBsconvWgradV1] = Capsule(JbsBsconvWgradCpu);
+        py::dict by_platform;
+        by_platform["cpu"] = cpu;
 #ifdef JBS_WITH_CUDA
-    // Two stages each (bsmm_cuda_handlers.cc): "initialize" prepares the kernels outside
-    // any CUDA-graph capture, "execute" launches them.
-    auto stages = [](py::capsule execute) {
-      py::dict d;
-      d["initialize"] = Capsule(JbsBsmmInitializeCuda);
-      d["execute"] = execute;
-      return d;
-    };
-    py::dict cuda;
-    cuda[kFpropV1] = stages(Capsule(JbsBsmmFpropCuda));
-    cuda[kBpropV1] = stages(Capsule(JbsBsmmBpropCuda));
-    cuda[kUpdatV1] = stages(Capsule(JbsBsmmUpdatCuda));
+        // Two stages each (bsmm_cuda_handlers.cc): "initialize" prepares the kernels outside
+        // any CUDA-graph capture, "execute" launches them.
+        auto stages = [](py::capsule execute) {
+          py::dict d;
+          d["initialize"] = Capsule(JbsBsmmInitializeCuda);
+          d["execute"] = execute;
+          return d;
+        };
+        py::dict cuda;
+        cuda[kFpropV1] = stages(Capsule(JbsBsmmFpropCuda));
+        cuda[kBpropV1] = stages(Capsule(JbsBsmmBpropCuda));
+        cuda[kUpdatV1] = stages(Capsule(JbsBsmmUpdatCuda));
 #ifdef JBS_WITH_SM90
-    auto sm90_stages = [](py::capsule execute) {
-      py::dict d;
-      d["initialize"] = Capsule(JbsBsmmInitializeSm90);
-      d["execute"] = execute;
-      return d;
-    };
-    cuda[kFpropSm90V1] = sm90_stages(Capsule(JbsBsmmFpropSm90));
-    cuda[kBpropSm90V1] = sm90_stages(Capsule(JbsBsmmBpropSm90));
-    cuda[kUpdatSm90V1] = sm90_stages(Capsule(JbsBsmmUpdatSm90));
+        auto sm90_stages = [](py::capsule execute) {
+          py::dict d;
+          d["initialize"] = Capsule(JbsBsmmInitializeSm90);
+          d["execute"] = execute;
+          return d;
+        };
+        cuda[kFpropSm90V1] = sm90_stages(Capsule(JbsBsmmFpropSm90));
+        cuda[kBpropSm90V1] = sm90_stages(Capsule(JbsBsmmBpropSm90));
+        cuda[kUpdatSm90V1] = sm90_stages(Capsule(JbsBsmmUpdatSm90));
 #endif
-    by_platform["CUDA"] = cuda;
+        by_platform["CUDA"] = cuda;
 #endif
-    return by_platform;
-  }, "platform ('cpu', 'CUDA') -> {FFI target name -> handler capsule, or {stage -> capsule}} (api_version 1); "
-     "the convolution targets (*_bsconv*_v*) on 'cpu' only, the CUDA Hopper targets (*_sm90_v*) only in a "
-     "build for sm_90a.");
+        return by_platform;
+      },
+      "platform ('cpu', 'CUDA') -> {FFI target name -> handler capsule, or {stage -> capsule}} (api_version 1); "
+      "the convolution targets (*_bsconv*_v*) on 'cpu' only, the CUDA Hopper targets (*_sm90_v*) only in a "
+      "build for sm_90a.");
   m.def("work_plan_dsd", &WorkPlanDsd, py::arg("rows"), py::arg("tile_m"), py::arg("seg_ptr"), py::arg("order"),
         py::arg("pack"),
         "DSD work items in launch order: (m_tile, group, row_begin, row_end, [(output, [entry or -1 per step])]).");
   m.def("work_plan_sdd", &WorkPlanSdd, py::arg("capacity"), py::arg("group"), py::arg("n"), py::arg("tile_n"),
         py::arg("num_sms"), py::arg("bs"),
         "SDD plan: {splits, split_len, workspace_elems, items: [(slot_begin, slot_end, n_begin, n_end, split)]}.");
-  m.def("persistent_grid", [](int64_t items, int32_t num_sms, int32_t ctas_per_sm) {
-    return jbs::plan::PersistentGrid(items, num_sms, ctas_per_sm);
-  }, "CTAs of a persistent launch over `items` work items.");
-  m.def("dsd_pack_for", [](int32_t bs) { return jbs::plan::DsdPackFor(bs); }, "Outputs packed per DSD tile at block size bs.");
+  m.def(
+      "persistent_grid",
+      [](int64_t items, int32_t num_sms, int32_t ctas_per_sm) {
+        return jbs::plan::PersistentGrid(items, num_sms, ctas_per_sm);
+      },
+      "CTAs of a persistent launch over `items` work items.");
+  m.def(
+      "dsd_pack_for", [](int32_t bs) { return jbs::plan::DsdPackFor(bs); },
+      "Outputs packed per DSD tile at block size bs.");
   m.def("sm90_updat_workspace_bytes", &Sm90UpdatWorkspaceBytes, py::arg("dtype"), py::arg("n"), py::arg("cb"),
         py::arg("kb"), py::arg("capacity"), py::arg("bs"), py::arg("tf32") = false,
         py::arg("num_sms") = jbs::sm90::kPlanSms,
         "Bytes of the jbs_bsmm_updat_sm90 workspace (SddWorkspaceBytes) for x [n, cb * bs], dy [n, kb * bs] and "
         "dw [capacity, bs, bs] of dtype ('float32', 'float16', 'bfloat16'); 0 where the split plan needs none.");
-  m.def("build_info", []() {
-    py::dict d;
-    d["cpu_isa"] = py::str(jbs::cpu::KernelIsa());
+  m.def(
+      "build_info",
+      []() {
+        py::dict d;
+        d["cpu_isa"] = py::str(jbs::cpu::KernelIsa());
 #ifdef JBS_WITH_CUDA
-    d["cuda"] = true;
-    d["cuda_version"] = py::str(VersionString(jbs::CudaRuntimeVersionBuiltAgainst()));
-    d["cudart_version"] = jbs::CudaRuntimeVersionBuiltAgainst();
-    d["cudart_runtime_version"] = jbs::CudaRuntimeVersionLinked();
-    d["archs"] = ArchList();
+        d["cuda"] = true;
+        d["cuda_version"] = py::str(VersionString(jbs::CudaRuntimeVersionBuiltAgainst()));
+        d["cudart_version"] = jbs::CudaRuntimeVersionBuiltAgainst();
+        d["cudart_runtime_version"] = jbs::CudaRuntimeVersionLinked();
+        d["archs"] = ArchList();
 #else
-    d["cuda"] = false;
+        d["cuda"] = false;
 #endif
-    d["block_sizes"] = IntTuple(jbs::kBlockSizes);  // jax_blocksparse/block_sizes.json
-    d["sm90"] = Sm90Facts();
-    return d;
-  }, "Facts about this build: CPU instruction set in use, CUDA version and architectures, block sizes, "
-     "the Hopper kernels' plan and TF32 tables.");
+        d["block_sizes"] = IntTuple(jbs::kBlockSizes);  // jax_blocksparse/block_sizes.json
+        d["sm90"] = Sm90Facts();
+        return d;
+      },
+      "Facts about this build: CPU instruction set in use, CUDA version and architectures, block sizes, "
+      "the Hopper kernels' plan and TF32 tables.");
 }

@@ -166,8 +166,10 @@ def train_and_evaluate(name, model, train, valid, args):
         for i in range(0, n_win, args.batch)
     ]
     bpc = sum(losses) / n_win / math.log(2)
-    print(f"{name}: {n_params:,} parameters, compile {compile_s:.1f} s, {step_ms:.1f} ms/step, "
-          f"validation {bpc:.3f} bits/char ({n_win} windows of {args.seq_len})")
+    print(
+        f"{name}: {n_params:,} parameters, compile {compile_s:.1f} s, {step_ms:.1f} ms/step, "
+        f"validation {bpc:.3f} bits/char ({n_win} windows of {args.seq_len})"
+    )
     return bpc, n_params
 
 
@@ -197,9 +199,11 @@ def main(argv=None):
     lookup = {c: i for i, c in enumerate(chars)}
     data = np.fromiter((lookup[c] for c in text), np.int32, len(text))
     train, valid = split_chunks(data, args.chunk)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; text: {len(text):,} chars "
-          f"({'stdlib: ' + ', '.join(STDLIB_MODULES) if args.data is None else args.data}), "
-          f"vocab {len(chars)}; train {len(train):,}, valid {len(valid):,}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; text: {len(text):,} chars "
+        f"({'stdlib: ' + ', '.join(STDLIB_MODULES) if args.data is None else args.data}), "
+        f"vocab {len(chars)}; train {len(train):,}, valid {len(valid):,}"
+    )
 
     dense, sparse, layout = make_models(args, len(chars))
     print(f"dense: hidden {args.dense_hidden} ({args.dense_cell} cell); sparse: hidden {args.sparse_hidden}, {layout}")

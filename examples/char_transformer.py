@@ -60,8 +60,10 @@ class DenseSelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x):
         *lead, t, f = x.shape
-        q, k, v = (nn.Dense(f, name=n)(x).reshape(*lead, t, self.num_heads, f // self.num_heads)
-                   for n in ("query", "key", "value"))
+        q, k, v = (
+            nn.Dense(f, name=n)(x).reshape(*lead, t, self.num_heads, f // self.num_heads)
+            for n in ("query", "key", "value")
+        )
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H, D]
         return nn.Dense(f, name="out")(y.reshape(*lead, t, f))
 
@@ -166,8 +168,11 @@ def train_and_evaluate(kind, model, train, valid, seq_len, steps, args, train_it
     eval_loss = jax.jit(loss_fn)
     n_win = max(1, min(args.eval_windows, (len(valid) - 1) // seq_len))
     starts = np.arange(n_win) * seq_len
-    losses = [float(eval_loss(params, jnp.asarray(windows(valid, starts[i : i + args.batch], seq_len))))
-              * len(starts[i : i + args.batch]) for i in range(0, n_win, args.batch)]
+    losses = [
+        float(eval_loss(params, jnp.asarray(windows(valid, starts[i : i + args.batch], seq_len))))
+        * len(starts[i : i + args.batch])
+        for i in range(0, n_win, args.batch)
+    ]
     return sum(losses) / n_win / math.log(2), n_params, step_ms, params["params"]
 
 
@@ -212,10 +217,18 @@ def main(argv=None):
     parser.add_argument("--pattern", choices=("fixed", "strided"), default="fixed")
     parser.add_argument("--stride", type=int, default=None, help="pattern stride in blocks (default ~sqrt(T/bs))")
     parser.add_argument("--lr", type=float, default=6e-3)
-    parser.add_argument("--memory-budget-mb", type=float, default=512.0,
-                        help="train a dense model only if its attention's peak memory fits this")
-    parser.add_argument("--time-over-budget", action=argparse.BooleanOptionalAction, default=True,
-                        help="still time 2 steps of a dense model over the budget")
+    parser.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        default=512.0,
+        help="train a dense model only if its attention's peak memory fits this",
+    )
+    parser.add_argument(
+        "--time-over-budget",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="still time 2 steps of a dense model over the budget",
+    )
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=4096, help="every 10th chunk of this many chars is validation")
     parser.add_argument("--log-every", type=int, default=0)
@@ -230,11 +243,15 @@ def main(argv=None):
     lookup = {c: i for i, c in enumerate(chars)}
     data = np.fromiter((lookup[c] for c in text), np.int32, len(text))
     train, valid = split_chunks(data, args.chunk)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jbs.config.get_implementation()} implementation); "
-          f"text: {len(text):,} chars ({'stdlib: ' + ', '.join(STDLIB_MODULES) if args.data is None else args.data}), "
-          f"vocab {len(chars)}; train {len(train):,}, valid {len(valid):,}")
-    print(f"model: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, batch {args.batch}; "
-          f"sparse attention: causal {args.pattern} pattern, block {args.block_size}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform} ({jbs.config.get_implementation()} implementation); "
+        f"text: {len(text):,} chars ({'stdlib: ' + ', '.join(STDLIB_MODULES) if args.data is None else args.data}), "
+        f"vocab {len(chars)}; train {len(train):,}, valid {len(valid):,}"
+    )
+    print(
+        f"model: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, batch {args.batch}; "
+        f"sparse attention: causal {args.pattern} pattern, block {args.block_size}"
+    )
 
     results = {}
     for i, seq_len in enumerate(args.seq_lens):
@@ -246,26 +263,35 @@ def main(argv=None):
             layer = attention_layer(kind, args, seq_len)
             peak = attention_peak_bytes(layer, args, seq_len)
             fits = kind == "sparse" or peak <= args.memory_budget_mb * 2**20
-            model = CharTransformer(len(chars), args.d_model, tuple(attention_layer(kind, args, seq_len)
-                                                                    for _ in range(args.layers)))
-            bpc, n_params, ms, params = train_and_evaluate(kind, model, train, valid, seq_len, steps, args,
-                                                           train_it=fits)
+            model = CharTransformer(
+                len(chars), args.d_model, tuple(attention_layer(kind, args, seq_len) for _ in range(args.layers))
+            )
+            bpc, n_params, ms, params = train_and_evaluate(
+                kind, model, train, valid, seq_len, steps, args, train_it=fits
+            )
             row[kind] = dict(bpc=bpc, params=n_params, ms=ms, peak=peak)
             trained = (model, params)  # the sparse model (trained last) samples below
             detail = f"density {np.tril(layer.mask.blocks[0, 0]).mean():.1%}, " if kind == "sparse" else ""
-            print(f"T={seq_len} {kind:>6}: {n_params:,} parameters, {detail}"
-                  f"{f'{ms:.1f} ms/step' if ms else 'not timed'}, attention peak {peak / 2**20:.1f} MiB, "
-                  f"validation {f'{bpc:.3f} bits/char' if bpc is not None else 'skipped (over the memory budget)'}"
-                  f" after {steps if bpc is not None else 0} steps", flush=True)
+            print(
+                f"T={seq_len} {kind:>6}: {n_params:,} parameters, {detail}"
+                f"{f'{ms:.1f} ms/step' if ms else 'not timed'}, attention peak {peak / 2**20:.1f} MiB, "
+                f"validation {f'{bpc:.3f} bits/char' if bpc is not None else 'skipped (over the memory budget)'}"
+                f" after {steps if bpc is not None else 0} steps",
+                flush=True,
+            )
         results[seq_len] = row
         d, s = row["dense"], row["sparse"]
+
         def fmt(v, spec):
             return format(v, spec) if v is not None else "skipped"
+
         speed = f"{d['ms'] / s['ms']:.1f}x" if d["ms"] and s["ms"] else "n/a"
-        print(f"T={seq_len} dense_bpc={fmt(d['bpc'], '.3f')} sparse_bpc={fmt(s['bpc'], '.3f')} "
-              f"dense_ms/step={fmt(d['ms'], '.1f')} sparse_ms/step={fmt(s['ms'], '.1f')} speedup={speed} "
-              f"dense_attention_peak_MiB={d['peak'] / 2**20:.1f} sparse_attention_peak_MiB={s['peak'] / 2**20:.1f}",
-              flush=True)
+        print(
+            f"T={seq_len} dense_bpc={fmt(d['bpc'], '.3f')} sparse_bpc={fmt(s['bpc'], '.3f')} "
+            f"dense_ms/step={fmt(d['ms'], '.1f')} sparse_ms/step={fmt(s['ms'], '.1f')} speedup={speed} "
+            f"dense_attention_peak_MiB={d['peak'] / 2**20:.1f} sparse_attention_peak_MiB={s['peak'] / 2**20:.1f}",
+            flush=True,
+        )
         if i == 0 and args.sample_chars > 0:
             row["sample"] = sample_and_check(*trained, valid, chars, args, seq_len)
     return results
@@ -274,8 +300,11 @@ def main(argv=None):
 def sample_and_check(model, params, valid, chars, args, seq_len) -> dict:
     """Samples from the trained sparse model with its decoding twin; checks the cached logits
     against the full-sequence forward pass on the same text."""
-    decoder = CharTransformer(model.vocab, model.d_model, tuple(attention_layer("sparse", args, seq_len, decode=True)
-                                                                for _ in range(args.layers)))
+    decoder = CharTransformer(
+        model.vocab,
+        model.d_model,
+        tuple(attention_layer("sparse", args, seq_len, decode=True) for _ in range(args.layers)),
+    )
     prompt = valid[: min(args.prompt_chars, seq_len - 1)]
     length = min(args.sample_chars, seq_len - len(prompt))
     tokens, logits, seconds = sample(decoder, params, prompt, length, args)
@@ -283,9 +312,12 @@ def sample_and_check(model, params, valid, chars, args, seq_len) -> dict:
     padded[0, : len(tokens)] = tokens
     full = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(padded)))[0, : len(logits)]
     error = float(np.abs(full - logits).max())
-    text = "".join(chars[t] for t in tokens[len(prompt):])
-    print(f"T={seq_len} sparse sample ({seconds * 1e3:.2f} ms/char, cached logits vs full forward: max diff "
-          f"{error:.1e}):\n{''.join(chars[t] for t in prompt)}|{text}", flush=True)
+    text = "".join(chars[t] for t in tokens[len(prompt) :])
+    print(
+        f"T={seq_len} sparse sample ({seconds * 1e3:.2f} ms/char, cached logits vs full forward: max diff "
+        f"{error:.1e}):\n{''.join(chars[t] for t in prompt)}|{text}",
+        flush=True,
+    )
     return dict(text=text, ms_per_char=seconds * 1e3, logit_error=error)
 
 

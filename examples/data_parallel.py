@@ -79,8 +79,16 @@ def batches(num_train: int, steps: int, batch_size: int, seed: int) -> np.ndarra
     return np.stack([rng.choice(num_train, batch_size, replace=False) for _ in range(steps)])
 
 
-def train(mode: str, steps: int = 200, batch_size: int = 128, seed: int = 0, num_devices: int | None = None,
-          data=None, lr: float = 0.05, hidden: int = 256):
+def train(
+    mode: str,
+    steps: int = 200,
+    batch_size: int = 128,
+    seed: int = 0,
+    num_devices: int | None = None,
+    data=None,
+    lr: float = 0.05,
+    hidden: int = 256,
+):
     """Trains the MLP in ``mode`` (one of MODES); returns (params, metrics dict)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -124,9 +132,7 @@ def train(mode: str, steps: int = 200, batch_size: int = 128, seed: int = 0, num
             return step(params, opt_state, xb, yb)
 
     elif mode == "pmap":
-        step = jax.pmap(
-            sgd_step(local_loss, lambda g: jax.lax.pmean(g, "batch")), axis_name="batch", devices=devices
-        )
+        step = jax.pmap(sgd_step(local_loss, lambda g: jax.lax.pmean(g, "batch")), axis_name="batch", devices=devices)
         params, opt_state = jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), (params, opt_state))
 
         def run(params, opt_state, i):
@@ -184,8 +190,7 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=256, help="hidden width (a multiple of 16)")
     args = parser.parse_args(argv)
     devices = jax.local_devices()[: args.devices or jax.local_device_count()]
-    print(f"{len(devices)} x {devices[0].platform} devices; bsmm path: "
-          f"{paths.describe_path(devices[0].platform)}")
+    print(f"{len(devices)} x {devices[0].platform} devices; bsmm path: {paths.describe_path(devices[0].platform)}")
     data = load_data(args.seed)
     reference, results = None, {}
     for mode in args.modes.split(","):
@@ -193,8 +198,10 @@ def main(argv=None):
         if reference is None and mode == "single":
             reference = params
         diff = f"{max_difference(params, reference):.1e}" if reference is not None else "n/a"
-        print(f"{mode:>9}: devices={m['devices']} loss={m['loss']:.4f} test_accuracy={m['test_accuracy']:.4f} "
-              f"{m['ms_per_step']:.1f} ms/step  max|params - single|={diff}")
+        print(
+            f"{mode:>9}: devices={m['devices']} loss={m['loss']:.4f} test_accuracy={m['test_accuracy']:.4f} "
+            f"{m['ms_per_step']:.1f} ms/step  max|params - single|={diff}"
+        )
         results[mode] = dict(m, max_difference=None if reference is None else max_difference(params, reference))
     return results
 

@@ -98,8 +98,10 @@ def benchmark(seed: int, size: int | None = None, reps: int | None = None):
     size, reps = size or default_size, reps or default_reps
     bs = 32
     header("2. bsmm vs dense x @ W")
-    print(f"device: {device.device_kind} ({device.platform}); bsmm path: {paths.describe_path(platform, impl)} "
-          f"(implementation={impl!r})")
+    print(
+        f"device: {device.device_kind} ({device.platform}); bsmm path: {paths.describe_path(platform, impl)} "
+        f"(implementation={impl!r})"
+    )
     print(f"x [{n}, {size}] @ W [{size}, {size}], float32, block {bs}, median of {reps} runs")
 
     x = jax.random.normal(jax.random.key(seed), (n, size), jnp.float32)
@@ -159,8 +161,10 @@ def train(seed: int, steps: int, batch_size: int = 128):
     params = model.init(jax.random.key(seed), jnp.zeros((1, x_train.shape[1])))
     n_params = sum(p.size for p in jax.tree.leaves(params))
     n_dense = (64 * 256 + 256) + (256 * 256 + 256) + (256 * 10 + 10)
-    print(f"train {len(x_train)}, test {len(x_test)}; parameters: {n_params:,} "
-          f"(a dense 64-256-256-10 MLP has {n_dense:,})")
+    print(
+        f"train {len(x_train)}, test {len(x_test)}; parameters: {n_params:,} "
+        f"(a dense 64-256-256-10 MLP has {n_dense:,})"
+    )
 
     optimizer = optax.adam(3e-3)
     opt_state = optimizer.init(params)
@@ -201,8 +205,12 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="random seed (layouts, data split, init)")
     parser.add_argument("--steps", type=int, default=600, help="training steps for the MLP")
     parser.add_argument("--no-bench", action="store_true", help="skip the timing table")
-    parser.add_argument("--bench-size", type=int, default=None,
-                        help="W is [size, size] in the timing table (default: by device; a multiple of 32)")
+    parser.add_argument(
+        "--bench-size",
+        type=int,
+        default=None,
+        help="W is [size, size] in the timing table (default: by device; a multiple of 32)",
+    )
     parser.add_argument("--bench-reps", type=int, default=None, help="timed runs per row (default: by device)")
     args = parser.parse_args(argv)
 

@@ -174,9 +174,7 @@ def make_method(args, total_steps: int, steps_per_epoch: int) -> jst.DynamicSpar
             **common,
         )
     if args.method == "magnitude":
-        return jst.MagnitudePruning(
-            begin_step=int(0.1 * total_steps), end_step=int(0.6 * total_steps), **common
-        )
+        return jst.MagnitudePruning(begin_step=int(0.1 * total_steps), end_step=int(0.6 * total_steps), **common)
     raise ValueError(args.method)
 
 
@@ -292,8 +290,10 @@ def run(args) -> dict:
         if args.log and logs:
             print(jst.format_log(logs))
         if logs:
-            print(f"layout updates: {len(logs)}, blocks moved: {sum(log.totals()['grown'] for log in logs)} grown, "
-                  f"{sum(log.totals()['pruned'] for log in logs)} pruned")
+            print(
+                f"layout updates: {len(logs)}, blocks moved: {sum(log.totals()['grown'] for log in logs)} grown, "
+                f"{sum(log.totals()['pruned'] for log in logs)} pruned"
+            )
         print("final layers (nnz/capacity/grid): " + ", ".join(f"{k}={v[0]}/{v[1]}/{v[2]}" for k, v in final.items()))
         print(f"final density: {result['final_density']:.4f}")
     if "step_ms" in result:
@@ -321,11 +321,19 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--update-every", type=int, default=0, help="steps between layout updates (0: each epoch)")
     p.add_argument("--prune-rate", type=float, default=0.5, help="sparse momentum's initial prune rate")
-    p.add_argument("--redistribution", choices=("momentum", "none"), default="momentum",
-                   help="sparse momentum: move the pruned budget across layers by mean momentum")
+    p.add_argument(
+        "--redistribution",
+        choices=("momentum", "none"),
+        default="momentum",
+        help="sparse momentum: move the pruned budget across layers by mean momentum",
+    )
     p.add_argument("--capacity-factor", type=float, default=1.5, help="sparse momentum's room per layer")
-    p.add_argument("--stop-fraction", type=float, default=None,
-                   help="layout frozen after this fraction of training (rigl/set: 0.75, sparse momentum: 1.0)")
+    p.add_argument(
+        "--stop-fraction",
+        type=float,
+        default=None,
+        help="layout frozen after this fraction of training (rigl/set: 0.75, sparse momentum: 1.0)",
+    )
     p.add_argument("--drop-fraction", type=float, default=0.3, help="RigL / SET initial drop fraction")
     p.add_argument("--momentum-batches", type=int, default=10, help="minibatches averaged for sparse momentum")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")

@@ -88,8 +88,9 @@ def fresh_blocks(model, seed: int):
         if isinstance(node, BlockSparseLinear):
             node.kernel[...] = layer_common.init_kernel(None, next(keys), node.layout, node.mask, node.param_dtype)
         elif isinstance(node, BlockSparseConv):
-            node.kernel[...] = conv_core.init_conv_kernel(None, next(keys), node.layout, node.mask, node.kernel_size,
-                                                          node.param_dtype)
+            node.kernel[...] = conv_core.init_conv_kernel(
+                None, next(keys), node.layout, node.mask, node.kernel_size, node.param_dtype
+            )
     return model
 
 
@@ -169,8 +170,10 @@ def accuracy(model, x, y) -> float:
 def run(args) -> dict:
     x_train, x_test, y_train, y_test = load_data(args.seed)
     make_data = functools.partial(batches, x_train, y_train, args.batch_size)
-    print(f"digits: train {len(x_train)}, test {len(x_test)}; block size {args.block_size}; "
-          f"{args.steps} dense steps, {args.finetune_steps} fine-tuning steps; device {jax.devices()[0].device_kind}")
+    print(
+        f"digits: train {len(x_train)}, test {len(x_test)}; block size {args.block_size}; "
+        f"{args.steps} dense steps, {args.finetune_steps} fine-tuning steps; device {jax.devices()[0].device_kind}"
+    )
 
     dense = CNN(args.width, args.hidden, nnx.Rngs(args.seed))
     trainers = {("dense", 1.0): Trainer(dense, args.lr).train(args.steps, make_data(args.seed))}
@@ -184,18 +187,25 @@ def run(args) -> dict:
         params = count_params(sparse)
         rows.append(dict(model="one-shot", density=density, params=params, accuracy=accuracy(sparse, x_test, y_test)))
         trainers["fine-tuned", density] = Trainer(sparse, args.lr).train(args.finetune_steps, make_data(args.seed + 1))
-        rows.append(dict(model="fine-tuned", density=density, params=params,
-                         accuracy=accuracy(sparse, x_test, y_test)))
+        rows.append(dict(model="fine-tuned", density=density, params=params, accuracy=accuracy(sparse, x_test, y_test)))
 
         # The same density from scratch: random blocks (same counts per layer), fresh init, all the steps.
         untrained = CNN(args.width, args.hidden, nnx.Rngs(args.seed + 100))
-        scratch, _ = jbs.nnx.sparsify(untrained, density, args.block_size,
-                                       selection=functools.partial(jbs.layouts.random, seed=args.seed))
+        scratch, _ = jbs.nnx.sparsify(
+            untrained, density, args.block_size, selection=functools.partial(jbs.layouts.random, seed=args.seed)
+        )
         fresh_blocks(scratch, args.seed + 200)
-        trainers["from scratch", density] = Trainer(scratch, args.lr).train(args.steps + args.finetune_steps,
-                                                                          make_data(args.seed))
-        rows.append(dict(model="from scratch", density=density, params=count_params(scratch),
-                         accuracy=accuracy(scratch, x_test, y_test)))
+        trainers["from scratch", density] = Trainer(scratch, args.lr).train(
+            args.steps + args.finetune_steps, make_data(args.seed)
+        )
+        rows.append(
+            dict(
+                model="from scratch",
+                density=density,
+                params=count_params(scratch),
+                accuracy=accuracy(scratch, x_test, y_test),
+            )
+        )
 
     times = step_ms(trainers, next(make_data(args.seed + 2)), args.time_reps)
     for row in rows:
@@ -218,9 +228,13 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=1500, help="dense training steps")
     parser.add_argument("--finetune-steps", type=int, default=300, help="fine-tuning steps after sparsifying")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.5, 0.25, 0.1])
-    parser.add_argument("--block-size", type=int, default=8,
-                        help="8 keeps a grid of 4 x 8 and 8 x 8 blocks in the convs (16 leaves 2 x 4 and 4 x 4: at "
-                             "density 0.1 one block each, which can disconnect the network)")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=8,
+        help="8 keeps a grid of 4 x 8 and 8 x 8 blocks in the convs (16 leaves 2 x 4 and 4 x 4: at "
+        "density 0.1 one block each, which can disconnect the network)",
+    )
     parser.add_argument("--width", type=int, default=32, help="channels of the first conv (then 2x)")
     parser.add_argument("--hidden", type=int, default=256, help="features of the hidden linear layer")
     parser.add_argument("--batch-size", type=int, default=128)

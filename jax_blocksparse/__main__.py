@@ -63,7 +63,7 @@ def report() -> str:
 def crossover_lines(table: crossover.CrossoverTable) -> list[str]:
     """The crossovers in force for this machine's devices, one line per kernel and mode:
     the block capacity above which "auto" computes that product densely, per block size."""
-    lines = ["crossovers in force (\"auto\" computes a product densely above these block densities):"]
+    lines = ['crossovers in force ("auto" computes a product densely above these block densities):']
     for plat in ("cpu", "cuda"):
         kind = _lowering.device_kind(plat)
         if kind is None:
@@ -71,7 +71,7 @@ def crossover_lines(table: crossover.CrossoverTable) -> list[str]:
             continue
         entries = table.for_device(plat, kind)
         if not entries:
-            lines.append(f"  {plat:5} {kind}: none measured (the kernels run wherever \"auto\" picks them)")
+            lines.append(f'  {plat:5} {kind}: none measured (the kernels run wherever "auto" picks them)')
             continue
         groups: dict[tuple, list] = {}
         for e in entries:

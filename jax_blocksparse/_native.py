@@ -97,9 +97,11 @@ def load_error(platform: str | None = None) -> str | None:
     if platform in registered:
         return _stale(platform)
     if platform == "cuda":
-        return ("the extension was built without CUDA (no GPU seen and no CUDA architecture named, or no nvcc, "
-                "at build time); rebuild with nvcc: `python build.py` on the GPU machine, or "
-                "CUDAARCHS=\"80-real;90a-real;90-virtual\" pip install ...")
+        return (
+            "the extension was built without CUDA (no GPU seen and no CUDA architecture named, or no nvcc, "
+            "at build time); rebuild with nvcc: `python build.py` on the GPU machine, or "
+            'CUDAARCHS="80-real;90a-real;90-virtual" pip install ...'
+        )
     return f"the extension has no kernels for platform {platform!r}"
 
 

@@ -61,8 +61,16 @@ TABLE_PATH = Path(__file__).resolve().with_name("crossovers.json")
 FORMAT = 1
 MODES = ("float32", "tf32", "bfloat16", "float16")
 
-__all__ = ["Crossover", "CrossoverTable", "TABLE_PATH", "default_table", "load_table", "prefers_dense",
-           "table_in_force", "use_table"]
+__all__ = [
+    "Crossover",
+    "CrossoverTable",
+    "TABLE_PATH",
+    "default_table",
+    "load_table",
+    "prefers_dense",
+    "table_in_force",
+    "use_table",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,8 +209,15 @@ def use_table(table: CrossoverTable):
         yield
 
 
-def prefers_dense(platform: str, device_kind: str | None, target: str, mode: str, block_size: int,
-                  block_fraction: float, table: CrossoverTable | None = None) -> bool:
+def prefers_dense(
+    platform: str,
+    device_kind: str | None,
+    target: str,
+    mode: str,
+    block_size: int,
+    block_fraction: float,
+    table: CrossoverTable | None = None,
+) -> bool:
     """Whether ``"auto"`` computes a product densely instead of with ``target``.
 
     True where the table in force (or ``table``) has an entry for the kernel on that

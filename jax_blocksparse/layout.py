@@ -254,8 +254,7 @@ class Layout:
         if concrete:
             if capacity < nnz:
                 raise ValueError(
-                    f"capacity={capacity} is smaller than the number of blocks in the mask "
-                    f"({nnz} of grid {grid})"
+                    f"capacity={capacity} is smaller than the number of blocks in the mask ({nnz} of grid {grid})"
                 )
             # Host (numpy) tables: constants wherever the layout is used, so a layout
             # built (and cached) during any trace never captures a tracer.

@@ -36,8 +36,14 @@ from jax_blocksparse.ops.matmul import bsmm
 # check_mesh, default_capacity and place are the helpers the column-parallel layers
 # share with this module; shard_map is the package's one spelling of the transform.
 __all__ = [
-    "column_parallel_bsmm", "shard_blocks", "split_columns", "unshard_blocks",
-    "check_mesh", "default_capacity", "place", "shard_map",
+    "column_parallel_bsmm",
+    "shard_blocks",
+    "split_columns",
+    "unshard_blocks",
+    "check_mesh",
+    "default_capacity",
+    "place",
+    "shard_map",
 ]
 
 #: ``jax.shard_map`` (``jax.experimental.shard_map.shard_map`` on JAX < 0.7): the one
@@ -66,7 +72,7 @@ def _shard_bounds(layout: Layout, num_shards: int):
     per = layout.grid[1] // num_shards
     ptr = layout.tables.col_ptr
     starts = ptr[0 : layout.grid[1] : per]
-    ends = ptr[per :: per]
+    ends = ptr[per::per]
     return starts, ends - starts
 
 
@@ -290,14 +296,23 @@ def column_parallel_bsmm(
 
     def body(x, w, tables):
         local = Layout(layouts.block_size, layouts.grid, layouts.capacity, LayoutTables(*(t[0] for t in tables)))
-        return bsmm(x, w[0], local, preferred_element_type=preferred_element_type,
-                    compute_dtype=compute_dtype, float32_dw=float32_dw, precision=precision, impl=impl)
+        return bsmm(
+            x,
+            w[0],
+            local,
+            preferred_element_type=preferred_element_type,
+            compute_dtype=compute_dtype,
+            float32_dw=float32_dw,
+            precision=precision,
+            impl=impl,
+        )
 
     table_specs = LayoutTables(*([P(axis)] * len(layouts.tables)))
     in_specs = (x_spec, P(axis), table_specs)
     operands = (x, w_shards, layouts.tables)
-    operands = jax.tree.map(lambda v, spec: place(v, mesh, spec), operands, in_specs,
-                            is_leaf=lambda v: isinstance(v, P))
+    operands = jax.tree.map(
+        lambda v, spec: place(v, mesh, spec), operands, in_specs, is_leaf=lambda v: isinstance(v, P)
+    )
     fn = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(*lead, axis))
     y = fn(*operands)  # [..., K], the last dim split over `axis`
     if gather_output:

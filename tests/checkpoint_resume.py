@@ -53,8 +53,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         for name, p in self.plan.items():
-            x = nn.relu(jbs.nn.BlockSparseDense(SHAPES[name][1], p.mask, BS, capacity=p.capacity, dynamic=True,
-                                                name=name)(x))
+            x = nn.relu(
+                jbs.nn.BlockSparseDense(SHAPES[name][1], p.mask, BS, capacity=p.capacity, dynamic=True, name=name)(x)
+            )
         return nn.Dense(4)(x)
 
 
@@ -128,6 +129,7 @@ def main(argv=None) -> int:
     initial_state, train_step, sparsity_step = build()
     with ocp.CheckpointManager(args.ckpt) as manager:
         if args.run == "full":
+
             def save(state):
                 if state["step"] == SAVE_AT:
                     manager.save(SAVE_AT, args=ocp.args.StandardSave(state))
@@ -138,8 +140,10 @@ def main(argv=None) -> int:
             abstract = jax.eval_shape(initial_state)  # the target: Layouts, LossScaleState, ...
             state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(abstract))
             layouts = jax.tree.leaves(state["layouts"], is_leaf=jst.is_layout)
-            if int(state["step"]) != SAVE_AT or not isinstance(state["opt_state"], jmp.LossScaleState) or not all(
-                isinstance(layout, jbs.Layout) for layout in layouts
+            if (
+                int(state["step"]) != SAVE_AT
+                or not isinstance(state["opt_state"], jmp.LossScaleState)
+                or not all(isinstance(layout, jbs.Layout) for layout in layouts)
             ):
                 raise SystemExit(f"restored an unexpected state: {jax.tree.map(jnp.shape, state)}")
             state = train(state, STEPS, train_step, sparsity_step)

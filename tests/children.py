@@ -79,8 +79,17 @@ def run_together(commands, envs, *, timeout: float, grace: float = 30.0) -> list
         for command, env in zip(commands, envs):
             log = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
             logs.append(log)
-            procs.append(subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    env=env,
+                    cwd=REPO_ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
         deadline, killed, ended = start + timeout, [""] * len(procs), [None] * len(procs)
         while True:
             now = time.monotonic()

@@ -47,5 +47,3 @@ def exact_float32_matmuls(request):
         return
     with jax.default_matmul_precision(MATMUL_PRECISION):
         yield
-
-

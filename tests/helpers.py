@@ -273,8 +273,9 @@ def rerun_keeping_16bit_roundings(request, timeout: float = 600):
     for name in [n for n in env if n == "PYTEST_ADDOPTS" or n.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_"))]:
         del env[name]  # a plain pytest run of one test (no -n, not an xdist worker)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid]
-    child = subprocess.run(command, cwd=request.config.rootpath, env=env, capture_output=True, text=True,
-                           timeout=timeout)
+    child = subprocess.run(
+        command, cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=timeout
+    )
     output = f"{' '.join(command)}\n{child.stdout[-6000:]}\n{child.stderr[-3000:]}"
     assert child.returncode == 0 and re.search(r"\b1 passed\b", child.stdout), output
 

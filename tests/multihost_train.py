@@ -50,8 +50,12 @@ def main(argv=None) -> int:
     if args.coordinator:
         # Before any other JAX call: CPU collectives across processes go through gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id,
-                                   initialization_timeout=args.timeout)
+        jax.distributed.initialize(
+            args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            initialization_timeout=args.timeout,
+        )
 
     import flax.linen as nn
     import numpy as np
@@ -74,10 +78,12 @@ def main(argv=None) -> int:
     class MLP(nn.Module):
         @nn.compact
         def __call__(self, x):
-            x = jbs.nn.BlockSparseDense(64, plan.mask, BS, capacity=plan.capacity, dynamic=True, impl="kernels",
-                                        name="fc1")(x)
-            x = jbs.nn.ColumnParallelDense(32, mask2, BS, mesh, "model", batch_axis="data", impl="kernels",
-                                           name="fc2")(nn.relu(x))
+            x = jbs.nn.BlockSparseDense(
+                64, plan.mask, BS, capacity=plan.capacity, dynamic=True, impl="kernels", name="fc1"
+            )(x)
+            x = jbs.nn.ColumnParallelDense(32, mask2, BS, mesh, "model", batch_axis="data", impl="kernels", name="fc2")(
+                nn.relu(x)
+            )
             return nn.Dense(4, name="head")(nn.relu(x))
 
     model = MLP()

@@ -65,8 +65,11 @@ def on_grid(fn, batch, heads, t_q, t_kv):
 
 def qkv(batch, t_q, heads, dim, t_kv=None, kv_heads=None, dtype=F32, seed=0):
     t_kv, kv_heads = t_kv or t_q, kv_heads or heads
-    return (rand((batch, t_q, heads, dim), dtype, seed), rand((batch, t_kv, kv_heads, dim), dtype, seed + 1),
-            rand((batch, t_kv, kv_heads, dim), dtype, seed + 2))
+    return (
+        rand((batch, t_q, heads, dim), dtype, seed),
+        rand((batch, t_kv, kv_heads, dim), dtype, seed + 1),
+        rand((batch, t_kv, kv_heads, dim), dtype, seed + 2),
+    )
 
 
 def compare(op, allowed, args, dtype=F32, bias=None, scale=None, rows=None, **dense_kw):
@@ -81,8 +84,9 @@ def compare(op, allowed, args, dtype=F32, bias=None, scale=None, rows=None, **de
     ct = rand(q.shape[:3] + v.shape[3:], dtype, 99) * jnp.asarray(keep, dtype)[:, :, None, None]
 
     def dense(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=jnp.asarray(allowed), scale=scale,
-                                            implementation="xla", **dense_kw)
+        return jax.nn.dot_product_attention(
+            q, k, v, bias=bias, mask=jnp.asarray(allowed), scale=scale, implementation="xla", **dense_kw
+        )
 
     def value_and_vjp(f, *a):
         out, pullback = jax.vjp(f, *a)
@@ -116,13 +120,17 @@ PATTERNS = {
 }
 
 
-@pytest.mark.parametrize("pattern, is_causal", [(p, True) for p in sorted(PATTERNS)] + [("fixed", False),
-                                                                                         ("bigbird", False)])
+@pytest.mark.parametrize(
+    "pattern, is_causal", [(p, True) for p in sorted(PATTERNS)] + [("fixed", False), ("bigbird", False)]
+)
 def test_patterns(pattern, is_causal):
     mask = PATTERNS[pattern]()
     allowed = expand(mask, BS) & (causal(T, T) if is_causal else True)
-    compare(lambda q, k, v: att.blocksparse_attention(q, k, v, mask, BS, is_causal=is_causal), allowed,
-            qkv(2, T, 2, 16, seed=len(pattern)))
+    compare(
+        lambda q, k, v: att.blocksparse_attention(q, k, v, mask, BS, is_causal=is_causal),
+        allowed,
+        qkv(2, T, 2, 16, seed=len(pattern)),
+    )
 
 
 @pytest.mark.parametrize("impl", ["kernels", "reference"])
@@ -130,11 +138,15 @@ def test_patterns(pattern, is_causal):
 def test_grouped_and_multi_query_with_per_head_masks(kv_heads, impl):
     if impl == "kernels":
         require_kernels("cuda" if jax.default_backend() == "gpu" else "cpu")
-    masks = np.stack([jbs.layouts.local(N, 1), jbs.layouts.fixed(N, 4, 1), jbs.layouts.strided(N, 3),
-                      jbs.layouts.local(N, 3)])
+    masks = np.stack(
+        [jbs.layouts.local(N, 1), jbs.layouts.fixed(N, 4, 1), jbs.layouts.strided(N, 3), jbs.layouts.local(N, 3)]
+    )
     allowed = expand(masks, BS) & causal(T, T)
-    compare(lambda q, k, v: att.blocksparse_attention(q, k, v, masks, BS, is_causal=True, impl=impl), allowed,
-            qkv(2, T, 4, 16, kv_heads=kv_heads))
+    compare(
+        lambda q, k, v: att.blocksparse_attention(q, k, v, masks, BS, is_causal=True, impl=impl),
+        allowed,
+        qkv(2, T, 4, 16, kv_heads=kv_heads),
+    )
 
 
 def test_cross_attention_rectangular_mask():
@@ -150,20 +162,30 @@ def test_cross_attention_rectangular_mask():
 
 def test_head_dim_80_and_block_64():
     mask = jbs.layouts.fixed(4, 2, 1)
-    compare(lambda q, k, v: att.blocksparse_attention(q, k, v, mask, 64, is_causal=True),
-            expand(mask, 64) & causal(256, 256), qkv(1, 256, 2, 80))
+    compare(
+        lambda q, k, v: att.blocksparse_attention(q, k, v, mask, 64, is_causal=True),
+        expand(mask, 64) & causal(256, 256),
+        qkv(1, 256, 2, 80),
+    )
 
 
 def test_bfloat16():
     mask = jbs.layouts.strided(N, 3)
-    compare(lambda q, k, v: att.blocksparse_attention(q, k, v, mask, BS, is_causal=True),
-            expand(mask, BS) & causal(T, T), qkv(2, T, 4, 32, kv_heads=2, dtype=BF16), dtype=BF16)
+    compare(
+        lambda q, k, v: att.blocksparse_attention(q, k, v, mask, BS, is_causal=True),
+        expand(mask, BS) & causal(T, T),
+        qkv(2, T, 4, 32, kv_heads=2, dtype=BF16),
+        dtype=BF16,
+    )
 
 
 def test_per_batch_block_mask():
     masks = np.stack([jbs.layouts.local(N, 2), jbs.layouts.fixed(N, 4, 1)])[:, None]  # [B, 1, n, n]
-    compare(lambda q, k, v: att.blocksparse_attention(q, k, v, masks, BS, is_causal=True),
-            expand(masks, BS) & causal(T, T), qkv(2, T, 2, 16))
+    compare(
+        lambda q, k, v: att.blocksparse_attention(q, k, v, masks, BS, is_causal=True),
+        expand(masks, BS) & causal(T, T),
+        qkv(2, T, 2, 16),
+    )
 
 
 # ---------------------------------------------------------------------------------
@@ -204,12 +226,18 @@ def test_mask_fn_per_head_and_batch_with_causal():
 
     mask = att.create_block_mask(fn, 2, 2, T, T, BS)
     assert mask.grid == (2, 2, N, N)
-    compare(lambda q, k, v: att.blocksparse_attention(q, k, v, mask, is_causal=True),
-            on_grid(fn, 2, 2, T, T) & causal(T, T), qkv(2, T, 2, 16))
+    compare(
+        lambda q, k, v: att.blocksparse_attention(q, k, v, mask, is_causal=True),
+        on_grid(fn, 2, 2, T, T) & causal(T, T),
+        qkv(2, T, 2, 16),
+    )
     # The same function as mask_fn= with a plain tile grid: every tile partial.
     grid = np.asarray(mask.blocks).any((0, 1))
-    compare(lambda q, k, v: att.blocksparse_attention(q, k, v, grid, BS, is_causal=True, mask_fn=fn),
-            expand(grid, BS) & on_grid(fn, 2, 2, T, T) & causal(T, T), qkv(2, T, 2, 16))
+    compare(
+        lambda q, k, v: att.blocksparse_attention(q, k, v, grid, BS, is_causal=True, mask_fn=fn),
+        expand(grid, BS) & on_grid(fn, 2, 2, T, T) & causal(T, T),
+        qkv(2, T, 2, 16),
+    )
 
 
 def test_score_fn_alibi_and_bias():
@@ -223,10 +251,19 @@ def test_score_fn_alibi_and_bias():
     q_i, kv_i = np.arange(T)[:, None], np.arange(T)[None, :]
     dense_bias = -np.asarray(slopes)[None, :, None, None] * (q_i - kv_i)[None, None]
     args = qkv(2, T, 2, 16)
-    compare(lambda q, k, v: att.blocksparse_attention(q, k, v, mask, BS, is_causal=True, score_fn=alibi, scale=0.3),
-            allowed, args, bias=jnp.asarray(dense_bias, F32), scale=0.3)
-    compare(lambda q, k, v: att.blocksparse_attention(q, k, v, mask, BS, is_causal=True, bias=dense_bias),
-            allowed, args, bias=jnp.asarray(dense_bias, F32))
+    compare(
+        lambda q, k, v: att.blocksparse_attention(q, k, v, mask, BS, is_causal=True, score_fn=alibi, scale=0.3),
+        allowed,
+        args,
+        bias=jnp.asarray(dense_bias, F32),
+        scale=0.3,
+    )
+    compare(
+        lambda q, k, v: att.blocksparse_attention(q, k, v, mask, BS, is_causal=True, bias=dense_bias),
+        allowed,
+        args,
+        bias=jnp.asarray(dense_bias, F32),
+    )
 
 
 def test_bias_gradient():
@@ -238,10 +275,12 @@ def test_bias_gradient():
     def loss(f, bias):
         return jnp.sum(jnp.sin(f(bias)))
 
-    got = jax.jit(jax.grad(lambda b: loss(lambda b: att.blocksparse_attention(q, k, v, mask, BS, bias=b,
-                                                                              is_causal=True), b)))(bias)
-    want = jax.jit(jax.grad(lambda b: loss(lambda b: jax.nn.dot_product_attention(q, k, v, bias=b, mask=allowed),
-                                           b)))(bias)
+    got = jax.jit(
+        jax.grad(lambda b: loss(lambda b: att.blocksparse_attention(q, k, v, mask, BS, bias=b, is_causal=True), b))
+    )(bias)
+    want = jax.jit(jax.grad(lambda b: loss(lambda b: jax.nn.dot_product_attention(q, k, v, bias=b, mask=allowed), b)))(
+        bias
+    )
     assert_close(got, np.asarray(want), F32, T)
 
 
@@ -279,10 +318,16 @@ def test_sequence_lengths():
     q_len, kv_len = np.array([128, 72]), np.array([100, 128])
     mask = jbs.layouts.fixed(N, 4, 1)
     rows = np.arange(T)[None, :] < q_len[:, None]
-    got = compare(lambda q, k, v: att.blocksparse_attention(q, k, v, mask, BS, is_causal=True, query_seq_lengths=q_len,
-                                                            key_value_seq_lengths=kv_len),
-                  expand(mask, BS) & causal(T, T), qkv(2, T, 2, 16), rows=rows,
-                  query_seq_lengths=jnp.asarray(q_len), key_value_seq_lengths=jnp.asarray(kv_len))
+    got = compare(
+        lambda q, k, v: att.blocksparse_attention(
+            q, k, v, mask, BS, is_causal=True, query_seq_lengths=q_len, key_value_seq_lengths=kv_len
+        ),
+        expand(mask, BS) & causal(T, T),
+        qkv(2, T, 2, 16),
+        rows=rows,
+        query_seq_lengths=jnp.asarray(q_len),
+        key_value_seq_lengths=jnp.asarray(kv_len),
+    )
     assert not np.asarray(got)[1, 72:].any()  # padded query rows are zeros, as in jax.nn
 
 
@@ -315,8 +360,9 @@ def test_packed_documents_inside_jit_compile_once():
     for lengths in ([[40, 60, 28], [128]], [[100, 28], [8, 120]]):
         seg = packed(lengths)
         allowed = jnp.asarray((seg[:, None, :, None] == seg[:, None, None, :]) & causal(T, T))
-        want = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(jax.nn.dot_product_attention(q, k, v, mask=allowed))),
-                        (0, 1, 2))(*args)
+        want = jax.grad(
+            lambda q, k, v: jnp.sum(jnp.sin(jax.nn.dot_product_attention(q, k, v, mask=allowed))), (0, 1, 2)
+        )(*args)
         for g, w in zip(step(*args, seg), want):
             assert_close(g, np.asarray(w), F32, T)
     assert len(traces) == 1
@@ -330,8 +376,11 @@ def test_traced_block_mask_from_data_and_overflow():
     def pick(q, k, count):
         qm, km = q.reshape(2, N, BS, 2, 16).mean(2), k.reshape(2, N, BS, 2, 16).mean(2)
         score = jnp.einsum("bihd,bjhd->bhij", qm, km).reshape(2, 2, -1)
-        chosen = jnp.zeros_like(score, bool).at[
-            jnp.arange(2)[:, None, None], jnp.arange(2)[None, :, None], jax.lax.top_k(score, count)[1]].set(True)
+        chosen = (
+            jnp.zeros_like(score, bool)
+            .at[jnp.arange(2)[:, None, None], jnp.arange(2)[None, :, None], jax.lax.top_k(score, count)[1]]
+            .set(True)
+        )
         return chosen.reshape(2, 2, N, N) | jnp.eye(N, dtype=bool)
 
     @jax.jit
@@ -357,14 +406,23 @@ def test_token_level_features_in_bfloat16():
     seg = packed([[40, 60, 28], [70, 58]])
     kv_len = np.array([128, 100])
     mask = att.create_block_mask(sliding_window, None, None, T, T, BS)
-    allowed = (on_grid(sliding_window, 1, 1, T, T) & (seg[:, None, :, None] == seg[:, None, None, :])
-               & (np.arange(T) < kv_len[:, None])[:, None, None, :])
+    allowed = (
+        on_grid(sliding_window, 1, 1, T, T)
+        & (seg[:, None, :, None] == seg[:, None, None, :])
+        & (np.arange(T) < kv_len[:, None])[:, None, None, :]
+    )
     q_i, kv_i = np.arange(T)[:, None], np.arange(T)[None, :]
     dense_bias = jnp.asarray(-np.asarray(slopes)[None, :, None, None] * (q_i - kv_i)[None, None], F32)
-    compare(lambda q, k, v: att.blocksparse_attention(q, k, v, mask, score_fn=alibi, query_segment_ids=seg,
-                                                      key_value_seq_lengths=kv_len),
-            allowed, qkv(2, T, 4, 32, kv_heads=2, dtype=BF16), dtype=BF16, bias=dense_bias,
-            rows=allowed[:, 0].any(-1))
+    compare(
+        lambda q, k, v: att.blocksparse_attention(
+            q, k, v, mask, score_fn=alibi, query_segment_ids=seg, key_value_seq_lengths=kv_len
+        ),
+        allowed,
+        qkv(2, T, 4, 32, kv_heads=2, dtype=BF16),
+        dtype=BF16,
+        bias=dense_bias,
+        rows=allowed[:, 0].any(-1),
+    )
 
 
 def test_vmap_of_data_dependent_masks_and_decoding():
@@ -385,7 +443,7 @@ def test_vmap_of_data_dependent_masks_and_decoding():
     mask = jbs.layouts.fixed(4, 2, 1)
     positions = jnp.asarray([5, 33, 63])
     steps = jax.jit(jax.vmap(lambda q, k, v, p: att.blocksparse_decode(q, k, v, p, mask, BS)))
-    tokens = jnp.stack([q[i][:, p:p + 1] for i, p in enumerate(np.asarray(positions))])  # [3, B, 1, H, D]
+    tokens = jnp.stack([q[i][:, p : p + 1] for i, p in enumerate(np.asarray(positions))])  # [3, B, 1, H, D]
     got = steps(tokens, k, v, positions)
     allowed = expand(mask, BS) & causal(64, 64)
     for i, p in enumerate(np.asarray(positions)):
@@ -403,10 +461,14 @@ def test_empty_rows_give_zeros_not_nan():
     mask[3] = False  # query block 3 sees nothing
     q, k, v = qkv(1, T, 2, 16)
     rows = np.ones((1, T), bool)
-    rows[:, 3 * BS: 4 * BS] = False
-    out = compare(lambda q, k, v: att.blocksparse_attention(q, k, v, mask, BS, is_causal=True),
-                  expand(mask, BS) & causal(T, T), (q, k, v), rows=rows)
-    assert not np.asarray(out)[:, 3 * BS: 4 * BS].any()
+    rows[:, 3 * BS : 4 * BS] = False
+    out = compare(
+        lambda q, k, v: att.blocksparse_attention(q, k, v, mask, BS, is_causal=True),
+        expand(mask, BS) & causal(T, T),
+        (q, k, v),
+        rows=rows,
+    )
+    assert not np.asarray(out)[:, 3 * BS : 4 * BS].any()
     empty = np.zeros((N, N), bool)
     out, grads = jax.jit(jax.value_and_grad(lambda q: att.blocksparse_attention(q, k, v, empty, BS).sum()))(q)
     assert float(out) == 0 and not np.asarray(grads).any()
@@ -415,8 +477,11 @@ def test_empty_rows_give_zeros_not_nan():
 def test_dropout():
     mask = jbs.layouts.local(N, 3)
     q, k, v = qkv(2, T, 2, 16)
-    op = jax.jit(lambda q, k, v, key: att.blocksparse_attention(q, k, v, mask, BS, is_causal=True, dropout_rate=0.5,
-                                                                dropout_rng=key))
+    op = jax.jit(
+        lambda q, k, v, key: att.blocksparse_attention(
+            q, k, v, mask, BS, is_causal=True, dropout_rate=0.5, dropout_rng=key
+        )
+    )
     key = jax.random.key(0)
     a, b, c = op(q, k, v, key), op(q, k, v, key), op(q, k, v, jax.random.key(1))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # deterministic in the key
@@ -442,8 +507,12 @@ def test_nothing_t_by_t():
         return att.blocksparse_attention(q, k, v, mask, bs, is_causal=True).sum()
 
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
-    sizes = [int(np.prod(var.aval.shape)) for eqn in all_eqns(jaxpr.jaxpr) for var in eqn.outvars
-             if hasattr(var.aval, "shape")]
+    sizes = [
+        int(np.prod(var.aval.shape))
+        for eqn in all_eqns(jaxpr.jaxpr)
+        for var in eqn.outvars
+        if hasattr(var.aval, "shape")
+    ]
     nnz = int((mask & causal(t // bs, t // bs)).sum())
     assert max(sizes) == 2 * nnz * bs * bs < 2 * t * t / 4  # the scores (both heads) are the largest
 
@@ -495,8 +564,9 @@ def test_jit_over_a_batch_sharded_mesh():
     assert collectives(step.lower(*sharded).compile().as_text())["all-gather"] == []
     got, want = step(*sharded), step(q, k, v, seg)
     allowed = jnp.asarray((seg[:, None, :, None] == seg[:, None, None, :]) & causal(64, 64))
-    dense = jax.value_and_grad(lambda q, k, v: jnp.vdot(jax.nn.dot_product_attention(q, k, v, mask=allowed), ct),
-                               (0, 1, 2))(q, k, v)
+    dense = jax.value_and_grad(
+        lambda q, k, v: jnp.vdot(jax.nn.dot_product_attention(q, k, v, mask=allowed), ct), (0, 1, 2)
+    )(q, k, v)
     assert_close(got[0], np.asarray(want[0]), F32, 64)
     assert_close(got[0], np.asarray(dense[0]), F32, 64)
     for g, w, d in zip(got[1], want[1], dense[1]):
@@ -505,8 +575,11 @@ def test_jit_over_a_batch_sharded_mesh():
 
     mask = jbs.layouts.fixed(4, 2, 1)
     ones = jax.device_put(jnp.ones((8, 64, 2, 16)), NamedSharding(mesh, P("batch")))
-    dropped = jax.jit(lambda q: att.blocksparse_attention(q, q, q, mask, 16, is_causal=True, dropout_rate=0.5,
-                                                          dropout_rng=jax.random.key(0)))(ones)
+    dropped = jax.jit(
+        lambda q: att.blocksparse_attention(
+            q, q, q, mask, 16, is_causal=True, dropout_rate=0.5, dropout_rng=jax.random.key(0)
+        )
+    )(ones)
     rows = np.asarray(dropped)  # equal inputs: one key for all devices would give every row one mask
     assert not np.array_equal(rows[0], rows[1])
 
@@ -537,7 +610,7 @@ def test_decode_equals_full_attention_row_by_row():
     for t in range(T):
         later = np.arange(T)[None, :, None, None] > t  # the cache beyond t holds other values
         k_t, v_t = jnp.where(later, garbage, k), jnp.where(later, garbage, v)
-        assert_close(step(q[:, t:t + 1], k_t, v_t, t)[:, 0], np.asarray(full[:, t]), F32, T)
+        assert_close(step(q[:, t : t + 1], k_t, v_t, t)[:, 0], np.asarray(full[:, t]), F32, T)
 
 
 def test_decode_work_follows_the_row_not_t():
@@ -581,25 +654,40 @@ def test_bad_inputs():
         (ValueError, "bias must broadcast", lambda: a(q, k, v, mask, 16, bias=jnp.zeros((1, 2, 64, 32)))),
         (TypeError, "bias must be a float", lambda: a(q, k, v, mask, 16, bias=jnp.zeros((64, 64), int))),
         (ValueError, "query_seq_lengths must have shape", lambda: a(q, k, v, mask, 16, query_seq_lengths=[3, 4])),
-        (TypeError, "key_value_seq_lengths must be integers",
-         lambda: a(q, k, v, mask, 16, key_value_seq_lengths=jnp.ones(1))),
-        (ValueError, "query_segment_ids must have shape",
-         lambda: a(q, k, v, mask, 16, query_segment_ids=np.zeros((1, 32), int))),
+        (
+            TypeError,
+            "key_value_seq_lengths must be integers",
+            lambda: a(q, k, v, mask, 16, key_value_seq_lengths=jnp.ones(1)),
+        ),
+        (
+            ValueError,
+            "query_segment_ids must have shape",
+            lambda: a(q, k, v, mask, 16, query_segment_ids=np.zeros((1, 32), int)),
+        ),
         (TypeError, "mask_fn must return a bool", lambda: a(q, k, v, mask, 16, mask_fn=lambda b, h, i, j: i - j)),
         (TypeError, "mask_fn must take", lambda: a(q, k, v, mask, 16, mask_fn=lambda b, h: True)),
         (TypeError, "score_fn must return a float", lambda: a(q, k, v, mask, 16, score_fn=lambda s, b, h, i, j: s > 0)),
         (TypeError, "score_fn must be callable", lambda: a(q, k, v, mask, 16, score_fn=3.0)),
-        (ValueError, "mask_fn is given twice",
-         lambda: a(q, k, v, att.BlockMask(mask, 16, mask_fn=lambda *i: True), mask_fn=lambda *i: True)),
+        (
+            ValueError,
+            "mask_fn is given twice",
+            lambda: a(q, k, v, att.BlockMask(mask, 16, mask_fn=lambda *i: True), mask_fn=lambda *i: True),
+        ),
         (ValueError, "block_size=32 differs", lambda: a(q, k, v, att.BlockMask(mask, 16), 32)),
         (ValueError, "needs capacity", lambda: jax.jit(lambda m: att.BlockMask(m, 16))(mask)),
         (ValueError, "capacity=2 is smaller", lambda: att.BlockMask(mask, 16, capacity=2)),
         (ValueError, "one token", lambda: att.blocksparse_decode(q, k, v, 0, mask, 16)),
         (TypeError, "position must be an int", lambda: att.blocksparse_decode(q[:, :1], k, v, 1.5, mask, 16)),
-        (ValueError, "needs capacity", lambda: jax.jit(lambda s: att.block_mask_from_segments(s, block_size=16))(
-            np.zeros((1, 64), int))),
-        (ValueError, "multiple of block_size=16",
-         lambda: att.create_block_mask(lambda b, h, i, j: i >= j, None, None, 60, 64, 16)),
+        (
+            ValueError,
+            "needs capacity",
+            lambda: jax.jit(lambda s: att.block_mask_from_segments(s, block_size=16))(np.zeros((1, 64), int)),
+        ),
+        (
+            ValueError,
+            "multiple of block_size=16",
+            lambda: att.create_block_mask(lambda b, h, i, j: i >= j, None, None, 60, 64, 16),
+        ),
     ]
     for error, match, call in cases:
         with pytest.raises(error, match=match):
@@ -630,8 +718,13 @@ def test_layout_generators():
     c = L.causal(f)
     assert not np.triu(c, 1).any() and (np.tril(f) == c).all()
     assert L.causal(np.stack([f, s])).shape == (2, n, n)
-    for bad in (lambda: L.local(4, 0), lambda: L.strided(4, 0), lambda: L.fixed(4, 2, 3),
-                lambda: L.bigbird(4, 1, 5, 0), lambda: L.causal(np.ones((3, 4), bool))):
+    for bad in (
+        lambda: L.local(4, 0),
+        lambda: L.strided(4, 0),
+        lambda: L.fixed(4, 2, 3),
+        lambda: L.bigbird(4, 1, 5, 0),
+        lambda: L.causal(np.ones((3, 4), bool)),
+    ):
         with pytest.raises(ValueError):
             bad()
     with pytest.raises(TypeError):

@@ -84,10 +84,17 @@ def test_linen_matches_oracle_under_jit_grad_vmap():
     grads = jax.jit(jax.grad(loss))(params, x)
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
     dense_layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=F, out_features=F)
-    dense_params = {"params": {n: {"kernel": p["kernel"].reshape(F, HEADS, F // HEADS) if n != "out"
-                                   else p["kernel"].reshape(HEADS, F // HEADS, F),
-                                   "bias": p["bias"].reshape(HEADS, F // HEADS) if n != "out" else p["bias"]}
-                               for n, p in params["params"].items()}}
+    dense_params = {
+        "params": {
+            n: {
+                "kernel": p["kernel"].reshape(F, HEADS, F // HEADS)
+                if n != "out"
+                else p["kernel"].reshape(HEADS, F // HEADS, F),
+                "bias": p["bias"].reshape(HEADS, F // HEADS) if n != "out" else p["bias"],
+            }
+            for n, p in params["params"].items()
+        }
+    }
     causal_mask = jnp.asarray(np.kron(MASK, np.ones((BS, BS), bool)) & np.tril(np.ones((T, T), bool)))
 
     def dense_loss(p, x):
@@ -126,15 +133,18 @@ def test_block_sparse_projections_and_per_head_masks():
     assert params["query"]["kernel"].shape == (int(qkv_mask.sum()), BS, BS)
     assert params["out"]["kernel"].shape == (int(out_mask.sum()), BS, BS)
     dense = {
-        n: {"kernel": jbs.to_dense(p["kernel"], jbs.Layout.from_mask(qkv_mask if n != "out" else out_mask, BS)),
-            "bias": p["bias"]}
+        n: {
+            "kernel": jbs.to_dense(p["kernel"], jbs.Layout.from_mask(qkv_mask if n != "out" else out_mask, BS)),
+            "bias": p["bias"],
+        }
         for n, p in params.items()
     }
     y = jax.jit(layer.apply)({"params": params}, x)
     assert_close(y, oracle(dense, x, per_head, HEADS), F32, T)
 
-    model = jbs.nnx.BlockSparseSelfAttention(HEADS, F, per_head, BS, is_causal=True, qkv_mask=qkv_mask,
-                                             out_mask=out_mask, rngs=nnx.Rngs(0))
+    model = jbs.nnx.BlockSparseSelfAttention(
+        HEADS, F, per_head, BS, is_causal=True, qkv_mask=qkv_mask, out_mask=out_mask, rngs=nnx.Rngs(0)
+    )
     assert isinstance(model.query, jbs.nnx.BlockSparseLinear) and model(x).shape == (2, T, F)
 
 
@@ -226,7 +236,7 @@ def test_linen_decoding_equals_the_full_sequence_row_by_row():
 
         rows = []
         for t in range(T):
-            y, cache = step(cache, x[:, t:t + 1])
+            y, cache = step(cache, x[:, t : t + 1])
             rows.append(y[:, 0])
         assert int(cache["cache_index"]) == T
         assert_close(jnp.stack(rows, 1), np.asarray(full, np.float32), dtype, 4 * T if dtype != F32 else T)
@@ -241,7 +251,7 @@ def test_nnx_decoding_equals_the_full_sequence_row_by_row():
     model.init_cache(x.shape)
     assert model.cached_key.shape == (2, T, 1, F // HEADS)
     step = nnx.jit(lambda m, token: m(token, decode=True))
-    rows = [step(model, x[:, t:t + 1])[:, 0] for t in range(T)]
+    rows = [step(model, x[:, t : t + 1])[:, 0] for t in range(T)]
     assert int(model.cache_index[...]) == T
     assert_close(jnp.stack(rows, 1), np.asarray(full), F32, T)
 

@@ -18,8 +18,13 @@ def test_attention_bench_writes_its_json(tmp_path):
     result = json.loads(out.read_text())
     assert {"device", "commit", "date", "config", "results", "timing"} <= set(result) and result["complete"]
     rows = result["results"]
-    assert [(r["case"], r["seq_len"]) for r in rows] == [("step", 256), ("step", 512), ("gqa", 256),
-                                                         ("packed", 256), ("decode", 512)]
+    assert [(r["case"], r["seq_len"]) for r in rows] == [
+        ("step", 256),
+        ("step", 512),
+        ("gqa", 256),
+        ("packed", 256),
+        ("decode", 512),
+    ]
     for row in rows:
         assert row["sparse_s"] > 0 and row["dense_s"] > 0 and row["speedup_vs_dense"] > 0, row
         assert 0 < row["density"] < 1
@@ -31,7 +36,22 @@ def test_attention_bench_writes_its_json(tmp_path):
 
 def test_attention_bench_skips_dense_past_its_budget(tmp_path):
     out = tmp_path / "attention.json"
-    load_script("bench/attention.py").main(["--preset", "quick", "--cases", "step", "--seq-lens", "256", "--repeats",
-                                            "1", "--no-reference", "--dense-budget-gb", "0", "--json", str(out)])
+    load_script("bench/attention.py").main(
+        [
+            "--preset",
+            "quick",
+            "--cases",
+            "step",
+            "--seq-lens",
+            "256",
+            "--repeats",
+            "1",
+            "--no-reference",
+            "--dense-budget-gb",
+            "0",
+            "--json",
+            str(out),
+        ]
+    )
     row = json.loads(out.read_text())["results"][0]
     assert row["dense_s"] is None and "budget" in row["dense_error"] and row["sparse_s"] > 0

@@ -52,13 +52,13 @@ def _all_orders(bench, prim, layout, x, w, dy):
     def every(a, b):
         splits = {s: bench.split_reference(prim, s) for s in bench.SPLITS}
         return call(bench._CONTRACTIONS[prim][0], a, b, jnp.float32), {
-            s: (call(fn, a, b, jnp.float32), call(fn, a, b, jnp.bfloat16)) for s, fn in splits.items()}
+            s: (call(fn, a, b, jnp.float32), call(fn, a, b, jnp.bfloat16)) for s, fn in splits.items()
+        }
 
     return jax.jit(every)(a, b)
 
 
-@pytest.mark.parametrize("prim", [matmul.bsmm_fprop_p, matmul.bsmm_bprop_p, matmul.bsmm_updat_p],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("prim", [matmul.bsmm_fprop_p, matmul.bsmm_bprop_p, matmul.bsmm_updat_p], ids=lambda p: p.name)
 def test_split_references_sum_the_same_terms(bench, prim):
     # Small integers: every partial sum is exact, so any order gives the same bits.
     want, splits = _all_orders(bench, prim, *_operands(jnp.float32, integers=True))
@@ -69,8 +69,9 @@ def test_split_references_sum_the_same_terms(bench, prim):
     want = np.asarray(want)
     for split, (got, rounded) in splits.items():
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=split)
-        np.testing.assert_array_equal(np.asarray(rounded, np.float32),
-                                      np.asarray(jnp.asarray(got, jnp.bfloat16), np.float32), err_msg=split)
+        np.testing.assert_array_equal(
+            np.asarray(rounded, np.float32), np.asarray(jnp.asarray(got, jnp.bfloat16), np.float32), err_msg=split
+        )
     # ... and another order indeed: some float32 bits differ from the reference's.
     assert any(not np.array_equal(got, want) for got, _ in splits.values())
 
@@ -103,7 +104,8 @@ def test_excess_precision_emulation(bench):
     closed = jax.make_jaxpr(f)(x)
     counter = {}
     widened, scanned, kept = jax.jit(
-        lambda x: bench.eval_excess_precision(closed.jaxpr, closed.consts, x, counter=counter))(x)
+        lambda x: bench.eval_excess_precision(closed.jaxpr, closed.consts, x, counter=counter)
+    )(x)
     full = np.asarray(jbs.bsmm(x, w, layout, preferred_element_type=jnp.float32, impl="reference"))
     rounded = np.asarray(product(x), np.float32)
     assert not np.array_equal(full, rounded)

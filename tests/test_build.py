@@ -34,8 +34,9 @@ def build():
 
 
 def _nvcc():
-    found = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.access("/usr/local/cuda/bin/nvcc", os.X_OK)
-                                     else None)
+    found = shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if os.access("/usr/local/cuda/bin/nvcc", os.X_OK) else None
+    )
     if found is None:
         if os.environ.get("JBS_REQUIRE_KERNELS") == "1":
             pytest.fail("JBS_REQUIRE_KERNELS=1 but nvcc is not found")
@@ -109,7 +110,8 @@ def test_cpu_only_needs_no_nvcc(build, capfd, cpu_tree, no_named_archs):
 
 
 def test_no_gpu_and_no_arch_builds_the_cpu_kernels_and_says_how_to_build_for_a_gpu(
-        build, capfd, cpu_tree, tmp_path, monkeypatch, no_named_archs):
+    build, capfd, cpu_tree, tmp_path, monkeypatch, no_named_archs
+):
     _fake_nvidia_smi(monkeypatch, tmp_path, "echo 'NVIDIA-SMI has failed' >&2; exit 9")
     commands, printed = _plan(build, capfd, cpu_tree)
     assert not any("nvcc" in c.split()[0] for c in commands)
@@ -145,8 +147,11 @@ def test_cuda_sources_compile_with_nvcc_for_the_architectures_asked(build, capfd
     ampere = [s for s in by_source if s.endswith(".cu") and "/sm90/" not in s]
     hopper = [s for s in by_source if s.endswith(".cu") and "/sm90/" in s]
     assert {Path(s).name for s in ampere} >= {"bsmm_fprop.cu", "bsmm_updat_bf16.cu", "bsmm_prepare.cu"}
-    assert {Path(s).name for s in hopper} >= {"bsmm_sm90_dsd_bf16.cu", "bsmm_sm90_sdd_f16.cu",
-                                             "bsmm_sm90_dsd_small_bf16.cu"}
+    assert {Path(s).name for s in hopper} >= {
+        "bsmm_sm90_dsd_bf16.cu",
+        "bsmm_sm90_sdd_f16.cu",
+        "bsmm_sm90_dsd_small_bf16.cu",
+    }
     for src in ampere:
         c = by_source[src]
         assert c.startswith(nvcc) and "-lineinfo" in c and "--expt-relaxed-constexpr" in c, c
@@ -179,8 +184,9 @@ def test_no_hopper_kernels_without_sm90a(build, capfd, cuda_tree, no_named_archs
     assert not any("-DJBS_WITH_SM90" in c for c in commands)
 
 
-def test_without_a_named_arch_the_gpus_nvidia_smi_reports(build, capfd, cuda_tree, tmp_path, monkeypatch,
-                                                         no_named_archs):
+def test_without_a_named_arch_the_gpus_nvidia_smi_reports(
+    build, capfd, cuda_tree, tmp_path, monkeypatch, no_named_archs
+):
     """9.0 -> sm_90a (the Hopper kernels need it), 8.6 -> sm_86; SASS only."""
     pytest.importorskip("cutlass_library")
     nvcc = _nvcc()
@@ -188,21 +194,24 @@ def test_without_a_named_arch_the_gpus_nvidia_smi_reports(build, capfd, cuda_tre
     _fake_nvidia_smi(monkeypatch, tmp_path, "printf '9.0\\n8.6\\n9.0\\n'")
     commands, _ = _plan(build, capfd, cuda_tree)
     fprop = next(c for c in commands if _source(c).endswith("/bsmm_fprop.cu"))
-    assert set(re.findall(r"arch=(compute_\w+),code=\[?(\w+)", fprop)) == {("compute_90a", "sm_90a"),
-                                                                          ("compute_86", "sm_86")}
+    assert set(re.findall(r"arch=(compute_\w+),code=\[?(\w+)", fprop)) == {
+        ("compute_90a", "sm_90a"),
+        ("compute_86", "sm_86"),
+    }
     assert any("/sm90/" in c for c in commands)
     assert '"sm_90a,sm_86"' in (cuda_tree / "generated" / "jbs_build_info.h").read_text()
 
 
-def test_cuda_archs_environment_variable_names_the_architectures(build, capfd, cuda_tree, monkeypatch,
-                                                                 no_named_archs):
+def test_cuda_archs_environment_variable_names_the_architectures(build, capfd, cuda_tree, monkeypatch, no_named_archs):
     nvcc = _nvcc()
     monkeypatch.setenv("CUDACXX", nvcc)
     monkeypatch.setenv("CUDAARCHS", "80-real;90-virtual")
     commands, _ = _plan(build, capfd, cuda_tree)
     fprop = next(c for c in commands if _source(c).endswith("/bsmm_fprop.cu"))
-    assert set(re.findall(r"arch=(compute_\w+),code=\[?(\w+)", fprop)) == {("compute_80", "sm_80"),
-                                                                          ("compute_90", "compute_90")}
+    assert set(re.findall(r"arch=(compute_\w+),code=\[?(\w+)", fprop)) == {
+        ("compute_80", "sm_80"),
+        ("compute_90", "compute_90"),
+    }
     assert not any("/sm90/" in c for c in commands)
 
 
@@ -212,8 +221,19 @@ def test_missing_cutlass_is_a_clear_error(build, capfd, cuda_tree, tmp_path, mon
     shadow.mkdir()
     (shadow / "cutlass_library.py").write_text("raise ImportError('hidden by the test')\n")
     monkeypatch.setenv("PYTHONPATH", f"{shadow}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    rc = build.main(["--dry-run", "--build-dir", str(cuda_tree), "--output-dir", str(cuda_tree / "out"), "--nvcc", nvcc,
-                     "--cuda-arch", "sm_90a"])
+    rc = build.main(
+        [
+            "--dry-run",
+            "--build-dir",
+            str(cuda_tree),
+            "--output-dir",
+            str(cuda_tree / "out"),
+            "--nvcc",
+            nvcc,
+            "--cuda-arch",
+            "sm_90a",
+        ]
+    )
     out, err = capfd.readouterr()
     assert rc == 1
     text = " ".join((out + err).split())

@@ -122,10 +122,13 @@ def test_sharded_state_restores_onto_the_target_shardings(tmp_path):
 
     # The target says where each array goes: the params' shardings, layouts replicated.
     replicated = NamedSharding(mesh, P())
-    target = {"params": nn.unbox(nn.get_sharding(abstract, mesh))["params"],
-              "layout": jax.tree.map(lambda _: replicated, layout)}
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          jax.eval_shape(lambda: state), target)
+    target = {
+        "params": nn.unbox(nn.get_sharding(abstract, mesh))["params"],
+        "layout": jax.tree.map(lambda _: replicated, layout),
+    }
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(lambda: state), target
+    )
     restored = _save_restore(tmp_path / "sharded", state, target)
     _assert_same_tree(restored, state)
     assert restored["params"]["kernel"].sharding.spec == P("model", None, None, None)
@@ -141,11 +144,17 @@ def test_sharded_state_restores_onto_the_target_shardings(tmp_path):
 def test_rigl_resumed_in_a_new_process_is_bit_identical(tmp_path):
     run = checkpoint_resume
     ckpt, env = str(tmp_path / "ckpt"), children.environment(cpu_devices=1)
-    full = children.run_together([children.script("checkpoint_resume.py", "--run", "full", "--ckpt", ckpt,
-                                                   "--out", tmp_path / "full.npz")], [env], timeout=TIMEOUT)
+    full = children.run_together(
+        [children.script("checkpoint_resume.py", "--run", "full", "--ckpt", ckpt, "--out", tmp_path / "full.npz")],
+        [env],
+        timeout=TIMEOUT,
+    )
     assert full[0].ok, "the uninterrupted run failed:\n" + children.report(full)
-    resumed = children.run_together([children.script("checkpoint_resume.py", "--run", "resume", "--ckpt", ckpt,
-                                                      "--out", tmp_path / "resumed.npz")], [env], timeout=TIMEOUT)
+    resumed = children.run_together(
+        [children.script("checkpoint_resume.py", "--run", "resume", "--ckpt", ckpt, "--out", tmp_path / "resumed.npz")],
+        [env],
+        timeout=TIMEOUT,
+    )
     assert resumed[0].ok, "the resumed run failed:\n" + children.report(resumed)
 
     want, got = dict(np.load(tmp_path / "full.npz")), dict(np.load(tmp_path / "resumed.npz"))

@@ -43,6 +43,7 @@ def _quick_compiles():
     with xla_optimizations_off():
         yield
 
+
 # ---------------------------------------------------------------------------------
 # Problems: a layout kind, a geometry, a dtype
 # ---------------------------------------------------------------------------------
@@ -111,8 +112,14 @@ def ref_conv(x, w, mask, layout, strides=1, padding="SAME", dilation=1, input_di
     tup = lambda v: (v,) * n if isinstance(v, int) else tuple(v)  # noqa: E731
     W = dense_kernel(w.astype(F32), mask, layout.block_size)
     return lax.conv_general_dilated(
-        x.astype(F32), W, tup(strides), padding, lhs_dilation=tup(input_dilation), rhs_dilation=tup(dilation),
-        dimension_numbers=dnums(x.ndim), precision=HIGHEST,
+        x.astype(F32),
+        W,
+        tup(strides),
+        padding,
+        lhs_dilation=tup(input_dilation),
+        rhs_dilation=tup(dilation),
+        dimension_numbers=dnums(x.ndim),
+        precision=HIGHEST,
     )
 
 
@@ -121,8 +128,14 @@ def ref_conv_transpose(x, w, mask, layout, strides=1, padding="SAME", dilation=1
     tup = lambda v: (v,) * n if isinstance(v, int) else tuple(v)  # noqa: E731
     W = dense_kernel(w.astype(F32), mask, layout.block_size)
     return lax.conv_transpose(
-        x.astype(F32), W, tup(strides), padding, rhs_dilation=tup(dilation), dimension_numbers=dnums(x.ndim),
-        transpose_kernel=transpose_kernel, precision=HIGHEST,
+        x.astype(F32),
+        W,
+        tup(strides),
+        padding,
+        rhs_dilation=tup(dilation),
+        dimension_numbers=dnums(x.ndim),
+        transpose_kernel=transpose_kernel,
+        precision=HIGHEST,
     )
 
 
@@ -185,8 +198,6 @@ def test_references_are_the_definitions():
     assert low.dtype == BF16
 
 
-
-
 @pytest.mark.parametrize("transpose_kernel", [False, True], ids=["plain", "transpose_kernel"])
 @pytest.mark.parametrize("geometry,layout_name,dtype", _geometry_cases(TRANSPOSE_GEOMETRIES, ("2d_same_s2",)))
 def test_bsconv_transpose_against_lax_conv_transpose(geometry, layout_name, dtype, transpose_kernel):
@@ -195,6 +206,7 @@ def test_bsconv_transpose_against_lax_conv_transpose(geometry, layout_name, dtyp
     mask, layout, w = make_conv_problem(layout_name, kernel_size, dtype)
     c_in = layout.shape[1] if transpose_kernel else layout.shape[0]
     x = rand((N, *spatial, c_in), dtype, 3)
+
     def both(x, w):
         return jbs.bsconv_transpose(x, w, layout, **kw), ref_conv_transpose(x, w, mask, layout, **kw)
 

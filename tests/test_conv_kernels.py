@@ -188,8 +188,9 @@ def test_jvp():
     tx, tw = rand(x.shape, F32, 5), rand(w.shape, F32, 6)
 
     def f(impl):
-        return jax.jit(lambda x, w, tx, tw: jax.jvp(lambda x, w: jbs.bsconv(x, w, layout, strides=2, impl=impl),
-                                                     (x, w), (tx, tw)))
+        return jax.jit(
+            lambda x, w, tx, tw: jax.jvp(lambda x, w: jbs.bsconv(x, w, layout, strides=2, impl=impl), (x, w), (tx, tw))
+        )
 
     for got, want in zip(f("kernels")(x, w, tx, tw), f("reference")(x, w, tx, tw)):
         assert_close(got, want, F32, 9 * 16)

@@ -59,13 +59,25 @@ def _report(kind, stamp, rows):
 
 
 def _row(bs, density, sparse, dense, target="jbs_bsmm_fprop_sm90", mode="bfloat16"):
-    return dict(op="fprop", dtype="bfloat16", block_size=bs, density=density, target=target, mode=mode,
-                sparse_s=sparse, dense_s=dense * 0.9, dense_path_s=dense)
+    return dict(
+        op="fprop",
+        dtype="bfloat16",
+        block_size=bs,
+        density=density,
+        target=target,
+        mode=mode,
+        sparse_s=sparse,
+        dense_s=dense * 0.9,
+        dense_path_s=dense,
+    )
 
 
 def test_table_of_reports_takes_the_newest_measurement_per_kernel():
-    old = _report("H", "2026-01-01T00:00:00", [_row(64, 0.1, 1.0, 2.0), _row(64, 1.0, 4.0, 2.0),
-                                                _row(32, 0.1, 1.0, 2.0), _row(32, 1.0, 1.0, 2.0)])
+    old = _report(
+        "H",
+        "2026-01-01T00:00:00",
+        [_row(64, 0.1, 1.0, 2.0), _row(64, 1.0, 4.0, 2.0), _row(32, 0.1, 1.0, 2.0), _row(32, 1.0, 1.0, 2.0)],
+    )
     new = _report("H", "2026-02-01T00:00:00", [_row(64, 0.1, 1.0, 3.0), _row(64, 1.0, 1.0, 0.5)])
     no_rows = dict(platform="cpu", device_kind="cpu", results=[dict(op="fprop", sparse_s=1.0)])
     table = crossover_script.table_of([("old.json", old), ("new.json", new), ("x.json", no_rows)])
@@ -100,8 +112,9 @@ def test_every_cpu_kernel_on_this_device_kind_has_a_measured_crossover():
 
 
 def _entry(**kw):
-    base = dict(platform="cpu", device_kind="cpu", target="jbs_bsmm_fprop", mode="float32",
-                block_size=BS, crossover=CROSSOVER)
+    base = dict(
+        platform="cpu", device_kind="cpu", target="jbs_bsmm_fprop", mode="float32", block_size=BS, crossover=CROSSOVER
+    )
     return {**base, **kw}
 
 

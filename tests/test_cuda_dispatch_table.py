@@ -46,21 +46,21 @@ N = 8  # rows of x: one k-step of every updat kernel, so the Hopper updat splits
 # JAX_BLOCKSPARSE_HOPPER unset: the portable (Ampere) targets, everything.
 #                     float32  bfloat16  float16
 GATE_CLOSED = {
-    ("fprop", 8):    ("PPPP", "PPPP", "PPPP"),
-    ("fprop", 16):   ("PPPP", "PPPP", "PPPP"),
-    ("fprop", 32):   ("PPPP", "PPPP", "PPPP"),
-    ("fprop", 64):   ("PPPP", "PPPP", "PPPP"),
-    ("fprop", 128):  ("PPPP", "PPPP", "PPPP"),
-    ("bprop", 8):    ("PPPP", "PPPP", "PPPP"),
-    ("bprop", 16):   ("PPPP", "PPPP", "PPPP"),
-    ("bprop", 32):   ("PPPP", "PPPP", "PPPP"),
-    ("bprop", 64):   ("PPPP", "PPPP", "PPPP"),
-    ("bprop", 128):  ("PPPP", "PPPP", "PPPP"),
-    ("updat", 8):    ("PPPP", "PPPP", "PPPP"),
-    ("updat", 16):   ("PPPP", "PPPP", "PPPP"),
-    ("updat", 32):   ("PPPP", "PPPP", "PPPP"),
-    ("updat", 64):   ("PPPP", "PPPP", "PPPP"),
-    ("updat", 128):  ("PPPP", "PPPP", "PPPP"),
+    ("fprop", 8): ("PPPP", "PPPP", "PPPP"),
+    ("fprop", 16): ("PPPP", "PPPP", "PPPP"),
+    ("fprop", 32): ("PPPP", "PPPP", "PPPP"),
+    ("fprop", 64): ("PPPP", "PPPP", "PPPP"),
+    ("fprop", 128): ("PPPP", "PPPP", "PPPP"),
+    ("bprop", 8): ("PPPP", "PPPP", "PPPP"),
+    ("bprop", 16): ("PPPP", "PPPP", "PPPP"),
+    ("bprop", 32): ("PPPP", "PPPP", "PPPP"),
+    ("bprop", 64): ("PPPP", "PPPP", "PPPP"),
+    ("bprop", 128): ("PPPP", "PPPP", "PPPP"),
+    ("updat", 8): ("PPPP", "PPPP", "PPPP"),
+    ("updat", 16): ("PPPP", "PPPP", "PPPP"),
+    ("updat", 32): ("PPPP", "PPPP", "PPPP"),
+    ("updat", 64): ("PPPP", "PPPP", "PPPP"),
+    ("updat", 128): ("PPPP", "PPPP", "PPPP"),
 }
 
 # JAX_BLOCKSPARSE_HOPPER=1: the sm_90 targets take every problem; float32 runs on TF32
@@ -70,21 +70,21 @@ GATE_CLOSED = {
 # (cuda/sm90/bsmm_sm90_tf32.h, through jax_blocksparse/ops/_sm90.py: tf32_off()).
 #                     float32  bfloat16  float16
 GATE_OPEN = {
-    ("fprop", 8):    ("FFFF", "FFFF", "FFFF"),  # TF32 off (above)
-    ("fprop", 16):   ("TTTF", "FFFF", "FFFF"),
-    ("fprop", 32):   ("TTTF", "FFFF", "FFFF"),
-    ("fprop", 64):   ("TTTF", "FFFF", "FFFF"),
-    ("fprop", 128):  ("TTTF", "FFFF", "FFFF"),
-    ("bprop", 8):    ("FFFF", "FFFF", "FFFF"),  # TF32 off (above)
-    ("bprop", 16):   ("TTTF", "FFFF", "FFFF"),
-    ("bprop", 32):   ("TTTF", "FFFF", "FFFF"),
-    ("bprop", 64):   ("TTTF", "FFFF", "FFFF"),
-    ("bprop", 128):  ("TTTF", "FFFF", "FFFF"),
-    ("updat", 8):    ("TTTF", "FFFF", "FFFF"),
-    ("updat", 16):   ("TTTF", "FFFF", "FFFF"),
-    ("updat", 32):   ("TTTF", "FFFF", "FFFF"),
-    ("updat", 64):   ("TTTF", "FFFF", "FFFF"),
-    ("updat", 128):  ("TTTF", "FFFF", "FFFF"),
+    ("fprop", 8): ("FFFF", "FFFF", "FFFF"),  # TF32 off (above)
+    ("fprop", 16): ("TTTF", "FFFF", "FFFF"),
+    ("fprop", 32): ("TTTF", "FFFF", "FFFF"),
+    ("fprop", 64): ("TTTF", "FFFF", "FFFF"),
+    ("fprop", 128): ("TTTF", "FFFF", "FFFF"),
+    ("bprop", 8): ("FFFF", "FFFF", "FFFF"),  # TF32 off (above)
+    ("bprop", 16): ("TTTF", "FFFF", "FFFF"),
+    ("bprop", 32): ("TTTF", "FFFF", "FFFF"),
+    ("bprop", 64): ("TTTF", "FFFF", "FFFF"),
+    ("bprop", 128): ("TTTF", "FFFF", "FFFF"),
+    ("updat", 8): ("TTTF", "FFFF", "FFFF"),
+    ("updat", 16): ("TTTF", "FFFF", "FFFF"),
+    ("updat", 32): ("TTTF", "FFFF", "FFFF"),
+    ("updat", 64): ("TTTF", "FFFF", "FFFF"),
+    ("updat", 128): ("TTTF", "FFFF", "FFFF"),
 }
 
 TABLES = {"closed": GATE_CLOSED, "open": GATE_OPEN}
@@ -114,8 +114,10 @@ def _lower(op, bs, dtype, precision, n=N):
     fun, arg = {
         "fprop": (lambda x: jbs.bsmm(x, w, layout, precision=precision), jnp.zeros((n, c), dtype)),
         "bprop": (lambda g: jbs.bsmm(g, w, layout, transpose=True, precision=precision), jnp.zeros((n, k), dtype)),
-        "updat": (lambda x: jbs.bsmm_updat(x, jnp.zeros((n, k), dtype), layout, precision=precision),
-                  jnp.zeros((n, c), dtype)),
+        "updat": (
+            lambda x: jbs.bsmm_updat(x, jnp.zeros((n, k), dtype), layout, precision=precision),
+            jnp.zeros((n, c), dtype),
+        ),
     }[op]
     with jbs.config.implementation("kernels"), jax.default_matmul_precision(None):
         return jax.jit(fun).trace(arg).lower(lowering_platforms=("cuda",)).as_text()

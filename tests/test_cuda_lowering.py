@@ -183,6 +183,6 @@ def test_no_device_work_besides_the_product(op, as_argument):
     assert ops <= {"custom_call", "constant"}, ops
     with jbs.config.implementation("kernels"):
         compiled = jax.jit(call).lower(*args).compile().as_text()
-    entry = compiled[compiled.index("ENTRY"):]
+    entry = compiled[compiled.index("ENTRY") :]
     hlo_ops = set(re.findall(r"= \S+ ([a-z-]+)\(", entry))
     assert hlo_ops <= {"parameter", "constant", "custom-call"}, hlo_ops

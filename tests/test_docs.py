@@ -54,8 +54,10 @@ API_PAGES = {
     # jbs.attention is the module jax_blocksparse.ops.attention; the block masks it re-exports
     # are documented there, under the public name.
     "jax_blocksparse.ops.attention": ("api/attention.html", set()),
-    "jax_blocksparse.ops.block_mask": ("api/attention.html", {"BlockMask", "block_mask_from_segments",
-                                                              "create_block_mask"}),
+    "jax_blocksparse.ops.block_mask": (
+        "api/attention.html",
+        {"BlockMask", "block_mask_from_segments", "create_block_mask"},
+    ),
     "jax_blocksparse.ops.attention_layout": ("api/attention.html", set()),
     "jax_blocksparse.layers.attention": ("api/layers.html", set()),
 }
@@ -67,8 +69,11 @@ def _exports(module) -> list:
     if hasattr(module, "__all__"):
         names = list(module.__all__)
     else:
-        names = [name for name, value in vars(module).items() if not name.startswith("_") and callable(value)
-                 and getattr(value, "__module__", None) == module.__name__]
+        names = [
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_") and callable(value) and getattr(value, "__module__", None) == module.__name__
+        ]
     return [name for name in names if not isinstance(getattr(module, name, None), types.ModuleType)]
 
 
@@ -86,12 +91,23 @@ def html(tmp_path_factory):
     """Builds the HTML docs once (warnings are errors); returns the output directory."""
     _require_sphinx()
     out = tmp_path_factory.mktemp("docs")
-    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-               "-d", str(out / "doctrees"), str(DOCS), str(out / "html")]
+    command = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-q",
+        "-b",
+        "html",
+        "-d",
+        str(out / "doctrees"),
+        str(DOCS),
+        str(out / "html"),
+    ]
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # autodoc imports jax; a GPU may be shared
-    build = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                           check=False)
+    build = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert build.returncode == 0, (
         f"the docs build failed (exit {build.returncode}); every warning is an error:\n"
         f"{' '.join(command)}\n{build.stdout[-8000:]}\n{build.stderr[-8000:]}"

@@ -20,8 +20,15 @@ from helpers import cpu_devices, load_script
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The examples this file runs, one test each (or more).
-RUN_HERE = ("char_lstm.py", "char_transformer.py", "data_parallel.py", "quickstart.py", "resnet.py",
-            "sparse_training.py", "sparsify.py")
+RUN_HERE = (
+    "char_lstm.py",
+    "char_transformer.py",
+    "data_parallel.py",
+    "quickstart.py",
+    "resnet.py",
+    "sparse_training.py",
+    "sparsify.py",
+)
 
 
 def test_every_example_is_run():
@@ -52,8 +59,25 @@ def test_resnet(capsys):
 
 def test_char_lstm(capsys):
     result = load_script("examples/char_lstm.py").main(
-        ["--steps", "2", "--batch", "2", "--seq-len", "16", "--embed", "8", "--block-size", "8",
-         "--dense-hidden", "16", "--sparse-hidden", "32", "--eval-windows", "2"])
+        [
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--seq-len",
+            "16",
+            "--embed",
+            "8",
+            "--block-size",
+            "8",
+            "--dense-hidden",
+            "16",
+            "--sparse-hidden",
+            "32",
+            "--eval-windows",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1] == f"dense_bpc={result['dense_bpc']:.3f} sparse_bpc={result['sparse_bpc']:.3f}"
     for key in ("dense_bpc", "sparse_bpc"):
@@ -80,15 +104,30 @@ def test_data_parallel_on_8_devices_equals_one(capsys, monkeypatch):
 
 def test_sparse_training(capsys):
     result = load_script("examples/sparse_training.py").main(
-        ["--method", "set", "--density", "0.3", "--epochs", "2", "--quiet", "--log"])
+        ["--method", "set", "--density", "0.3", "--epochs", "2", "--quiet", "--log"]
+    )
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1] == f"test_accuracy={result['test_accuracy']:.4f}"
     assert "layer2/kernel" in out and result["final_density"] == pytest.approx(0.3, abs=0.01)
     assert result["test_accuracy"] > 0.8
 
 
-SPARSIFY_TINY = ["--steps", "3", "--finetune-steps", "2", "--densities", "0.5", "--width", "8", "--hidden", "16",
-                 "--block-size", "8", "--time-reps", "2"]
+SPARSIFY_TINY = [
+    "--steps",
+    "3",
+    "--finetune-steps",
+    "2",
+    "--densities",
+    "0.5",
+    "--width",
+    "8",
+    "--hidden",
+    "16",
+    "--block-size",
+    "8",
+    "--time-reps",
+    "2",
+]
 
 
 def test_sparsify(capsys):
@@ -98,7 +137,11 @@ def test_sparsify(capsys):
     assert "left dense: output features 10 not a multiple of block_size 8" in out
     assert "dense_accuracy=" in out
     assert [(r["model"], r["density"]) for r in rows] == [
-        ("dense", 1.0), ("one-shot", 0.5), ("fine-tuned", 0.5), ("from scratch", 0.5)]
+        ("dense", 1.0),
+        ("one-shot", 0.5),
+        ("fine-tuned", 0.5),
+        ("from scratch", 0.5),
+    ]
     dense, one_shot, tuned, scratch = rows
     # conv1 (1 -> 8) and the head (16 -> 10) stay dense; the other kernels halve, their biases stay.
     kept, kernels, biases = (9 * 8 + 8) + (16 * 10 + 10), 9 * 8 * 16 + 9 * 16 * 16 + 256 * 16, 16 + 16 + 16
@@ -109,13 +152,30 @@ def test_sparsify(capsys):
     assert one_shot["step_ms"] is None and all(r["step_ms"] > 0 for r in (dense, tuned, scratch))
 
 
-CHAR_TRANSFORMER_TINY = ["--steps", "3", "--long-steps", "1", "--block-size", "16", "--d-model", "16", "--heads", "2",
-                         "--layers", "1", "--batch", "1", "--eval-windows", "2"]
+CHAR_TRANSFORMER_TINY = [
+    "--steps",
+    "3",
+    "--long-steps",
+    "1",
+    "--block-size",
+    "16",
+    "--d-model",
+    "16",
+    "--heads",
+    "2",
+    "--layers",
+    "1",
+    "--batch",
+    "1",
+    "--eval-windows",
+    "2",
+]
 
 
 def test_char_transformer(capsys):
     results = load_script("examples/char_transformer.py").main(
-        ["--seq-lens", "128", *CHAR_TRANSFORMER_TINY, "--sample-chars", "24"])
+        ["--seq-lens", "128", *CHAR_TRANSFORMER_TINY, "--sample-chars", "24"]
+    )
     out = capsys.readouterr().out
     assert "T=128 dense_bpc=" in out and "sparse_bpc=" in out and "sparse_attention_peak_MiB=" in out
     dense, sparse = results[128]["dense"], results[128]["sparse"]
@@ -130,8 +190,17 @@ def test_char_transformer(capsys):
 
 def test_char_transformer_skips_dense_over_budget(capsys):
     results = load_script("examples/char_transformer.py").main(
-        ["--seq-lens", "128", *CHAR_TRANSFORMER_TINY, "--memory-budget-mb", "0", "--no-time-over-budget",
-         "--sample-chars", "0"])
+        [
+            "--seq-lens",
+            "128",
+            *CHAR_TRANSFORMER_TINY,
+            "--memory-budget-mb",
+            "0",
+            "--no-time-over-budget",
+            "--sample-chars",
+            "0",
+        ]
+    )
     out = capsys.readouterr().out
     assert results[128]["dense"]["bpc"] is None and results[128]["dense"]["ms"] is None
     assert results[128]["sparse"]["bpc"] > 0 and "dense_bpc=skipped" in out and "sample" not in results[128]

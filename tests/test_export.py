@@ -46,10 +46,22 @@ IMPLS = ("kernels", "reference")
 MULTI_PLATFORM_IMPLS = ("auto", "reference") + (("kernels",) if _native.has_kernels("cuda") else ())
 MASK = jbs.layouts.barabasi_albert(4, 1, seed=0)  # [4, 4] blocks
 ATTENTION_MASK = jbs.layouts.causal(jbs.layouts.local(4, 2))  # T = 32
-OPS = ("bsmm", "bsmm_layout_argument", "bsmm_transpose", "bsmm_updat", "bsmm_grad", "bsconv", "bsconv_transpose",
-       "attention", "lstm_sequence")
-LAYERS = tuple(f"{flavour}_{layer}" for flavour in ("linen", "nnx")
-               for layer in ("dense", "conv", "conv_transpose", "attention", "lstm"))
+OPS = (
+    "bsmm",
+    "bsmm_layout_argument",
+    "bsmm_transpose",
+    "bsmm_updat",
+    "bsmm_grad",
+    "bsconv",
+    "bsconv_transpose",
+    "attention",
+    "lstm_sequence",
+)
+LAYERS = tuple(
+    f"{flavour}_{layer}"
+    for flavour in ("linen", "nnx")
+    for layer in ("dense", "conv", "conv_transpose", "attention", "lstm")
+)
 # artifact names: "<case>.<impl>" on the CPU, "<case>.<impl>.cpu+cuda" for both platforms
 ARTIFACTS = [f"{case}.{impl}" for impl in IMPLS for case in OPS + LAYERS]
 ARTIFACTS += [f"bsmm_grad.{impl}.cpu+cuda" for impl in MULTI_PLATFORM_IMPLS]

@@ -61,8 +61,9 @@ def _load(name):
 def _check(*args, env=None, timeout=60):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("CHECK_")}
     full_env.update(env or {})
-    return subprocess.run(["bash", str(CHECK), *args], capture_output=True, text=True, env=full_env,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        ["bash", str(CHECK), *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT
+    )
 
 
 # ---------------------------------------------------------------------------------
@@ -83,8 +84,11 @@ STEPS = ("build", "env", "bench", "crossover", "gpu-tests", "training", "sanitiz
 
 def test_dry_run_prints_every_step_in_order_and_runs_nothing(tmp_path):
     out = tmp_path / "out"
-    res = _check("--dry-run", str(out), env={"CHECK_CUDA_ARCH": "sm_90a", "XLA_FLAGS": "--xla_dump_to=/tmp/x",
-                                             "JAX_BLOCKSPARSE_HOPPER": "1"})
+    res = _check(
+        "--dry-run",
+        str(out),
+        env={"CHECK_CUDA_ARCH": "sm_90a", "XLA_FLAGS": "--xla_dump_to=/tmp/x", "JAX_BLOCKSPARSE_HOPPER": "1"},
+    )
     assert res.returncode == 0, res.stderr
     assert not out.exists(), "a dry run creates nothing"
     text = res.stdout
@@ -92,7 +96,9 @@ def test_dry_run_prints_every_step_in_order_and_runs_nothing(tmp_path):
     assert [line[2:] for line in text.splitlines() if line[2:] in STEPS] == list(STEPS)
     expected = [
         "unset XLA_FLAGS JAX_PLATFORMS JAX_BLOCKSPARSE_IMPL JAX_BLOCKSPARSE_HOPPER",
-        "PYTHONPATH=", "XLA_PYTHON_CLIENT_PREALLOCATE=false", "PYTHONUNBUFFERED=1",
+        "PYTHONPATH=",
+        "XLA_PYTHON_CLIENT_PREALLOCATE=false",
+        "PYTHONUNBUFFERED=1",
         "python3 build.py --cuda-arch sm_90a -j ",
         "nvidia-smi >>",
         "python3 -m jax_blocksparse >",
@@ -152,7 +158,7 @@ def test_default_run_fits_the_budget():
         limits[step] = int(call.group(1)) if call else int(bench.group(1))
     assert {s: lim for s, (_, lim) in header.items()} == limits
     assert 'BUDGET="${CHECK_BUDGET_S:-540}"' in text
-    expected_before_suite = sum(header[s][0] for s in STEPS[:STEPS.index("suite")])
+    expected_before_suite = sum(header[s][0] for s in STEPS[: STEPS.index("suite")])
     assert expected_before_suite < 540 - 60, expected_before_suite
 
 
@@ -160,13 +166,17 @@ def test_training_models_are_those_of_the_tests():
     """check.sh's one process per model covers exactly tests/gpu/test_training_steps.py's ORDER."""
     listed = re.search(r"^TRAINING_MODELS=\(([^)]*)\)", CHECK.read_text(), re.M).group(1).split()
     tree = ast.parse((ROOT / "tests" / "gpu" / "test_training_steps.py").read_text())
-    order = next(ast.literal_eval(node.value) for node in tree.body
-                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "ORDER")
+    order = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "ORDER"
+    )
     assert listed == list(order)
 
 
-@pytest.mark.parametrize("cap, arch", [("9.0", "sm_90a"), ("8.0", "sm_80"), ("8.6", "sm_86"), ("8.9", "sm_89"),
-                                       ("10.0", "sm_100")])
+@pytest.mark.parametrize(
+    "cap, arch", [("9.0", "sm_90a"), ("8.0", "sm_80"), ("8.6", "sm_86"), ("8.9", "sm_89"), ("10.0", "sm_100")]
+)
 def test_arch_from_nvidia_smi(tmp_path, cap, arch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -187,8 +197,9 @@ def test_usage_errors():
 
 def test_failing_steps_run_on_and_fail_the_check(tmp_path):
     out = tmp_path / "out"
-    res = _check(str(out), env={"CHECK_STEPS": "sanitizer ncu-summary",
-                                "COMPUTE_SANITIZER": str(tmp_path / "no-such-sanitizer")})
+    res = _check(
+        str(out), env={"CHECK_STEPS": "sanitizer ncu-summary", "COMPUTE_SANITIZER": str(tmp_path / "no-such-sanitizer")}
+    )
     assert res.returncode == 1, res.stdout + res.stderr
     steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
     assert [(s[0], s[1]) for s in steps] == [("sanitizer", "fail"), ("ncu-summary", "fail")]
@@ -272,15 +283,22 @@ def _isolated_tree(tmp_path):
 
 
 def _runner(tmp_path, *args, **kw):
-    return subprocess.Popen([sys.executable, str(RUNNER), *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, str(RUNNER), *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def test_runner_reports_a_dead_process_alone(tmp_path):
     fake = _isolated_tree(tmp_path)
     files = ["test_1_killed.py", "test_2_exits.py", "test_3_passes.py", "test_4_fails.py"]
-    proc = _runner(tmp_path, "--out", "out", "--parallel", "2", "--sanitizer", str(fake), *files,
-                   "--", "-p", "no:cacheprovider")
+    proc = _runner(
+        tmp_path, "--out", "out", "--parallel", "2", "--sanitizer", str(fake), *files, "--", "-p", "no:cacheprovider"
+    )
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, stdout
     report = json.loads((tmp_path / "out" / "isolated.json").read_text())
@@ -304,8 +322,10 @@ def test_runner_reports_a_dead_process_alone(tmp_path):
         sanitizer = job["sanitizer"]
         assert sanitizer["status"] == "errors" and sanitizer["errors"] == 1, job
         assert sanitizer["first_report"].splitlines() == [
-            "Invalid __global__ read of size 4 bytes", "at void jbs::DsdTcKernel<bf16>(jbs::DsdParams)+0x5600",
-            "by thread (0,0,0) in block (2,0,0)"]
+            "Invalid __global__ read of size 4 bytes",
+            "at void jbs::DsdTcKernel<bf16>(jbs::DsdParams)+0x5600",
+            "by thread (0,0,0) in block (2,0,0)",
+        ]
         assert (tmp_path / "out" / sanitizer["log"]).exists()
         assert sanitizer["argv"][1:3] == ["--tool", "memcheck"] and job["first_failure"]["test"] in sanitizer["argv"]
     assert passes["sanitizer"] is None
@@ -329,26 +349,72 @@ def test_runner_kills_a_job_at_its_limit(tmp_path):
 
 def test_runner_splits_files_into_functions_and_keywords(tmp_path):
     _isolated_tree(tmp_path)
-    proc = _runner(tmp_path, "--out", "out", "--parallel", "2", "--split", "function", "--sanitizer", "",
-                   "test_1_killed.py", "test_3_passes.py::test_passes", "--", "-p", "no:cacheprovider")
+    proc = _runner(
+        tmp_path,
+        "--out",
+        "out",
+        "--parallel",
+        "2",
+        "--split",
+        "function",
+        "--sanitizer",
+        "",
+        "test_1_killed.py",
+        "test_3_passes.py::test_passes",
+        "--",
+        "-p",
+        "no:cacheprovider",
+    )
     stdout, _ = proc.communicate(timeout=120)
     jobs = {j["id"]: j["status"] for j in json.loads((tmp_path / "out" / "isolated.json").read_text())["jobs"]}
     # Only the function that kills its process fails; those before and after it pass.
-    assert jobs == {"test_1_killed.py::test_before": "pass", "test_1_killed.py::test_killed": "died",
-                    "test_1_killed.py::test_after": "pass", "test_3_passes.py::test_passes": "pass"}, stdout
-    proc = _runner(tmp_path, "--out", "kw", "--json", "kw.json", "--keyword", "passes[1]", "--keyword", "nothing",
-                   "test_3_passes.py", "--", "-p", "no:cacheprovider")
+    assert jobs == {
+        "test_1_killed.py::test_before": "pass",
+        "test_1_killed.py::test_killed": "died",
+        "test_1_killed.py::test_after": "pass",
+        "test_3_passes.py::test_passes": "pass",
+    }, stdout
+    proc = _runner(
+        tmp_path,
+        "--out",
+        "kw",
+        "--json",
+        "kw.json",
+        "--keyword",
+        "passes[1]",
+        "--keyword",
+        "nothing",
+        "test_3_passes.py",
+        "--",
+        "-p",
+        "no:cacheprovider",
+    )
     stdout, _ = proc.communicate(timeout=120)
     jobs = json.loads((tmp_path / "kw.json").read_text())["jobs"]
-    assert [(j["id"], j["status"]) for j in jobs] == [("test_3_passes.py -k passes[1]", "pass"),
-                                                     ("test_3_passes.py -k nothing", "empty")], stdout
+    assert [(j["id"], j["status"]) for j in jobs] == [
+        ("test_3_passes.py -k passes[1]", "pass"),
+        ("test_3_passes.py -k nothing", "empty"),
+    ], stdout
     assert jobs[0]["counts"]["passed"] == 1
 
 
 def test_runner_stopped_keeps_what_finished_and_kills_its_jobs(tmp_path):
     _isolated_tree(tmp_path)
-    proc = _runner(tmp_path, "--out", "out", "--parallel", "2", "--sanitizer", "", "test_3_passes.py",
-                   "test_5_hangs.py", "test_4_fails.py", "--", "-p", "no:cacheprovider")
+    proc = _runner(
+        tmp_path,
+        "--out",
+        "out",
+        "--parallel",
+        "2",
+        "--sanitizer",
+        "",
+        "test_3_passes.py",
+        "test_5_hangs.py",
+        "test_4_fails.py",
+        "--",
+        "-p",
+        "no:cacheprovider",
+    )
     path = tmp_path / "out" / "isolated.json"
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:  # until the first job has finished and the hang has started
@@ -376,8 +442,11 @@ def test_runner_budget_leaves_jobs_not_run(tmp_path):
 
 
 def test_runner_rejects_bad_arguments(tmp_path):
-    for args in (["--out", "o", "no_such_test.py"], ["--out", "o", "--parallel", "0", str(RUNNER)],
-                 ["--out", "o", "--split", "function", "--keyword", "x", str(RUNNER)]):
+    for args in (
+        ["--out", "o", "no_such_test.py"],
+        ["--out", "o", "--parallel", "0", str(RUNNER)],
+        ["--out", "o", "--split", "function", "--keyword", "x", str(RUNNER)],
+    ):
         res = subprocess.run([sys.executable, str(RUNNER), *args], cwd=tmp_path, capture_output=True, text=True)
         assert res.returncode == 2, (args, res.stderr)
 
@@ -403,9 +472,14 @@ def _problems(ops=("fprop", "bprop", "updat"), dtype="bfloat16", bs=128):
     return [dict(index=i, op=op, dtype=dtype, block_size=bs, density=0.1, nnz=102) for i, op in enumerate(ops)]
 
 
-@pytest.mark.parametrize("name, layout", [("ncu_raw_page_sample.csv", "raw"),
-                                          ("ncu_details_page_sample.csv", "details"),
-                                          ("ncu_kernels_h100_excerpt.csv", "summary")])
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("ncu_raw_page_sample.csv", "raw"),
+        ("ncu_details_page_sample.csv", "details"),
+        ("ncu_kernels_h100_excerpt.csv", "summary"),
+    ],
+)
 def test_ncu_csv_layouts(ncu_summary, name, layout):
     found, launches = ncu_summary.read_launches((DATA / name).read_text())
     assert found == layout
@@ -437,16 +511,26 @@ def test_ncu_pairing_by_name_when_counts_differ(ncu_summary):
     assert summary["rows"][0]["name_disagrees"] == {"op": "fprop"} and len(summary["warnings"]) == 2
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("void jbs::DsdTcKernel<__half, __half, 32, 128, 4, 1, 32, 3, (bool)1>(jbs::DsdParams)", ("bprop", "float16", 32)),
-    ("void jbs::DsdTcKernel<__nv_bfloat16, float, 64, 128, 4, 2, 32, 3, false>(jbs::DsdParams)",
-     ("fprop", "bfloat16", 64)),
-    ("void jbs::DsdF32Kernel<16, 64, 16, 16, 32, 1>(jbs::DsdParams)", ("bprop", "float32", 16)),
-    ("void jbs::SddF32Kernel<128, 8, 8, 16>(jbs::SddParams)", ("updat", "float32", 128)),
-    ("void jbs::SddTcKernel<__nv_bfloat16, __nv_bfloat16, 8, 8, 1, 1, 32, 3>(jbs::SddParams)",
-     ("updat", "bfloat16", 8)),
-    ("nvjet_sm90_tss_256x128_64x4_1x2_h_bz_coopA_NNT", (None, None, None)),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (
+            "void jbs::DsdTcKernel<__half, __half, 32, 128, 4, 1, 32, 3, (bool)1>(jbs::DsdParams)",
+            ("bprop", "float16", 32),
+        ),
+        (
+            "void jbs::DsdTcKernel<__nv_bfloat16, float, 64, 128, 4, 2, 32, 3, false>(jbs::DsdParams)",
+            ("fprop", "bfloat16", 64),
+        ),
+        ("void jbs::DsdF32Kernel<16, 64, 16, 16, 32, 1>(jbs::DsdParams)", ("bprop", "float32", 16)),
+        ("void jbs::SddF32Kernel<128, 8, 8, 16>(jbs::SddParams)", ("updat", "float32", 128)),
+        (
+            "void jbs::SddTcKernel<__nv_bfloat16, __nv_bfloat16, 8, 8, 1, 1, 32, 3>(jbs::SddParams)",
+            ("updat", "bfloat16", 8),
+        ),
+        ("nvjet_sm90_tss_256x128_64x4_1x2_h_bz_coopA_NNT", (None, None, None)),
+    ],
+)
 def test_kernel_names(ncu_summary, name, expected):
     info = ncu_summary.parse_kernel_name(name)
     assert (info["op"], info["dtype"], info["block_size"]) == expected
@@ -457,8 +541,9 @@ def test_ncu_summary_cli(ncu_summary, tmp_path, capsys):
     problems.write_text(json.dumps(dict(problems=_problems())))
     out = tmp_path / "summary.json"
     missing = tmp_path / "no-such.csv"  # the --log-file may be missing: the next file is read
-    rc = ncu_summary.main([str(missing), str(DATA / "ncu_details_page_sample.csv"), "--problems", str(problems),
-                           "--json", str(out)])
+    rc = ncu_summary.main(
+        [str(missing), str(DATA / "ncu_details_page_sample.csv"), "--problems", str(problems), "--json", str(out)]
+    )
     assert rc == 0
     summary = json.loads(out.read_text())
     assert summary["csv_layout"] == "details" and len(summary["rows"]) == 3
@@ -478,8 +563,7 @@ def bsmm():
 
 
 # The fields bench/crossover.py (and the summary) read from every row.
-ROW_FIELDS = ("op", "dtype", "block_size", "density", "path", "target", "mode", "sparse_s", "dense_s",
-              "dense_path_s")
+ROW_FIELDS = ("op", "dtype", "block_size", "density", "path", "target", "mode", "sparse_s", "dense_s", "dense_path_s")
 
 
 def test_bench_quick_json(bsmm, tmp_path, monkeypatch):
@@ -493,8 +577,21 @@ def test_bench_quick_json(bsmm, tmp_path, monkeypatch):
     path = tmp_path / "bench.json"
     bsmm.main(["--preset", "quick", "--json", str(path)])
     report = json.loads(path.read_text())
-    for field in ("device", "device_kind", "platform", "commit", "date", "datetime", "jax_version", "implementation",
-                  "size", "timing", "results", "paths", "dense_path"):
+    for field in (
+        "device",
+        "device_kind",
+        "platform",
+        "commit",
+        "date",
+        "datetime",
+        "jax_version",
+        "implementation",
+        "size",
+        "timing",
+        "results",
+        "paths",
+        "dense_path",
+    ):
         assert field in report, field
     on_cpu = jax.devices()[0].platform == "cpu"
     assert report["platform"] == jax.devices()[0].platform and report["complete"] is True
@@ -510,8 +607,15 @@ def test_bench_quick_json(bsmm, tmp_path, monkeypatch):
     for r in rows:
         assert all(field in r for field in ROW_FIELDS), r
         assert "error" not in r, r
-        for field in ("sparse_s", "dense_s", "sparse_call_s", "dense_call_s", "efficiency", "speedup",
-                      "call_efficiency") + (("dense_path_s",) if dense_impl else ()):
+        for field in (
+            "sparse_s",
+            "dense_s",
+            "sparse_call_s",
+            "dense_call_s",
+            "efficiency",
+            "speedup",
+            "call_efficiency",
+        ) + (("dense_path_s",) if dense_impl else ()):
             assert math.isfinite(r[field]) and r[field] > 0, (field, r)
         assert r["dense_path_s"] is None or dense_impl
         assert r["efficiency"] == pytest.approx(r["dense_s"] * r["density"] / r["sparse_s"])
@@ -524,8 +628,13 @@ def test_bench_quick_json(bsmm, tmp_path, monkeypatch):
     crossover = ROOT / "bench" / "crossover.py"
     if kernels and crossover.exists():
         out = tmp_path / "crossovers.json"
-        res = subprocess.run([sys.executable, str(crossover), str(path), "--out", str(out)], capture_output=True,
-                             text=True, cwd=ROOT, timeout=60)
+        res = subprocess.run(
+            [sys.executable, str(crossover), str(path), "--out", str(out)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
         assert res.returncode == 0, res.stderr
         entries = json.loads(out.read_text())["entries"]
         assert {e["target"] for e in entries} == {r["target"] for r in rows}
@@ -567,8 +676,23 @@ def test_bench_killed_keeps_every_finished_row(tmp_path):
     finished: the JSON is rewritten after each row through a temporary file and a rename."""
     path = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_BLOCKSPARSE_", "CHECK_"))}
-    cmd = [sys.executable, str(ROOT / "bench" / "bsmm.py"), "--preset", "quick", "--block-sizes", "32", "64",
-           "--densities", "1", "0.5", "0.25", "0.1", "0.05", "--json", str(path)]  # 30 rows: killed long before
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "bsmm.py"),
+        "--preset",
+        "quick",
+        "--block-sizes",
+        "32",
+        "64",
+        "--densities",
+        "1",
+        "0.5",
+        "0.25",
+        "0.1",
+        "0.05",
+        "--json",
+        str(path),
+    ]  # 30 rows: killed long before
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         seen = 0
@@ -621,11 +745,15 @@ def test_bench_paths_lower_to_their_own_targets(bsmm, monkeypatch):
 
 
 def test_bench_target_and_mode_from_hlo(bsmm):
-    compiled = ('%custom-call.1 = f32[16,128]{1,0} custom-call(f32[16,128]{1,0} %p0, ...), '
-                'custom_call_target="jax_blocksparse_bsmm_fprop_sm90_v1", api_version=API_VERSION_TYPED_FFI, '
-                'backend_config={tf32 = true}')
-    lowered = ('%0 = stablehlo.custom_call @jax_blocksparse_bsmm_updat_sm90_v1(%arg0, %arg1) {backend_config = "", '
-               'mhlo.backend_config = {tf32 = true}} : (tensor<16x128xf32>) -> tensor<8x32x32xf32>')
+    compiled = (
+        "%custom-call.1 = f32[16,128]{1,0} custom-call(f32[16,128]{1,0} %p0, ...), "
+        'custom_call_target="jax_blocksparse_bsmm_fprop_sm90_v1", api_version=API_VERSION_TYPED_FFI, '
+        "backend_config={tf32 = true}"
+    )
+    lowered = (
+        '%0 = stablehlo.custom_call @jax_blocksparse_bsmm_updat_sm90_v1(%arg0, %arg1) {backend_config = "", '
+        "mhlo.backend_config = {tf32 = true}} : (tensor<16x128xf32>) -> tensor<8x32x32xf32>"
+    )
     assert bsmm.kernel_target(compiled) == "jbs_bsmm_fprop_sm90"
     assert bsmm.kernel_target(lowered) == "jbs_bsmm_updat_sm90"
     assert bsmm.kernel_target("%dot.1 = f32[16,128] dot(...)") is None
@@ -639,7 +767,10 @@ def test_bench_target_and_mode_from_hlo(bsmm):
     assert bsmm.arithmetic_mode("float32", None, "", "cpu") == "float32"
     assert bsmm.arithmetic_mode("float16", "jbs_bsmm_fprop_sm90", lowered, "gpu") == "float16"
     assert [bsmm.path_of(t, "gpu", "ampere") for t in ("jbs_bsmm_bprop_sm90", "jbs_bsmm_bprop", None)] == [
-        "hopper", "ampere", "ampere"]
+        "hopper",
+        "ampere",
+        "ampere",
+    ]
     assert bsmm.path_of("jbs_bsmm_bprop", "cpu", "native") == "native"
 
 
@@ -670,54 +801,114 @@ def test_bench_chains_keep_every_product(bsmm):
 def test_ncu_driver_problems(tmp_path):
     driver = _load("ncu_driver")
     path = tmp_path / "problems.json"
-    meta = driver.main(["--size", "128", "128", "16", "--block-sizes", "32", "--dtypes", "float32",
-                        "--impl", "auto", "--problems", str(path)])
+    meta = driver.main(
+        [
+            "--size",
+            "128",
+            "128",
+            "16",
+            "--block-sizes",
+            "32",
+            "--dtypes",
+            "float32",
+            "--impl",
+            "auto",
+            "--problems",
+            str(path),
+        ]
+    )
     saved = json.loads(path.read_text())
     assert saved["problems"] == meta["problems"]
     assert [(p["op"], p["dtype"], p["block_size"]) for p in saved["problems"]] == [
-        ("fprop", "float32", 32), ("bprop", "float32", 32), ("updat", "float32", 32)]
+        ("fprop", "float32", 32),
+        ("bprop", "float32", 32),
+        ("updat", "float32", 32),
+    ]
     assert all(p["nnz"] > 0 and p["index"] == i for i, p in enumerate(saved["problems"]))
 
 
 def _job(runner, job_id, status, test=None, error=None, memcheck=None, passed=3):
     """A job of tests/gpu/run_isolated.py's JSON."""
-    counts = None if status in ("died", "timeout", "not-run") else dict(
-        tests=passed + (status == "fail"), passed=passed, failed=int(status == "fail"), errors=0, skipped=0)
-    return dict(id=job_id, status=status, counts=counts, log=f"{runner._slug(job_id)}.log",
-                first_failure=dict(test=test, error=error) if test else None,
-                sanitizer=dict(status="errors", first_report=memcheck) if memcheck else None)
+    counts = (
+        None
+        if status in ("died", "timeout", "not-run")
+        else dict(tests=passed + (status == "fail"), passed=passed, failed=int(status == "fail"), errors=0, skipped=0)
+    )
+    return dict(
+        id=job_id,
+        status=status,
+        counts=counts,
+        log=f"{runner._slug(job_id)}.log",
+        first_failure=dict(test=test, error=error) if test else None,
+        sanitizer=dict(status="errors", first_report=memcheck) if memcheck else None,
+    )
 
 
 def test_check_summary_table(tmp_path, capsys):
     summary = _load("check_summary")
     runner = _load_runner()
     out = tmp_path
-    (out / "steps.tsv").write_text("build\tpass\t0\t80.2\t150\tbuild.log\n"
-                                   "bench\tpass\t0\t128.5\t170\tbench.log\n"
-                                   "crossover\tpass\t0\t1.5\t20\tcrossover.log\n"
-                                   "gpu-tests\tfail\t1\t70.0\t130\tgpu-tests.log\n"
-                                   "training\tpass\t0\t81.0\t120\ttraining.log\n"
-                                   "suite\ttimeout\t124\t120.0\t120\tsuite.log\n")
+    (out / "steps.tsv").write_text(
+        "build\tpass\t0\t80.2\t150\tbuild.log\n"
+        "bench\tpass\t0\t128.5\t170\tbench.log\n"
+        "crossover\tpass\t0\t1.5\t20\tcrossover.log\n"
+        "gpu-tests\tfail\t1\t70.0\t130\tgpu-tests.log\n"
+        "training\tpass\t0\t81.0\t120\ttraining.log\n"
+        "suite\ttimeout\t124\t120.0\t120\tsuite.log\n"
+    )
     (out / "meta.txt").write_text("date: 2026-11-22T10:00:00Z\ncommit: abc1234\ngpu: NVIDIA H100 80GB HBM3\n")
     fault = "Misaligned shared or local address\nat void jbs::sm90::detail::DsdPackedSm90Kernel<...>+0x5600"
     gpu_jobs = [
         _job(runner, "tests/gpu/test_bsmm_kernels.py::test_layouts", "pass", passed=360),
-        _job(runner, "tests/gpu/test_bsmm_sm90.py::test_tf32_rows", "died", "tests/gpu/test_bsmm_sm90.py::"
-             "test_tf32_rows[8-fprop-1]", "process killed by SIGABRT: CUDA_ERROR_MISALIGNED_ADDRESS", fault),
-        _job(runner, "tests/gpu/test_bsmm_sm90.py::test_rows", "fail", "tests/gpu/test_bsmm_sm90.py::test_rows[64-"
-             "updat-7]", "AssertionError: max error 0.5 > 0.01"),
+        _job(
+            runner,
+            "tests/gpu/test_bsmm_sm90.py::test_tf32_rows",
+            "died",
+            "tests/gpu/test_bsmm_sm90.py::test_tf32_rows[8-fprop-1]",
+            "process killed by SIGABRT: CUDA_ERROR_MISALIGNED_ADDRESS",
+            fault,
+        ),
+        _job(
+            runner,
+            "tests/gpu/test_bsmm_sm90.py::test_rows",
+            "fail",
+            "tests/gpu/test_bsmm_sm90.py::test_rows[64-updat-7]",
+            "AssertionError: max error 0.5 > 0.01",
+        ),
     ]
-    suite_jobs = [_job(runner, "tests/test_matmul.py", "pass", passed=400),
-                  _job(runner, "tests/test_lint.py", "not-run")]
-    for name, jobs, complete in (("gpu-tests", gpu_jobs, True), ("training", [_job(runner, "x.py -k mlp]", "pass")],
-                                                                 True), ("suite", suite_jobs, False)):
+    suite_jobs = [
+        _job(runner, "tests/test_matmul.py", "pass", passed=400),
+        _job(runner, "tests/test_lint.py", "not-run"),
+    ]
+    for name, jobs, complete in (
+        ("gpu-tests", gpu_jobs, True),
+        ("training", [_job(runner, "x.py -k mlp]", "pass")], True),
+        ("suite", suite_jobs, False),
+    ):
         (out / f"{name}.json").write_text(json.dumps(dict(jobs=jobs, totals=runner.totals(jobs), complete=complete)))
-    rows = [dict(op=op, dtype="bfloat16", block_size=bs, density=0.1000061, path=path,
-                 target=f"jbs_bsmm_{op}" + ("_sm90" if path == "hopper" else ""), mode="bfloat16",
-                 efficiency=(0.2 if path == "ampere" else 0.4) + i / 100, speedup=2.0 + i, call_efficiency=0.1,
-                 roofline_speedup_bound=6.6, sparse_s=1e-4, dense_s=2e-4, dense_path_s=2.5e-4, torch_bsr_s=3e-4,
-                 speedup_vs_torch_bsr=3.0)
-            for bs in (64, 128) for i, op in enumerate(("fprop", "bprop", "updat")) for path in ("ampere", "hopper")]
+    rows = [
+        dict(
+            op=op,
+            dtype="bfloat16",
+            block_size=bs,
+            density=0.1000061,
+            path=path,
+            target=f"jbs_bsmm_{op}" + ("_sm90" if path == "hopper" else ""),
+            mode="bfloat16",
+            efficiency=(0.2 if path == "ampere" else 0.4) + i / 100,
+            speedup=2.0 + i,
+            call_efficiency=0.1,
+            roofline_speedup_bound=6.6,
+            sparse_s=1e-4,
+            dense_s=2e-4,
+            dense_path_s=2.5e-4,
+            torch_bsr_s=3e-4,
+            speedup_vs_torch_bsr=3.0,
+        )
+        for bs in (64, 128)
+        for i, op in enumerate(("fprop", "bprop", "updat"))
+        for path in ("ampere", "hopper")
+    ]
     rows.append(dict(rows[0], dtype="float32", mode="float32", efficiency=0.05))  # not a headline row
     rows.append(dict(rows[0], density=0.25, efficiency=0.5))  # nor this
     (out / "bench.json").write_text(json.dumps(dict(results=rows, complete=True)))
@@ -729,25 +920,43 @@ def test_check_summary_table(tmp_path, capsys):
     assert "14 rows (ampere 8, hopper 6; 14 with torch BSR) bfloat16/float32" in text
     assert "FAILED steps: gpu-tests, suite" in text and "commit: abc1234" in text
     # Every failing test named with its first error line, and memcheck's first report.
-    assert ("[gpu-tests] died    tests/gpu/test_bsmm_sm90.py::test_tf32_rows[8-fprop-1]: process killed by SIGABRT: "
-            "CUDA_ERROR_MISALIGNED_ADDRESS") in text
+    assert (
+        "[gpu-tests] died    tests/gpu/test_bsmm_sm90.py::test_tf32_rows[8-fprop-1]: process killed by SIGABRT: "
+        "CUDA_ERROR_MISALIGNED_ADDRESS"
+    ) in text
     assert "      memcheck: Misaligned shared or local address" in text
     assert "[gpu-tests] fail    tests/gpu/test_bsmm_sm90.py::test_rows[64-updat-7]: AssertionError: max error" in text
     assert "[suite] not run (budget spent): 1 job(s): tests/test_lint.py" in text
     # The headline: per block size, fprop/bprop/updat efficiency and speedup, Ampere then Hopper.
-    table = text[text.index("bench, bfloat16, density 0.1"):]
+    table = text[text.index("bench, bfloat16, density 0.1") :]
     assert "ampere" in table.splitlines()[1] and "hopper" in table.splitlines()[1]
     headline = [line.split() for line in table.splitlines() if line.strip().startswith(("64 ", "128 "))]
-    assert headline[0] == ["64", "0.20", "2.00x", "0.21", "3.00x", "0.22", "4.00x", "|",
-                           "0.40", "2.00x", "0.41", "3.00x", "0.42", "4.00x"]
+    assert headline[0] == [
+        "64",
+        "0.20",
+        "2.00x",
+        "0.21",
+        "3.00x",
+        "0.22",
+        "4.00x",
+        "|",
+        "0.40",
+        "2.00x",
+        "0.41",
+        "3.00x",
+        "0.42",
+        "4.00x",
+    ]
     assert len(headline) == 2
     saved = json.loads((out / "summary.json").read_text())
     assert saved["passed"] is False
     assert saved["headline"]["rows"][1]["block_size"] == 128
     assert saved["headline"]["rows"][1]["paths"]["hopper"]["fprop"]["efficiency"] == 0.4
     assert saved["headline"]["rows"][1]["paths"]["hopper"]["fprop"]["target"] == "jbs_bsmm_fprop_sm90"
-    assert [f["test"] for f in saved["failures"]] == [gpu_jobs[1]["first_failure"]["test"],
-                                                     gpu_jobs[2]["first_failure"]["test"]]
+    assert [f["test"] for f in saved["failures"]] == [
+        gpu_jobs[1]["first_failure"]["test"],
+        gpu_jobs[2]["first_failure"]["test"],
+    ]
     assert saved["not_run"] == {"suite": ["tests/test_lint.py"]}
     assert {s["name"]: s["counts"] for s in saved["steps"]}["crossover"] == "3 entries"
 
@@ -755,8 +964,22 @@ def test_check_summary_table(tmp_path, capsys):
 def test_check_summary_reads_a_real_runner_json(tmp_path, capsys):
     """The summary reads what run_isolated.py really writes (a job that dies, one that passes)."""
     _isolated_tree(tmp_path)
-    proc = _runner(tmp_path, "--out", "gpu-tests", "--json", "gpu-tests.json", "--sanitizer", "", "--parallel", "2",
-                   "test_1_killed.py", "test_3_passes.py", "--", "-p", "no:cacheprovider")
+    proc = _runner(
+        tmp_path,
+        "--out",
+        "gpu-tests",
+        "--json",
+        "gpu-tests.json",
+        "--sanitizer",
+        "",
+        "--parallel",
+        "2",
+        "test_1_killed.py",
+        "test_3_passes.py",
+        "--",
+        "-p",
+        "no:cacheprovider",
+    )
     proc.communicate(timeout=120)
     (tmp_path / "steps.tsv").write_text("gpu-tests\tfail\t1\t5.0\t130\tgpu-tests.log\n")
     assert _load("check_summary").main([str(tmp_path)]) == 1

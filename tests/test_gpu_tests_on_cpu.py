@@ -135,8 +135,19 @@ def _products(trees) -> frozenset[str]:
 
 def test_product_names_cover_the_ops_and_oracles():
     products = library_products()
-    expected = {"bsmm", "bsmm_updat", "bsconv", "bsconv_transpose", "dot", "einsum", "matmul", "dot_general",
-                "conv_general_dilated", "tensordot", "blocksparse_attention"}
+    expected = {
+        "bsmm",
+        "bsmm_updat",
+        "bsconv",
+        "bsconv_transpose",
+        "dot",
+        "einsum",
+        "matmul",
+        "dot_general",
+        "conv_general_dilated",
+        "tensordot",
+        "blocksparse_attention",
+    }
     assert expected <= products, sorted(expected - products)
     assert not NOT_PRODUCTS & products
 

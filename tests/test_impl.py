@@ -93,8 +93,7 @@ def _vmap(fn, **kw):
     return lambda a, b: batched(jnp.stack([a, 2 * a]), jnp.stack([b, -b]))
 
 
-TRANSFORMS = {"jit": lambda fn, **kw: (lambda a, b: fn(a, b, **kw)), "grad": _grad, "jvp": _jvp, "vmap": _vmap}
-
+TRANSFORMS = {"jit": lambda fn, **kw: lambda a, b: fn(a, b, **kw), "grad": _grad, "jvp": _jvp, "vmap": _vmap}
 
 
 def _path(fun, *args, platform="cpu"):

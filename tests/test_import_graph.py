@@ -135,9 +135,14 @@ def _violations(prefix: str, forbidden: tuple[str, ...]):
 
 
 def test_the_walk_sees_the_package():
-    assert {"jax_blocksparse.nn.dense", "jax_blocksparse.nnx.linear", "jax_blocksparse.layers.dense",
-            "jax_blocksparse.layers.common",
-            "jax_blocksparse.ops.recurrence", "jax_blocksparse.ops.probe"} <= set(MODULES)
+    assert {
+        "jax_blocksparse.nn.dense",
+        "jax_blocksparse.nnx.linear",
+        "jax_blocksparse.layers.dense",
+        "jax_blocksparse.layers.common",
+        "jax_blocksparse.ops.recurrence",
+        "jax_blocksparse.ops.probe",
+    } <= set(MODULES)
     assert any(name == "flax.linen" for name, _, _ in IMPORTS["jax_blocksparse.nn.dense"])
     assert any(name == "flax.nnx" for name, _, _ in IMPORTS["jax_blocksparse.nnx.linear"])
 
@@ -147,12 +152,26 @@ def test_the_walk_sees_the_package():
     [
         ("jax_blocksparse.nnx", ("flax.linen", "jax_blocksparse.nn", "jax_blocksparse.training", "optax")),
         ("jax_blocksparse.nn", ("flax.nnx", "jax_blocksparse.nnx", "jax_blocksparse.training", "optax")),
-        ("jax_blocksparse.layers", ("flax", "optax", "jax_blocksparse.nn", "jax_blocksparse.nnx",
-                                    "jax_blocksparse.training")),
-        ("jax_blocksparse.ops", ("flax", "optax", "jax_blocksparse.layers", "jax_blocksparse.nn",
-                                 "jax_blocksparse.nnx", "jax_blocksparse.training", "jax_blocksparse.sharding")),
-        ("jax_blocksparse.mixed_precision", ("flax", "jax_blocksparse.nn", "jax_blocksparse.nnx",
-                                             "jax_blocksparse.training", "jax_blocksparse.layers")),
+        (
+            "jax_blocksparse.layers",
+            ("flax", "optax", "jax_blocksparse.nn", "jax_blocksparse.nnx", "jax_blocksparse.training"),
+        ),
+        (
+            "jax_blocksparse.ops",
+            (
+                "flax",
+                "optax",
+                "jax_blocksparse.layers",
+                "jax_blocksparse.nn",
+                "jax_blocksparse.nnx",
+                "jax_blocksparse.training",
+                "jax_blocksparse.sharding",
+            ),
+        ),
+        (
+            "jax_blocksparse.mixed_precision",
+            ("flax", "jax_blocksparse.nn", "jax_blocksparse.nnx", "jax_blocksparse.training", "jax_blocksparse.layers"),
+        ),
     ],
 )
 def test_package_does_not_import(prefix, forbidden):
@@ -182,7 +201,8 @@ def test_dependencies_point_down():
 def test_no_import_cycle():
     edges = {
         module: {
-            name for name, in_function, _ in found
+            name
+            for name, in_function, _ in found
             if not in_function and name in MODULES and name != module and not module.startswith(name + ".")
         }
         for module, found in IMPORTS.items()
@@ -194,7 +214,7 @@ def test_no_import_cycle():
         stack.append(node)
         for nxt in sorted(edges[node]):
             if state.get(nxt) == "open":
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         stack.pop()
@@ -221,8 +241,9 @@ def test_no_function_level_import_of_the_package():
 
 def _loaded_after(code: str) -> set[str]:
     script = textwrap.dedent(code) + "\nimport sys\nprint('\\n'.join(sorted(sys.modules)))\n"
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT.parent, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT.parent, check=True
+    )
     return set(out.stdout.split())
 
 
@@ -251,10 +272,33 @@ def test_importing_every_submodule_keeps_the_exported_functions():
     for info in pkgutil.walk_packages(jax_blocksparse.__path__, "jax_blocksparse."):
         if not info.name.split(".")[-1].startswith("_jbs"):
             importlib.import_module(info.name)
-    for package in ("jax_blocksparse", "jax_blocksparse.training", "jax_blocksparse.ops", "jax_blocksparse.nn",
-                    "jax_blocksparse.nnx", "jax_blocksparse.layers"):
+    for package in (
+        "jax_blocksparse",
+        "jax_blocksparse.training",
+        "jax_blocksparse.ops",
+        "jax_blocksparse.nn",
+        "jax_blocksparse.nnx",
+        "jax_blocksparse.layers",
+    ):
         module = importlib.import_module(package)
-        clobbered = [n for n in getattr(module, "__all__", ()) if type(getattr(module, n, None)).__name__ == "module"
-                     and n not in ("attention", "config", "crossover", "export", "layers", "layouts",
-                                   "mixed_precision", "nn", "nnx", "sharding", "targets", "training")]
+        clobbered = [
+            n
+            for n in getattr(module, "__all__", ())
+            if type(getattr(module, n, None)).__name__ == "module"
+            and n
+            not in (
+                "attention",
+                "config",
+                "crossover",
+                "export",
+                "layers",
+                "layouts",
+                "mixed_precision",
+                "nn",
+                "nnx",
+                "sharding",
+                "targets",
+                "training",
+            )
+        ]
         assert not clobbered, f"{package}: {clobbered} became modules"

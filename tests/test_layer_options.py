@@ -113,35 +113,48 @@ class _Scanned(nnx.Module):
 LINEN = {
     "nn.BlockSparseDense": lambda **o: (jbs.nn.BlockSparseDense(32, MASK, BS, **o), rand((3, 32), seed=1)),
     "nn.BlockSparseConv": lambda **o: (
-        jbs.nn.BlockSparseConv(32, (3, 3), MASK, BS, strides=2, **o), rand((1, 5, 5, 32), seed=1)),
+        jbs.nn.BlockSparseConv(32, (3, 3), MASK, BS, strides=2, **o),
+        rand((1, 5, 5, 32), seed=1),
+    ),
     "nn.BlockSparseConvTranspose": lambda **o: (
-        jbs.nn.BlockSparseConvTranspose(32, (3, 3), MASK, BS, strides=2, **o), rand((1, 3, 3, 32), seed=1)),
+        jbs.nn.BlockSparseConvTranspose(32, (3, 3), MASK, BS, strides=2, **o),
+        rand((1, 3, 3, 32), seed=1),
+    ),
     "nn.ColumnParallelDense": lambda **o: (
-        jbs.nn.ColumnParallelDense(32, MASK, BS, _mesh(), "model", **o), rand((2, 32), seed=1)),
+        jbs.nn.ColumnParallelDense(32, MASK, BS, _mesh(), "model", **o),
+        rand((2, 32), seed=1),
+    ),
     "nn.BlockSparseLSTMCell": lambda **o: (nn.RNN(_lstm_cell(jbs.nn.BlockSparseLSTMCell, **o)), rand((2, 3, 8))),
     "nn.BlockSparseMLSTMCell": lambda **o: (nn.RNN(_lstm_cell(jbs.nn.BlockSparseMLSTMCell, **o)), rand((2, 3, 8))),
     # The fused sequence with its own options over a cell without (a block-sparse input kernel).
     "nn.BlockSparseLSTM": lambda **o: (
-        jbs.nn.BlockSparseLSTM(jbs.nn.BlockSparseMLSTMCell(16, CELL_MASK, BS, internal_steps=1,
-                                                          input_mask=CELL_MASK), **o),
+        jbs.nn.BlockSparseLSTM(
+            jbs.nn.BlockSparseMLSTMCell(16, CELL_MASK, BS, internal_steps=1, input_mask=CELL_MASK), **o
+        ),
         rand((2, 3, 16)),
     ),
 }
 
 NNX = {
     "nnx.BlockSparseLinear": (lambda **o: jbs.nnx.BlockSparseLinear(32, 32, MASK, BS, **o), (3, 32)),
-    "nnx.BlockSparseConv": (lambda **o: jbs.nnx.BlockSparseConv(32, 32, (3, 3), MASK, BS, strides=2, **o),
-                            (1, 5, 5, 32)),
+    "nnx.BlockSparseConv": (
+        lambda **o: jbs.nnx.BlockSparseConv(32, 32, (3, 3), MASK, BS, strides=2, **o),
+        (1, 5, 5, 32),
+    ),
     "nnx.BlockSparseConvTranspose": (
-        lambda **o: jbs.nnx.BlockSparseConvTranspose(32, 32, (3, 3), MASK, BS, strides=2, **o), (1, 3, 3, 32)),
-    "nnx.ColumnParallelLinear": (lambda **o: jbs.nnx.ColumnParallelLinear(32, 32, MASK, BS, _mesh(), "model", **o),
-                                 (2, 32)),
+        lambda **o: jbs.nnx.BlockSparseConvTranspose(32, 32, (3, 3), MASK, BS, strides=2, **o),
+        (1, 3, 3, 32),
+    ),
+    "nnx.ColumnParallelLinear": (
+        lambda **o: jbs.nnx.ColumnParallelLinear(32, 32, MASK, BS, _mesh(), "model", **o),
+        (2, 32),
+    ),
     "nnx.BlockSparseLSTMCell": (lambda **o: _Scanned(_nnx_cell(jbs.nnx.BlockSparseLSTMCell, **o)), (2, 3, 8)),
     "nnx.BlockSparseMLSTMCell": (lambda **o: _Scanned(_nnx_cell(jbs.nnx.BlockSparseMLSTMCell, **o)), (2, 3, 8)),
     "nnx.BlockSparseLSTM": (
         lambda rngs, **o: jbs.nnx.BlockSparseLSTM(
-            jbs.nnx.BlockSparseMLSTMCell(16, 16, CELL_MASK, BS, internal_steps=1, input_mask=CELL_MASK, rngs=rngs),
-            **o),
+            jbs.nnx.BlockSparseMLSTMCell(16, 16, CELL_MASK, BS, internal_steps=1, input_mask=CELL_MASK, rngs=rngs), **o
+        ),
         (2, 3, 16),
     ),
 }
@@ -162,7 +175,6 @@ CASES = sorted(LINEN) + ["nn.BlockSparseDense(dynamic)"] + sorted(NNX)
 # ---------------------------------------------------------------------------------
 # Reading a traced gradient
 # ---------------------------------------------------------------------------------
-
 
 
 @functools.cache
@@ -231,24 +243,34 @@ CONSTRUCT = {
     "nnx.BlockSparseConv": lambda **o: jbs.nnx.BlockSparseConv(32, 32, (3, 3), MASK, BS, rngs=nnx.Rngs(0), **o),
     "nn.BlockSparseConvTranspose": lambda **o: jbs.nn.BlockSparseConvTranspose(32, (3, 3), MASK, BS, **o),
     "nnx.BlockSparseConvTranspose": lambda **o: jbs.nnx.BlockSparseConvTranspose(
-        32, 32, (3, 3), MASK, BS, rngs=nnx.Rngs(0), **o),
+        32, 32, (3, 3), MASK, BS, rngs=nnx.Rngs(0), **o
+    ),
     "ColumnParallelDense": lambda **o: jbs.nn.ColumnParallelDense(32, MASK, BS, _mesh(), "model", **o),
     "ColumnParallelLinear": lambda **o: jbs.nnx.ColumnParallelLinear(
-        32, 32, MASK, BS, _mesh(), "model", rngs=nnx.Rngs(0), **o),
+        32, 32, MASK, BS, _mesh(), "model", rngs=nnx.Rngs(0), **o
+    ),
     "nn.BlockSparseLSTMCell": lambda **o: _lstm_cell(jbs.nn.BlockSparseLSTMCell, **o),
     "nnx.BlockSparseLSTMCell": lambda **o: _nnx_cell(jbs.nnx.BlockSparseLSTMCell, rngs=nnx.Rngs(0), **o),
     "nn.BlockSparseMLSTMCell": lambda **o: _lstm_cell(jbs.nn.BlockSparseMLSTMCell, **o),
     "nnx.BlockSparseMLSTMCell": lambda **o: _nnx_cell(jbs.nnx.BlockSparseMLSTMCell, rngs=nnx.Rngs(0), **o),
     "nn.BlockSparseLSTM": lambda **o: jbs.nn.BlockSparseLSTM(_lstm_cell(jbs.nn.BlockSparseLSTMCell), **o),
     "nnx.BlockSparseLSTM": lambda **o: jbs.nnx.BlockSparseLSTM(
-        _nnx_cell(jbs.nnx.BlockSparseLSTMCell, rngs=nnx.Rngs(0)), **o),
+        _nnx_cell(jbs.nnx.BlockSparseLSTMCell, rngs=nnx.Rngs(0)), **o
+    ),
 }
 
 
-@pytest.mark.parametrize("attribute, bad", [
-    ("precision", "ultra"), ("precision", 3), ("precision", ("highest",)),
-    ("impl", "fast"), ("impl", "Reference"), ("impl", 1),
-])
+@pytest.mark.parametrize(
+    "attribute, bad",
+    [
+        ("precision", "ultra"),
+        ("precision", 3),
+        ("precision", ("highest",)),
+        ("impl", "fast"),
+        ("impl", "Reference"),
+        ("impl", 1),
+    ],
+)
 @pytest.mark.parametrize("layer", sorted(CONSTRUCT))
 def test_bad_values_raise_naming_the_layer_and_attribute(layer, attribute, bad):
     cls = layer.rsplit(".", 1)[-1]

@@ -29,9 +29,7 @@ def test_random_seeds():
 
 GRAPHS = {
     "barabasi_albert": lambda n, seed=0, extra_edges=0: L.barabasi_albert(n, 2, seed=seed, extra_edges=extra_edges),
-    "watts_strogatz": lambda n, seed=0, extra_edges=0: L.watts_strogatz(
-        n, 4, 0.3, seed=seed, extra_edges=extra_edges
-    ),
+    "watts_strogatz": lambda n, seed=0, extra_edges=0: L.watts_strogatz(n, 4, 0.3, seed=seed, extra_edges=extra_edges),
 }
 
 

@@ -7,7 +7,6 @@ Every test runs twice: on the native CPU kernels (the XLA FFI custom calls, the 
 CPU path when built) and on the pure-JAX reference lowering.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +48,7 @@ def implementation(request):
         require_kernels("cpu")
     with jbs.config.implementation(request.param):
         yield request.param
+
 
 F32 = jnp.float32
 LEADS = {"1d": (), "lead1": (3,), "lead2": (2, 3)}
@@ -199,9 +199,7 @@ def test_mixed_dtypes_promote(op, a_dtype, b_dtype, out_dtype):
     assert_close(got, np_reference(op, a, b, mask, layout), out_dtype, contraction(op, layout, (3,)))
 
 
-@pytest.mark.parametrize(
-    "kind,jit", [("random", False), ("random", True), ("empty", True), ("full", True)]
-)
+@pytest.mark.parametrize("kind,jit", [("random", False), ("random", True), ("empty", True), ("full", True)])
 def test_padding_slots_with_garbage_are_ignored(kind, jit):
     mask = make_mask(kind, (3, 4), seed=2)
     layout = jbs.Layout.from_mask(mask, 8, capacity=int(mask.sum()) + 3)
@@ -263,9 +261,7 @@ def _vmap_of_grad(argnum):
         # Per-example gradients: each row of the batch alone, through vmap. For updat
         # both operands are per-example rows; for bsmm the weight b is shared.
         b_axis = 0 if b.ndim == a.ndim else None
-        per_example = jax.grad(
-            lambda a1, b1: _loss(f)(a1[None], b1 if b_axis is None else b1[None]), argnums=argnum
-        )
+        per_example = jax.grad(lambda a1, b1: _loss(f)(a1[None], b1 if b_axis is None else b1[None]), argnums=argnum)
         return jax.vmap(per_example, in_axes=(0, b_axis))(a, b)
 
     return run
@@ -495,5 +491,3 @@ def test_shard_map_grad():
     got, oracle = inside(jbs.bsmm), inside(ref)
     assert_close(got[0], want[0], F32, 24)
     assert_close(got[1], oracle[1], F32, 16)
-
-

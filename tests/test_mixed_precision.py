@@ -343,8 +343,13 @@ def _scaling_step(tx):
 
 def test_loss_scale_grows_after_n_finite_steps_and_shrinks_on_overflow():
     tx = jmp.dynamic_loss_scaling(
-        optax.sgd(0.5), initial_scale=8.0, growth_interval=3, growth_factor=2.0, backoff_factor=0.25,
-        min_scale=1.0, max_scale=32.0,
+        optax.sgd(0.5),
+        initial_scale=8.0,
+        growth_interval=3,
+        growth_factor=2.0,
+        backoff_factor=0.25,
+        min_scale=1.0,
+        max_scale=32.0,
     )
     params = {"w": jnp.ones(3)}
     state = tx.init(params)
@@ -470,8 +475,9 @@ def _train(dtype, float32_dw, loss_scaling, inject_at=None):
     @jax.jit
     def step(params, opt_state, boost):
         if loss_scaling:  # boost: the injected overflow, a huge factor on the loss
-            grads, loss = jax.grad(lambda p: (lambda l: (jmp.scale_loss(l * boost, opt_state), l))(loss_fn(p)),
-                                   has_aux=True)(params)
+            grads, loss = jax.grad(
+                lambda p: (lambda l: (jmp.scale_loss(l * boost, opt_state), l))(loss_fn(p)), has_aux=True
+            )(params)
         else:
             loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)

@@ -154,8 +154,13 @@ def _opaque_rule(ctx, *operands, block_size, out_dtype, impl, lhs_dtype=None):
 
 
 def _bind_opaque(x, w, layout):
-    return _opaque_p.bind(*mark_partitioned([x, w, *layout.tables]), block_size=layout.block_size,
-                          out_dtype=np.dtype(F32), impl="reference", lhs_dtype=None)
+    return _opaque_p.bind(
+        *mark_partitioned([x, w, *layout.tables]),
+        block_size=layout.block_size,
+        out_dtype=np.dtype(F32),
+        impl="reference",
+        lhs_dtype=None,
+    )
 
 
 @pytest.mark.parametrize("with_rule", [True, False])
@@ -209,8 +214,11 @@ def test_split_columns_and_blocks(wide, num_shards):
     if num_shards != 4:
         return
     # A traced layout (inside jit) with an explicit capacity gives the same tables.
-    traced = jax.jit(lambda m: sharding.split_columns(jbs.Layout.from_mask(m, BS, capacity=layout.capacity),
-                                                      num_shards, capacity=layouts.capacity))(mask)
+    traced = jax.jit(
+        lambda m: sharding.split_columns(
+            jbs.Layout.from_mask(m, BS, capacity=layout.capacity), num_shards, capacity=layouts.capacity
+        )
+    )(mask)
     for t, want in zip(traced.tables, layouts.tables):
         np.testing.assert_array_equal(t, want)
 
@@ -223,8 +231,9 @@ def test_column_parallel_equals_one_device(wide, gather_output):
     x = rand((6, 3 * BS), F32, 9)
 
     def mp(x, w_sh):
-        return sharding.column_parallel_bsmm(x, w_sh, layouts, mesh, "model", batch_axis="batch",
-                                             gather_output=gather_output)
+        return sharding.column_parallel_bsmm(
+            x, w_sh, layouts, mesh, "model", batch_axis="batch", gather_output=gather_output
+        )
 
     y = jax.jit(mp)(x, w_sh)
     assert_close(y, jbs.bsmm(x, w, layout), F32, 32)
@@ -281,8 +290,15 @@ def test_shard_map_with_automatic_axes(problem):
     mesh = _mesh((2, 4), ("batch", "model"))
     x = rand((8, 24), F32, 5)
     xs = jax.device_put(x, NamedSharding(mesh, P("batch")))
-    f = jax.jit(shard_map()(lambda x, w: jax.grad(lambda x: jnp.sum(jbs.bsmm(x, w, layout) ** 2))(x),
-                             mesh=mesh, in_specs=(P(), P()), out_specs=P(), axis_names={"model"}))
+    f = jax.jit(
+        shard_map()(
+            lambda x, w: jax.grad(lambda x: jnp.sum(jbs.bsmm(x, w, layout) ** 2))(x),
+            mesh=mesh,
+            in_specs=(P(), P()),
+            out_specs=P(),
+            axis_names={"model"},
+        )
+    )
     assert_close(f(xs, w), jax.grad(lambda x: jnp.sum(jbs.bsmm(x, w, layout) ** 2))(x), F32, 64)
 
 

@@ -79,17 +79,21 @@ CASES = {
     "nn.BlockSparseDense": lambda: _linen(jbs.nn.BlockSparseDense(3 * BS, MASK, BS), DENSE_X),
     "nn.BlockSparseConv": lambda: _linen(jbs.nn.BlockSparseConv(3 * BS, (3, 3), MASK, BS), IMAGE_X),
     "nn.BlockSparseConvTranspose": lambda: _linen(
-        jbs.nn.BlockSparseConvTranspose(3 * BS, (3, 3), MASK, BS, strides=2), IMAGE_X),
+        jbs.nn.BlockSparseConvTranspose(3 * BS, (3, 3), MASK, BS, strides=2), IMAGE_X
+    ),
     # Cells step by step under flax's own nn.RNN; the fused sequence layer with an mLSTM.
     "nn.BlockSparseLSTMCell": lambda: _linen(nn.RNN(_linen_cell("BlockSparseLSTMCell")), SEQUENCE_X),
     "nn.BlockSparseMLSTMCell": lambda: _linen(nn.RNN(_linen_cell("BlockSparseMLSTMCell")), SEQUENCE_X),
     "nn.BlockSparseLSTM": lambda: _linen(jbs.nn.BlockSparseLSTM(_linen_cell("BlockSparseMLSTMCell")), SEQUENCE_X),
     "nnx.BlockSparseLinear": lambda: _nnx(
-        jbs.nnx.BlockSparseLinear(2 * BS, 3 * BS, MASK, BS, rngs=nnx.Rngs(0)), DENSE_X),
+        jbs.nnx.BlockSparseLinear(2 * BS, 3 * BS, MASK, BS, rngs=nnx.Rngs(0)), DENSE_X
+    ),
     "nnx.BlockSparseConv": lambda: _nnx(
-        jbs.nnx.BlockSparseConv(2 * BS, 3 * BS, (3, 3), MASK, BS, rngs=nnx.Rngs(0)), IMAGE_X),
+        jbs.nnx.BlockSparseConv(2 * BS, 3 * BS, (3, 3), MASK, BS, rngs=nnx.Rngs(0)), IMAGE_X
+    ),
     "nnx.BlockSparseConvTranspose": lambda: _nnx(
-        jbs.nnx.BlockSparseConvTranspose(2 * BS, 3 * BS, (3, 3), MASK, BS, strides=2, rngs=nnx.Rngs(0)), IMAGE_X),
+        jbs.nnx.BlockSparseConvTranspose(2 * BS, 3 * BS, (3, 3), MASK, BS, strides=2, rngs=nnx.Rngs(0)), IMAGE_X
+    ),
     "nnx.BlockSparseLSTMCell": lambda: _nnx(nnx.RNN(_nnx_cell("BlockSparseLSTMCell"), rngs=False), SEQUENCE_X),
     "nnx.BlockSparseMLSTMCell": lambda: _nnx(nnx.RNN(_nnx_cell("BlockSparseMLSTMCell"), rngs=False), SEQUENCE_X),
     "nnx.BlockSparseLSTM": lambda: _nnx(jbs.nnx.BlockSparseLSTM(_nnx_cell("BlockSparseLSTMCell")), SEQUENCE_X),
@@ -97,10 +101,14 @@ CASES = {
     # biases: the key bias's gradient is 0 (softmax ignores a shift), so its values are noise.
     "nn.BlockSparseSelfAttention": lambda: _linen(
         jbs.nn.BlockSparseSelfAttention(2, ATTENTION_MASK, BS, is_causal=True, qkv_mask=MASK, use_bias=False),
-        ATTENTION_X),
+        ATTENTION_X,
+    ),
     "nnx.BlockSparseSelfAttention": lambda: _nnx(
-        jbs.nnx.BlockSparseSelfAttention(2, 2 * BS, ATTENTION_MASK, BS, is_causal=True, use_bias=False,
-                                         rngs=nnx.Rngs(0)), ATTENTION_X),
+        jbs.nnx.BlockSparseSelfAttention(
+            2, 2 * BS, ATTENTION_MASK, BS, is_causal=True, use_bias=False, rngs=nnx.Rngs(0)
+        ),
+        ATTENTION_X,
+    ),
 }
 
 

@@ -28,9 +28,20 @@ PORT_TAKEN = re.compile(r"address already in use|failed to add port|bind", re.IG
 def _distributed_run(out: str, num_processes: int = 2):
     for _attempt in range(3):
         coordinator = f"127.0.0.1:{children.free_port()}"
-        commands = [children.script("multihost_train.py", "--out", out, "--coordinator", coordinator,
-                                    "--num-processes", num_processes, "--process-id", i)
-                    for i in range(num_processes)]
+        commands = [
+            children.script(
+                "multihost_train.py",
+                "--out",
+                out,
+                "--coordinator",
+                coordinator,
+                "--num-processes",
+                num_processes,
+                "--process-id",
+                i,
+            )
+            for i in range(num_processes)
+        ]
         envs = [children.environment(cpu_devices=2, **FAST_COMPILES)] * num_processes
         results = children.run_together(commands, envs, timeout=TIMEOUT)
         if all(r.ok for r in results) or not any(PORT_TAKEN.search(r.output) for r in results):
@@ -42,8 +53,11 @@ def test_two_processes_train_as_one(tmp_path):
     require_kernels("cpu")
     distributed = _distributed_run(str(tmp_path / "multi"))
     assert all(r.ok for r in distributed), "the 2-process job failed:\n" + children.report(distributed)
-    single = children.run_together([children.script("multihost_train.py", "--out", tmp_path / "single")],
-                                   [children.environment(cpu_devices=4, **FAST_COMPILES)], timeout=TIMEOUT)
+    single = children.run_together(
+        [children.script("multihost_train.py", "--out", tmp_path / "single")],
+        [children.environment(cpu_devices=4, **FAST_COMPILES)],
+        timeout=TIMEOUT,
+    )
     assert single[0].ok, "the single-process run failed:\n" + children.report(single)
 
     want = dict(np.load(tmp_path / "single.0.npz"))

@@ -143,14 +143,23 @@ CONFIGS = {
     "conv_3d_valid": ("conv", (2, 2, 2), (3, 4, 3), dict(padding="VALID")),
     "transpose_2d_same": ("transpose", (3, 3), (3, 4), dict(strides=2)),
     "transpose_2d_valid_transpose_kernel": (
-        "transpose", (4, 3), (3, 3), dict(strides=2, padding="VALID", transpose_kernel=True)
+        "transpose",
+        (4, 3),
+        (3, 3),
+        dict(strides=2, padding="VALID", transpose_kernel=True),
     ),
     "transpose_1d_circular": ("transpose", (3,), (5,), dict(strides=2, padding="CIRCULAR")),
     "transpose_2d_circular_transpose_kernel": (
-        "transpose", (4, 4), (3, 3), dict(strides=2, padding="CIRCULAR", transpose_kernel=True)
+        "transpose",
+        (4, 4),
+        (3, 3),
+        dict(strides=2, padding="CIRCULAR", transpose_kernel=True),
     ),
     "transpose_2d_pairs_dilated": (
-        "transpose", (2, 3), (3, 3), dict(strides=(2, 1), padding=[(1, 2), (2, 3)], kernel_dilation=2)
+        "transpose",
+        (2, 3),
+        (3, 3),
+        dict(strides=(2, 1), padding=[(1, 2), (2, 3)], kernel_dilation=2),
     ),
 }
 

@@ -81,17 +81,22 @@ def _pair(kind, mask, mesh, dtype=None, float32_dw=False, **kw):
         layer = jbs.nn.ColumnParallelDense(K, mask, BS, mesh, "model", dtype=dtype, float32_dw=float32_dw, **kw)
         ref_params = {**ref.init(jax.random.key(0), jnp.ones((1, C)))["params"], "bias": bias}
         par_params = {"kernel": layer.shard_kernel(ref_params["kernel"]), "bias": bias}
-        return (lambda p, x: layer.apply({"params": p}, x), par_params,
-                lambda p, x: ref.apply({"params": p}, x), ref_params, layer)
+        return (
+            lambda p, x: layer.apply({"params": p}, x),
+            par_params,
+            lambda p, x: ref.apply({"params": p}, x),
+            ref_params,
+            layer,
+        )
     ref = jbs.nnx.BlockSparseLinear(C, K, mask, BS, dtype=dtype, float32_dw=float32_dw, rngs=nnx.Rngs(0))
-    layer = jbs.nnx.ColumnParallelLinear(C, K, mask, BS, mesh, "model", dtype=dtype, float32_dw=float32_dw,
-                                         rngs=nnx.Rngs(1), **kw)
+    layer = jbs.nnx.ColumnParallelLinear(
+        C, K, mask, BS, mesh, "model", dtype=dtype, float32_dw=float32_dw, rngs=nnx.Rngs(1), **kw
+    )
     ref.bias[...] = bias
     layer.kernel[...] = layer.shard_kernel(ref.kernel[...])
     layer.bias[...] = bias
     (ref_def, ref_state), (par_def, par_state) = nnx.split(ref), nnx.split(layer)
-    return (lambda s, x: nnx.merge(par_def, s)(x), par_state,
-            lambda s, x: nnx.merge(ref_def, s)(x), ref_state, layer)
+    return (lambda s, x: nnx.merge(par_def, s)(x), par_state, lambda s, x: nnx.merge(ref_def, s)(x), ref_state, layer)
 
 
 def _forward_and_grads(fn, params, x, cotangent):
@@ -100,8 +105,16 @@ def _forward_and_grads(fn, params, x, cotangent):
     return y, _pure(grads), dx
 
 
-CASES = [("2x4", None, True), ("2x4", None, False), ("2x4", "batch", True), ("2x4", "batch", False),
-         ("8", None, True), ("8", None, False), ("2x4 explicit", "batch", True), ("2x4 explicit", None, False)]
+CASES = [
+    ("2x4", None, True),
+    ("2x4", None, False),
+    ("2x4", "batch", True),
+    ("2x4", "batch", False),
+    ("8", None, True),
+    ("8", None, False),
+    ("2x4 explicit", "batch", True),
+    ("2x4 explicit", None, False),
+]
 
 
 @pytest.mark.usefixtures("quick_compiles")
@@ -111,8 +124,9 @@ def test_equals_single_device(mask, kind, mesh_name, batch_axis, gather_output):
     mesh = _mesh(mesh_name)
     x, dy = rand((4, 2, C), F32, 12), rand((4, 2, K), F32, 13)
     with _in_mesh(mesh):
-        par_fn, par_params, ref_fn, ref_params, layer = _pair(kind, mask, mesh, batch_axis=batch_axis,
-                                                              gather_output=gather_output)
+        par_fn, par_params, ref_fn, ref_params, layer = _pair(
+            kind, mask, mesh, batch_axis=batch_axis, gather_output=gather_output
+        )
         y, grads, dx = jax.jit(lambda p, x: _forward_and_grads(par_fn, p, x, dy))(par_params, x)
     ry, rgrads, rdx = _forward_and_grads(ref_fn, ref_params, x, dy)
     assert_close(y, ry, F32, C)
@@ -130,8 +144,9 @@ def test_equals_single_device(mask, kind, mesh_name, batch_axis, gather_output):
 @pytest.mark.parametrize("kind, float32_dw", [("linen", True), ("nnx", False)])
 def test_bfloat16(mask, kind, float32_dw):
     """dtype=bfloat16 (params float32): same as the single-device layer; float32_dw keeps dW float32."""
-    par_fn, par_params, ref_fn, ref_params, layer = _pair(kind, mask, _mesh("2x4"), dtype=BF16,
-                                                          float32_dw=float32_dw, batch_axis="batch")
+    par_fn, par_params, ref_fn, ref_params, layer = _pair(
+        kind, mask, _mesh("2x4"), dtype=BF16, float32_dw=float32_dw, batch_axis="batch"
+    )
     x, dy = rand((4, C), F32, 14), rand((4, K), F32, 15)
     y, grads, dx = jax.jit(lambda p, x: _forward_and_grads(par_fn, p, x, dy))(par_params, x)
     ry, rgrads, rdx = _forward_and_grads(ref_fn, ref_params, x, dy)
@@ -232,8 +247,9 @@ def test_split_columns_inside_a_trace(mask):
 def _build(kind, mask, mesh, axis="model", **kw):
     if kind == "linen":
         return jbs.nn.ColumnParallelDense(mask.shape[1] * BS, mask, BS, mesh, axis, **kw)
-    return jbs.nnx.ColumnParallelLinear(mask.shape[0] * BS, mask.shape[1] * BS, mask, BS, mesh, axis,
-                                        rngs=nnx.Rngs(0), **kw)
+    return jbs.nnx.ColumnParallelLinear(
+        mask.shape[0] * BS, mask.shape[1] * BS, mask, BS, mesh, axis, rngs=nnx.Rngs(0), **kw
+    )
 
 
 @pytest.mark.parametrize("kind", LAYERS)

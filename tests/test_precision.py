@@ -32,7 +32,6 @@ def _no_default_precision():
         yield
 
 
-
 def _problem():
     _, layout, w = make_problem(block_size=16, grid=(3, 4))
     x = rand((5, layout.shape[0]), jnp.float32, 1)

@@ -68,20 +68,22 @@ def test_script_uses_the_public_api_only(path):
 
 
 def test_the_check_sees_every_spelling():
-    source = "\n".join([
-        "import jax_blocksparse as jbs",
-        "import jax_blocksparse.ops._lowering",
-        "from jax_blocksparse.ops._lowering import describe_path",
-        "from jax_blocksparse.ops import _sm90",
-        "from jax_blocksparse.ops import paths",
-        "from jax_blocksparse import ops as o",
-        "jbs._native.extension_info()",
-        "jbs.ops._lowering.describe_path('cpu', 'auto')",
-        "paths._lowering",
-        "o._sm90.HOPPER_ENV",
-        "print(jbs.__version__, jbs.ops.paths.describe_path())",
-        "other._private",
-    ])
+    source = "\n".join(
+        [
+            "import jax_blocksparse as jbs",
+            "import jax_blocksparse.ops._lowering",
+            "from jax_blocksparse.ops._lowering import describe_path",
+            "from jax_blocksparse.ops import _sm90",
+            "from jax_blocksparse.ops import paths",
+            "from jax_blocksparse import ops as o",
+            "jbs._native.extension_info()",
+            "jbs.ops._lowering.describe_path('cpu', 'auto')",
+            "paths._lowering",
+            "o._sm90.HOPPER_ENV",
+            "print(jbs.__version__, jbs.ops.paths.describe_path())",
+            "other._private",
+        ]
+    )
     assert private_uses(source) == [
         "2: import jax_blocksparse.ops._lowering",
         "3: from jax_blocksparse.ops._lowering import describe_path",

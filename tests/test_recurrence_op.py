@@ -25,8 +25,11 @@ def _layout(mask):
 def _spec(multiplicative=False, **kwargs):
     base = jbs.layouts.barabasi_albert(H // BS, 1, seed=0)
     return lstm_spec(
-        H, _layout(np.tile(base, (1, 4))), step_layouts=[_layout(base)],
-        mh_layout=_layout(base) if multiplicative else None, **kwargs,
+        H,
+        _layout(np.tile(base, (1, 4))),
+        step_layouts=[_layout(base)],
+        mh_layout=_layout(base) if multiplicative else None,
+        **kwargs,
     )
 
 

@@ -159,8 +159,7 @@ def test_plan_magnitude_uniform_budget_and_report():
     cands = _candidates()
     plans, report = plan_sparsity(cands, 0.25, 16)
     assert list(plans) == ["a", "b"] and report.converted == ("a", "b")
-    assert report.left_dense == {"c": "output features 10 not a multiple of block_size 16",
-                                 "d": "custom dot_general"}
+    assert report.left_dense == {"c": "output features 10 not a multiple of block_size 16", "d": "custom dot_general"}
     for c in cands[:2]:
         plan, scores = plans[c.path], block_scores(c.kernel, 16)
         mask = np.asarray(plan.mask)
@@ -181,11 +180,13 @@ def test_plan_erk_selection_rules_keep_dense_and_dynamic():
     d = budgets.erk_densities([c.shape for c in cands], 0.25)
     assert [np.asarray(p.mask).sum() for p in plans.values()] == list(budgets.allocate_blocks(d, [16, 8]))
     assert all(p.dynamic for p in plans.values())
-    assert [p.capacity for p in plans.values()] == [min(16, int(np.ceil(1.5 * np.asarray(p.mask).sum())))
-                                                    for p in plans.values()]
+    assert [p.capacity for p in plans.values()] == [
+        min(16, int(np.ceil(1.5 * np.asarray(p.mask).sum()))) for p in plans.values()
+    ]
     given = np.eye(4, dtype=bool)
-    plans, report = plan_sparsity(cands, 0.5, 16, selection={"a": given, "b": functools.partial(
-        jbs.layouts.random, seed=3)})
+    plans, report = plan_sparsity(
+        cands, 0.5, 16, selection={"a": given, "b": functools.partial(jbs.layouts.random, seed=3)}
+    )
     np.testing.assert_array_equal(np.asarray(plans["a"].mask), given)
     np.testing.assert_array_equal(np.asarray(plans["b"].mask), jbs.layouts.random((2, 4), 0.5, seed=3))
     plans, report = plan_sparsity(cands, 0.5, 16, keep_dense=["a"])
@@ -289,9 +290,11 @@ def test_layers_that_do_not_fit_are_listed_or_an_error():
     odd = trained_like(lambda: Odd(nnx.Rngs(0)))
     _, report = jbs.nnx.sparsify(odd, 0.5, 16)
     assert report.converted == ()
-    assert report.left_dense == {"grouped": "feature_group_count=2 (grouped convolution)",
-                                 "custom": "custom dot_general",
-                                 "typed": "preferred_element_type=float32"}
+    assert report.left_dense == {
+        "grouped": "feature_group_count=2 (grouped convolution)",
+        "custom": "custom dot_general",
+        "typed": "preferred_element_type=float32",
+    }
     with pytest.raises(ValueError, match="strict=True.*grouped"):
         jbs.nnx.sparsify(odd, 0.5, 16, strict=True)
 
@@ -318,8 +321,9 @@ def test_jit_grad_vmap(cnn, images):
     for name in ("conv2", "fc"):
         layer = getattr(sparse, name)
         gather = jbs.conv_from_dense if name == "conv2" else jbs.from_dense
-        np.testing.assert_allclose(g_sparse[name]["kernel"][...], gather(g_dense[name]["kernel"][...], layer.layout),
-                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            g_sparse[name]["kernel"][...], gather(g_dense[name]["kernel"][...], layer.layout), rtol=1e-4, atol=1e-4
+        )
     np.testing.assert_allclose(g_sparse["head"]["bias"][...], g_dense["head"]["bias"][...], rtol=1e-4, atol=1e-4)
 
 
@@ -373,9 +377,15 @@ def test_orbax_round_trip(cnn, images, tmp_path):
     ids=["rigl", "set", "sparse_momentum", "magnitude"],
 )
 def test_dynamic_methods_continue_from_the_converted_model(method, density, capacity_factor):
-    model = trained_like(lambda: nnx.Sequential(
-        nnx.Linear(32, 64, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(64, 64, rngs=nnx.Rngs(1)), nnx.relu,
-        nnx.Linear(64, 16, rngs=nnx.Rngs(2))))
+    model = trained_like(
+        lambda: nnx.Sequential(
+            nnx.Linear(32, 64, rngs=nnx.Rngs(0)),
+            nnx.relu,
+            nnx.Linear(64, 64, rngs=nnx.Rngs(1)),
+            nnx.relu,
+            nnx.Linear(64, 16, rngs=nnx.Rngs(2)),
+        )
+    )
     x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 32)), jnp.float32)
     target = jnp.arange(8) % 16
     sparse, report = jbs.nnx.sparsify(model, density, 16, dynamic=True, capacity_factor=capacity_factor)

@@ -50,10 +50,10 @@ class CNN(nn.Module):
         x = nn.relu(nn.Conv(16, (3, 3), **kw)(x))
         x = nn.relu(nn.Conv(32, (3, 3), strides=2, **kw)(x))
         x = nn.relu(nn.Conv(32, (3, 3), padding=((1, 1), (0, 2)), kernel_dilation=(1, 2), **kw)(x))
-        x = x.reshape(x.shape[0], -1)                        # [N, 4 * 2 * 32]
+        x = x.reshape(x.shape[0], -1)  # [N, 4 * 2 * 32]
         x = nn.relu(nn.Dense(64, **kw)(x))
         block = Block(64)
-        x = block(block(x))                                  # one module called twice
+        x = block(block(x))  # one module called twice
         x = nn.Dropout(0.5, deterministic=not train)(x)
         return nn.Dense(10, name="head", **kw)(x)
 
@@ -99,14 +99,16 @@ def test_density_one_computes_the_dense_model(setup):
 @pytest.mark.parametrize("density, distribution", [(0.5, "uniform"), (0.25, "erk")])
 def test_density_d_computes_the_dense_model_with_blocks_zeroed(setup, density, distribution):
     model, variables, x = setup
-    sparse, sparse_vars, report = jbs.nn.sparsify(model, variables, x, density=density, block_size=16,
-                                                  distribution=distribution)
+    sparse, sparse_vars, report = jbs.nn.sparsify(
+        model, variables, x, density=density, block_size=16, distribution=distribution
+    )
     want = model.apply(masked(variables, sparse), x)
     np.testing.assert_allclose(sparse.apply(sparse_vars, x), want, rtol=RTOL, atol=ATOL)
     dense_vars = jbs.nn.densify(sparse, sparse_vars)
     np.testing.assert_allclose(model.apply(dense_vars, x), want, rtol=RTOL, atol=ATOL)
-    np.testing.assert_array_equal(dense_vars["params"]["Conv_2"]["kernel"],
-                                  masked(variables, sparse)["params"]["Conv_2"]["kernel"])
+    np.testing.assert_array_equal(
+        dense_vars["params"]["Conv_2"]["kernel"], masked(variables, sparse)["params"]["Conv_2"]["kernel"]
+    )
     assert report.params_after < report.params_before
 
 
@@ -123,8 +125,15 @@ def test_precision_and_dtype_are_the_modules(setup):
 
 def test_keep_dense_strict_selection_and_bad_arguments(setup):
     model, variables, x = setup
-    sparse, _, report = jbs.nn.sparsify(model, variables, x, density=0.5, block_size=16,
-                                        keep_dense=["Block_0/*"], selection={"Dense_0": np.eye(16, 4, dtype=bool)})
+    sparse, _, report = jbs.nn.sparsify(
+        model,
+        variables,
+        x,
+        density=0.5,
+        block_size=16,
+        keep_dense=["Block_0/*"],
+        selection={"Dense_0": np.eye(16, 4, dtype=bool)},
+    )
     assert sparse.paths == ("Conv_1", "Conv_2", "Dense_0")
     assert report.left_dense["Block_0/fc"] == "matches keep_dense"
     np.testing.assert_array_equal(np.asarray(dict(sparse.layers)[("Dense_0",)].mask), np.eye(16, 4, dtype=bool))
@@ -165,21 +174,30 @@ def test_jit_grad_vmap_and_init_from_scratch(setup):
 
     @jax.jit  # one compilation for all of it
     def both(sparse_vars, dense_vars):
-        return (sparse.apply(sparse_vars, x), model.apply(dense_vars, x),
-                jax.grad(lambda v: loss(sparse.apply, v))(sparse_vars)["params"],
-                jax.grad(lambda v: loss(model.apply, v))(dense_vars)["params"],
-                jax.vmap(lambda xi: sparse.apply(sparse_vars, xi[None])[0])(x))
+        return (
+            sparse.apply(sparse_vars, x),
+            model.apply(dense_vars, x),
+            jax.grad(lambda v: loss(sparse.apply, v))(sparse_vars)["params"],
+            jax.grad(lambda v: loss(model.apply, v))(dense_vars)["params"],
+            jax.vmap(lambda xi: sparse.apply(sparse_vars, xi[None])[0])(x),
+        )
 
     y_sparse, y_dense, g_sparse, g_dense, batched = both(sparse_vars, dense_vars)
     np.testing.assert_allclose(y_sparse, y_dense, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(batched, y_dense, rtol=RTOL, atol=ATOL)
     layouts = dict(sparse.layers)
-    np.testing.assert_allclose(g_sparse["Dense_0"]["kernel"],
-                               jbs.from_dense(g_dense["Dense_0"]["kernel"], layouts[("Dense_0",)].layout),
-                               rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(g_sparse["Conv_1"]["kernel"],
-                               jbs.conv_from_dense(g_dense["Conv_1"]["kernel"], layouts[("Conv_1",)].layout),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        g_sparse["Dense_0"]["kernel"],
+        jbs.from_dense(g_dense["Dense_0"]["kernel"], layouts[("Dense_0",)].layout),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    np.testing.assert_allclose(
+        g_sparse["Conv_1"]["kernel"],
+        jbs.conv_from_dense(g_dense["Conv_1"]["kernel"], layouts[("Conv_1",)].layout),
+        rtol=1e-4,
+        atol=1e-4,
+    )
     np.testing.assert_allclose(g_sparse["head"]["bias"], g_dense["head"]["bias"], rtol=1e-4, atol=1e-4)
     # init through the sparse module: the same structure, fresh block-sparse kernels.
     fresh = jax.eval_shape(sparse.init, jax.random.key(3), x)
@@ -243,8 +261,9 @@ def test_dynamic_methods_continue_from_the_converted_model(method, density, capa
     model, x = MLP(), jnp.asarray(np.random.default_rng(0).normal(size=(8, 32)), jnp.float32)
     y = jnp.arange(8) % 16
     variables = weights_like(jax.eval_shape(model.init, jax.random.key(1), x))
-    sparse, sparse_vars, report = jbs.nn.sparsify(model, variables, x, density=density, block_size=16,
-                                                  dynamic=True, capacity_factor=capacity_factor)
+    sparse, sparse_vars, report = jbs.nn.sparsify(
+        model, variables, x, density=density, block_size=16, dynamic=True, capacity_factor=capacity_factor
+    )
     params, layouts = sparse_vars["params"], sparse_vars["layout"]
     assert set(layouts) == {"Dense_0", "Dense_1", "Dense_2"} and all(r.dynamic for r in report.layers)
     tx = optax.adam(1e-2)

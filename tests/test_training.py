@@ -148,8 +148,12 @@ def test_cosine_decay_values():
     assert f(100) == pytest.approx(0.0, abs=1e-7) and f(150) == pytest.approx(0.0, abs=1e-7)
     assert float(jst.cosine_decay(100, 100, 0.5, 0.1)) == pytest.approx(0.1)
     # Traced step: same values under jit.
-    np.testing.assert_allclose(jax.jit(lambda t: jst.cosine_decay(t, 100, 0.5))(jnp.arange(0, 101, 25)),
-                               [f(t) for t in range(0, 101, 25)], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        jax.jit(lambda t: jst.cosine_decay(t, 100, 0.5))(jnp.arange(0, 101, 25)),
+        [f(t) for t in range(0, 101, 25)],
+        rtol=1e-6,
+        atol=1e-7,
+    )
 
 
 def test_annealed_fraction_values():
@@ -291,9 +295,7 @@ def test_remap_tree_moves_optimizer_state_and_resets_grown(tx):
     new_state = jst.remap_tree(state, {"a": {"kernel": old}}, {"a": {"kernel": new}})
     src = np.asarray(jst.slot_map(old, new))
     moved = 0
-    for (path, before), after in zip(
-        jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(new_state)
-    ):
+    for (path, before), after in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(new_state)):
         names = jax.tree_util.keystr(path)
         if "kernel" in names and before.shape == old.w_shape:
             assert after.shape == new.w_shape

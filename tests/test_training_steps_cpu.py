@@ -61,15 +61,23 @@ def _passing_result(model="mlp"):
     """A float32 result of ``model`` that passes: every difference half its tolerance."""
     tol = ts.tolerances(model, "float32")
     out = {
-        "model": model, "dtype": "float32", "all_finite": True,
-        "losses_kernels": [1.0, 0.9], "losses_reference": [1.0, 0.9],
+        "model": model,
+        "dtype": "float32",
+        "all_finite": True,
+        "losses_kernels": [1.0, 0.9],
+        "losses_reference": [1.0, 0.9],
         "expected_calls": {"train": list(ts.TARGETS)},
-        "kernels_calls": {"train": sorted(ts.TARGETS)}, "reference_calls": {"train": []},
+        "kernels_calls": {"train": sorted(ts.TARGETS)},
+        "reference_calls": {"train": []},
     }
     out.update({key: tol[key] / 2 for key in ("step_loss_err", "step_grad_err", "loss_err", "param_err")})
     if model == "rigl":
-        out.update(layouts_equal=True, update_layouts_equal=True, layouts_changed=True,
-                   update_param_diff=tol["update_param_diff"] / 2)
+        out.update(
+            layouts_equal=True,
+            update_layouts_equal=True,
+            layouts_changed=True,
+            update_param_diff=tol["update_param_diff"] / 2,
+        )
     return out
 
 
@@ -112,30 +120,32 @@ def test_tolerances_cover_every_model_and_dtype():
 def test_command_buffer_scan():
     # The shape of XLA's compiled HLO after CommandBufferScheduling: outlined
     # computations named command_buffer*, called from the entry computation.
-    hlo = "\n".join([
-        "HloModule jit_train_step, is_scheduled=true",
-        "",
-        "%fused_add (p0: f32[4], p1: f32[4]) -> f32[4] {",
-        '  ROOT %x = f32[4]{0} custom-call(%p0), custom_call_target="jax_blocksparse_bsmm_fprop_v1"',
-        "}",
-        "",
-        "%command_buffer (p: f32[4]) -> (f32[4], f32[4]) {",
-        "  %p = f32[4]{0} parameter(0)",
-        '  %a = f32[4]{0} custom-call(%p), custom_call_target="jax_blocksparse_bsmm_fprop_v1", '
-        "api_version=API_VERSION_TYPED_FFI",
-        '  %b = f32[4]{0} custom-call(%a), custom_call_target="jax_blocksparse_bsmm_updat_v1", backend_config={}',
-        "  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%a, %b)",
-        "}",
-        "",
-        "%command_buffer.1 (p: f32[4]) -> f32[4] {",
-        "  ROOT %f = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused_add",
-        "}",
-        "",
-        "ENTRY %main.3 (a: f32[4]) -> f32[4] {",
-        "  %call = (f32[4]{0}, f32[4]{0}) call(%a), to_apply=%command_buffer",
-        '  ROOT %c = f32[4]{0} custom-call(%call), custom_call_target="jax_blocksparse_bsmm_bprop_v1"',
-        "}",
-    ])
+    hlo = "\n".join(
+        [
+            "HloModule jit_train_step, is_scheduled=true",
+            "",
+            "%fused_add (p0: f32[4], p1: f32[4]) -> f32[4] {",
+            '  ROOT %x = f32[4]{0} custom-call(%p0), custom_call_target="jax_blocksparse_bsmm_fprop_v1"',
+            "}",
+            "",
+            "%command_buffer (p: f32[4]) -> (f32[4], f32[4]) {",
+            "  %p = f32[4]{0} parameter(0)",
+            '  %a = f32[4]{0} custom-call(%p), custom_call_target="jax_blocksparse_bsmm_fprop_v1", '
+            "api_version=API_VERSION_TYPED_FFI",
+            '  %b = f32[4]{0} custom-call(%a), custom_call_target="jax_blocksparse_bsmm_updat_v1", backend_config={}',
+            "  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%a, %b)",
+            "}",
+            "",
+            "%command_buffer.1 (p: f32[4]) -> f32[4] {",
+            "  ROOT %f = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused_add",
+            "}",
+            "",
+            "ENTRY %main.3 (a: f32[4]) -> f32[4] {",
+            "  %call = (f32[4]{0}, f32[4]{0}) call(%a), to_apply=%command_buffer",
+            '  ROOT %c = f32[4]{0} custom-call(%call), custom_call_target="jax_blocksparse_bsmm_bprop_v1"',
+            "}",
+        ]
+    )
     assert ts.command_buffer_calls(hlo) == {"computations": 2, "jbs_calls_inside": 2}
     assert ts._custom_calls(hlo) == sorted(ts.TARGETS)
 

@@ -51,8 +51,11 @@ def _build_sdist_and_wheel(out: Path) -> tuple[Path, Path]:
     for name in ("build", "scikit-build-core"):
         _require(name)
     # --no-isolation: the build requirements are those of the test extra, already here.
-    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)], cwd=out,
-         env=_env(JBS_SKIP_CUDA_BUILD="1"))
+    _run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
+        cwd=out,
+        env=_env(JBS_SKIP_CUDA_BUILD="1"),
+    )
     (sdist,) = out.glob("jax_blocksparse-*.tar.gz")
     (wheel,) = out.glob("jax_blocksparse-*.whl")
     return sdist, wheel
@@ -68,9 +71,18 @@ def test_python_m_build_in_the_source_tree_is_pypa_build():
 def _check_sdist(sdist: Path):
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    assert {"CMakeLists.txt", "cmake/JbsCudaArchitectures.cmake", "build.py", "pyproject.toml", "cuda/module.cc",
-            "cuda/cpu/bsmm_cpu_kernels.cc", "cuda/sm90/bsmm_sm90_dsd_bf16.cu", "jax_blocksparse/crossovers.json",
-            "jax_blocksparse/block_sizes.json", "tests/test_build.py"} <= names
+    assert {
+        "CMakeLists.txt",
+        "cmake/JbsCudaArchitectures.cmake",
+        "build.py",
+        "pyproject.toml",
+        "cuda/module.cc",
+        "cuda/cpu/bsmm_cpu_kernels.cc",
+        "cuda/sm90/bsmm_sm90_dsd_bf16.cu",
+        "jax_blocksparse/crossovers.json",
+        "jax_blocksparse/block_sizes.json",
+        "tests/test_build.py",
+    } <= names
     assert not any(n.endswith((".so", ".o")) for n in names)
 
 
@@ -121,10 +133,28 @@ def test_sdist_and_wheel_build_and_the_wheel_works_in_a_fresh_venv(tmp_path):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path, env=_env())
     python = venv / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index", "--no-deps",
-          "--only-binary=:all:", "--no-compile", str(wheel)], cwd=tmp_path, env=_env())
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                     cwd=tmp_path, env=_env()).strip())
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-index",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--no-compile",
+            str(wheel),
+        ],
+        cwd=tmp_path,
+        env=_env(),
+    )
+    site = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path, env=_env()
+        ).strip()
+    )
     # The dependencies, from this interpreter: appended to sys.path after the venv's own
     # site-packages (path entries of a .pth file are not scanned for .pth files, so an
     # editable install of this package here stays out of the venv).

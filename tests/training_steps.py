@@ -335,12 +335,15 @@ class _NnxMLP(nnx.Module):
 
     def __init__(self, dtype, rngs: nnx.Rngs):
         f32_dw = dtype != jnp.float32
-        self.l1 = jbs.nnx.BlockSparseLinear(256, 256, jbs.layouts.barabasi_albert(8, 2, seed=3), 32,
-                                            dtype=dtype, rngs=rngs)
-        self.l2 = jbs.nnx.BlockSparseLinear(256, 256, jbs.layouts.random((8, 8), 0.4, seed=4), 32,
-                                            dtype=dtype, float32_dw=f32_dw, rngs=rngs)
-        self.l3 = jbs.nnx.BlockSparseLinear(256, 128, jbs.layouts.random((4, 2), 0.6, seed=5), 64,
-                                            dtype=dtype, rngs=rngs)
+        self.l1 = jbs.nnx.BlockSparseLinear(
+            256, 256, jbs.layouts.barabasi_albert(8, 2, seed=3), 32, dtype=dtype, rngs=rngs
+        )
+        self.l2 = jbs.nnx.BlockSparseLinear(
+            256, 256, jbs.layouts.random((8, 8), 0.4, seed=4), 32, dtype=dtype, float32_dw=f32_dw, rngs=rngs
+        )
+        self.l3 = jbs.nnx.BlockSparseLinear(
+            256, 128, jbs.layouts.random((4, 2), 0.6, seed=5), 64, dtype=dtype, rngs=rngs
+        )
 
     def __call__(self, x):
         return self.l3(ACTIVATION(self.l2(ACTIVATION(self.l1(x)))))
@@ -378,12 +381,17 @@ class _ConvNet(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = ACTIVATION(jbs.nn.BlockSparseConv(128, (3, 3), jbs.layouts.random((2, 4), 0.5, seed=6), 32,
-                                           dtype=self.dtype)(x))
-        x = ACTIVATION(jbs.nn.BlockSparseConv(128, (3, 3), jbs.layouts.random((4, 4), 0.5, seed=7), 32,
-                                           strides=2, dtype=self.dtype)(x))
-        return jbs.nn.BlockSparseConvTranspose(64, (3, 3), jbs.layouts.random((4, 2), 0.5, seed=8), 32,
-                                               strides=2, dtype=self.dtype)(x)
+        x = ACTIVATION(
+            jbs.nn.BlockSparseConv(128, (3, 3), jbs.layouts.random((2, 4), 0.5, seed=6), 32, dtype=self.dtype)(x)
+        )
+        x = ACTIVATION(
+            jbs.nn.BlockSparseConv(
+                128, (3, 3), jbs.layouts.random((4, 4), 0.5, seed=7), 32, strides=2, dtype=self.dtype
+            )(x)
+        )
+        return jbs.nn.BlockSparseConvTranspose(
+            64, (3, 3), jbs.layouts.random((4, 2), 0.5, seed=8), 32, strides=2, dtype=self.dtype
+        )(x)
 
 
 def build_conv(dtype: str, steps: int = STEPS) -> Problem:
@@ -406,11 +414,23 @@ class _Recurrent(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        lstm = jbs.nn.BlockSparseLSTMCell(256, jbs.layouts.barabasi_albert(8, 2, seed=9), 32, internal_steps=1,
-                                          internal_activation=ACTIVATION, dtype=self.dtype)
-        mlstm = jbs.nn.BlockSparseMLSTMCell(256, jbs.layouts.barabasi_albert(8, 1, seed=10), 32, internal_steps=1,
-                                            input_mask=jbs.layouts.random((8, 8), 0.5, seed=11),
-                                            internal_activation=ACTIVATION, dtype=self.dtype)
+        lstm = jbs.nn.BlockSparseLSTMCell(
+            256,
+            jbs.layouts.barabasi_albert(8, 2, seed=9),
+            32,
+            internal_steps=1,
+            internal_activation=ACTIVATION,
+            dtype=self.dtype,
+        )
+        mlstm = jbs.nn.BlockSparseMLSTMCell(
+            256,
+            jbs.layouts.barabasi_albert(8, 1, seed=10),
+            32,
+            internal_steps=1,
+            input_mask=jbs.layouts.random((8, 8), 0.5, seed=11),
+            internal_activation=ACTIVATION,
+            dtype=self.dtype,
+        )
         wrap = jbs.nn.BlockSparseLSTM if self.fused else nn.RNN
         x = wrap(lstm)(x)
         x = wrap(mlstm)(x)
@@ -454,8 +474,9 @@ class _DynamicMLP(nn.Module):
     def __call__(self, x):
         for i, (name, (_, features)) in enumerate(RIGL_SHAPES.items()):
             p = self.plan[name]
-            x = jbs.nn.BlockSparseDense(features, p.mask, 32, capacity=p.capacity, dynamic=True, dtype=self.dtype,
-                                        name=name)(x)
+            x = jbs.nn.BlockSparseDense(
+                features, p.mask, 32, capacity=p.capacity, dynamic=True, dtype=self.dtype, name=name
+            )(x)
             if i < len(RIGL_SHAPES) - 1:
                 x = ACTIVATION(x)
         return x
@@ -498,8 +519,16 @@ def build_rigl(dtype: str, steps: int = STEPS) -> Problem:
 
     # The update's dense gradients: a block-sparse forward (fprop), activation gradients
     # back through the layers (bprop) and the probes' full-layout updat.
-    return Problem("rigl", dtype, (params, layouts, tx.init(params)), batches, train_step, update_step,
-                   method.is_update_step, {"train": TARGETS, "update": TARGETS})
+    return Problem(
+        "rigl",
+        dtype,
+        (params, layouts, tx.init(params)),
+        batches,
+        train_step,
+        update_step,
+        method.is_update_step,
+        {"train": TARGETS, "update": TARGETS},
+    )
 
 
 BUILDERS = {
@@ -563,8 +592,11 @@ def run(problem: Problem, programs: dict) -> Run:
 
 
 def _floats(tree) -> list[np.ndarray]:
-    return [np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(tree)
-            if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)]
+    return [
+        np.asarray(leaf, np.float64)
+        for leaf in jax.tree.leaves(tree)
+        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+    ]
 
 
 def _ratio(num, den) -> float:
@@ -656,8 +688,9 @@ def compare(problem: Problem, kernels: Run, reference: Run) -> dict:
     out = {
         "losses_kernels": lk.tolist(),
         "losses_reference": lr.tolist(),
-        "all_finite": bool(np.all(np.isfinite(lk)) and np.all(np.isfinite(lr))
-                           and all(np.all(np.isfinite(p)) for p in pk + pr)),
+        "all_finite": bool(
+            np.all(np.isfinite(lk)) and np.all(np.isfinite(lr)) and all(np.all(np.isfinite(p)) for p in pk + pr)
+        ),
         "loss_err": _worst(_rel(a, b) for a, b in zip(lk, lr)),
         "param_err": param_err,
     }
@@ -667,8 +700,9 @@ def compare(problem: Problem, kernels: Run, reference: Run) -> dict:
     return out
 
 
-def evaluate(name: str, dtype: str, steps: int = STEPS, progress: dict | None = None,
-             log: Callable[[str], None] | None = None) -> dict:
+def evaluate(
+    name: str, dtype: str, steps: int = STEPS, progress: dict | None = None, log: Callable[[str], None] | None = None
+) -> dict:
     """Model ``name`` in ``dtype``: ``steps`` steps on the reference path, the same steps
     on the kernels, then the reference's program calls replayed on the kernels; returns
     the numbers that :func:`check` judges. ``progress["phase"]`` says how far it got
@@ -714,33 +748,44 @@ def check(result: dict) -> list[str]:
     where = f"{result['model']} {result['dtype']}"
     errors = []
     if not result["all_finite"]:
-        errors.append(f"{where}: non-finite loss or params: kernels {result['losses_kernels']}, "
-                      f"reference {result['losses_reference']}")
-    limits = (("step_loss_err", "a step's loss on the same inputs differs by {:.3g} (relative)"),
-              ("step_grad_err", "a step's gradients on the same inputs differ by {:.3g} (relative norm)"),
-              ("loss_err", "the runs' losses differ by {:.3g} (relative)"),
-              ("param_err", "the runs' final params differ by {:.3g} of the training update"))
+        errors.append(
+            f"{where}: non-finite loss or params: kernels {result['losses_kernels']}, "
+            f"reference {result['losses_reference']}"
+        )
+    limits = (
+        ("step_loss_err", "a step's loss on the same inputs differs by {:.3g} (relative)"),
+        ("step_grad_err", "a step's gradients on the same inputs differ by {:.3g} (relative norm)"),
+        ("loss_err", "the runs' losses differ by {:.3g} (relative)"),
+        ("param_err", "the runs' final params differ by {:.3g} of the training update"),
+    )
     for key, message in limits:
         if not result[key] <= tol[key]:  # also catches NaN
-            errors.append(f"{where}: {message.format(result[key])} > {tol[key]}; kernels losses "
-                          f"{result['losses_kernels']}, reference {result['losses_reference']}")
+            errors.append(
+                f"{where}: {message.format(result[key])} > {tol[key]}; kernels losses "
+                f"{result['losses_kernels']}, reference {result['losses_reference']}"
+            )
     for program, expected in result["expected_calls"].items():
         have = result["kernels_calls"].get(program, [])
         missing = sorted(set(expected) - set(have))
         if missing:
             errors.append(f"{where}: the compiled {program} program under 'kernels' lacks {missing} (has {have})")
         if result["reference_calls"].get(program):
-            errors.append(f"{where}: the compiled {program} program under 'reference' calls "
-                          f"{result['reference_calls'][program]}")
+            errors.append(
+                f"{where}: the compiled {program} program under 'reference' calls {result['reference_calls'][program]}"
+            )
     if "layouts_equal" in result:
         if not (result["layouts_equal"] and result["update_layouts_equal"]):
-            errors.append(f"{where}: the kernels and the reference chose different layouts "
-                          f"(free run: {result['layouts_equal']}, same inputs: {result['update_layouts_equal']})")
+            errors.append(
+                f"{where}: the kernels and the reference chose different layouts "
+                f"(free run: {result['layouts_equal']}, same inputs: {result['update_layouts_equal']})"
+            )
         if not result["layouts_changed"]:
             errors.append(f"{where}: the layout updates changed no layout")
         if not result["update_param_diff"] <= tol["update_param_diff"]:
-            errors.append(f"{where}: a layout update on the same inputs moved params differently "
-                          f"(largest difference {result['update_param_diff']:.3g} of the largest param)")
+            errors.append(
+                f"{where}: a layout update on the same inputs moved params differently "
+                f"(largest difference {result['update_param_diff']:.3g} of the largest param)"
+            )
     return errors
 
 
@@ -754,8 +799,17 @@ def check(result: dict) -> list[str]:
 # so :func:`command_buffer_types` keeps only those the installed jaxlib accepts. A type
 # added by a newer XLA is captured only once it is listed here.
 KNOWN_COMMAND_BUFFER_TYPES = (
-    "FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "COLLECTIVES", "CONDITIONAL", "WHILE",
-    "DYNAMIC_SLICE_FUSION", "DYNAMIC_SLICE_COPY_FUSION", "CONVOLUTION",
+    "FUSION",
+    "CUBLAS",
+    "CUBLASLT",
+    "CUSTOM_CALL",
+    "CUDNN",
+    "COLLECTIVES",
+    "CONDITIONAL",
+    "WHILE",
+    "DYNAMIC_SLICE_FUSION",
+    "DYNAMIC_SLICE_COPY_FUSION",
+    "CONVOLUTION",
 )
 
 
@@ -773,8 +827,13 @@ def command_buffer_types() -> tuple[str, ...]:
     env["JAX_PLATFORMS"] = "cpu"
     while names:
         env["XLA_FLAGS"] = "--xla_gpu_enable_command_buffer=" + ",".join(names)
-        proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], env=env,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.devices('cpu')"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if proc.returncode == 0:
             return tuple(names)
         bad = re.search(r"Illegal value for --xla_gpu_enable_command_buffer '(\w+)'", proc.stderr)
@@ -805,8 +864,10 @@ def xla_flags(setting: str) -> list[str]:
     if setting == "default":
         return []
     if setting == "graphs":
-        return ["--xla_gpu_enable_command_buffer=" + ",".join(command_buffer_types()),
-                "--xla_gpu_graph_min_graph_size=1"]
+        return [
+            "--xla_gpu_enable_command_buffer=" + ",".join(command_buffer_types()),
+            "--xla_gpu_graph_min_graph_size=1",
+        ]
     raise ValueError(f"unknown setting {setting!r}")
 
 
@@ -845,13 +906,22 @@ def child_environment(flags=(), env: dict | None = None) -> dict:
     return child_env
 
 
-def run_child(model: str, flags=(), *, dtypes=DTYPES, steps: int = STEPS, timeout: float = 600,
-              env: dict | None = None) -> Child:
+def run_child(
+    model: str, flags=(), *, dtypes=DTYPES, steps: int = STEPS, timeout: float = 600, env: dict | None = None
+) -> Child:
     """Runs this file as a script for ``model`` in a fresh Python (``sys.executable``),
     in :func:`child_environment` of ``flags`` and ``env``."""
     child_env = child_environment(flags, env)
-    cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--dtypes", ",".join(dtypes),
-           "--steps", str(steps)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--model",
+        model,
+        "--dtypes",
+        ",".join(dtypes),
+        "--steps",
+        str(steps),
+    ]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
@@ -859,7 +929,7 @@ def run_child(model: str, flags=(), *, dtypes=DTYPES, steps: int = STEPS, timeou
     except subprocess.TimeoutExpired as exc:
         code = -1
         out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        err = (exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or ""))
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
         err += f"\n[timed out after {timeout} s]"
     return Child(code, out, err, parse_result(out), time.perf_counter() - t0)
 
@@ -893,6 +963,7 @@ def main(argv=None) -> int:
         "kernels_built": {"cpu": jbs.has_cpu_kernels(), "cuda": jbs.has_cuda_kernels()},
         "results": {},
     }
+
     def log(line):
         print(line, file=sys.stderr, flush=True)
 
@@ -914,7 +985,7 @@ def parse_result(stdout: str) -> dict | None:
     """The JSON of the :data:`RESULT_MARKER` line in a child's stdout (None if absent)."""
     for line in reversed(stdout.splitlines()):
         if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER):])
+            return json.loads(line[len(RESULT_MARKER) :])
     return None
 
 

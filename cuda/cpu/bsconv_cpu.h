@@ -43,14 +43,14 @@ namespace cpu {
 constexpr int kMaxConvDims = 3;
 
 struct ConvGeometry {
-  int ndim;                              // spatial dims, 1..kMaxConvDims
-  int64_t in[kMaxConvDims];              // input positions per dim (a, not dilated)
-  int64_t out[kMaxConvDims];             // output positions per dim
-  int64_t kernel[kMaxConvDims];          // taps per dim
-  int64_t stride[kMaxConvDims];          // >= 1
-  int64_t lhs_dilation[kMaxConvDims];    // >= 1
-  int64_t rhs_dilation[kMaxConvDims];    // >= 1
-  int64_t pad_lo[kMaxConvDims];          // any sign (negative crops)
+  int ndim;                            // spatial dims, 1..kMaxConvDims
+  int64_t in[kMaxConvDims];            // input positions per dim (a, not dilated)
+  int64_t out[kMaxConvDims];           // output positions per dim
+  int64_t kernel[kMaxConvDims];        // taps per dim
+  int64_t stride[kMaxConvDims];        // >= 1
+  int64_t lhs_dilation[kMaxConvDims];  // >= 1
+  int64_t rhs_dilation[kMaxConvDims];  // >= 1
+  int64_t pad_lo[kMaxConvDims];        // any sign (negative crops)
 };
 
 // The convolution (forward, input gradient, transposed convolution).
@@ -67,22 +67,22 @@ struct ConvParams {
   int nin;                   // input channel blocks
   int nseg;                  // output channel blocks
   int cap;
-  int bs;                    // 8, 16, 32, 64 or 128
-  bool transpose_kernel;     // M(t) = W(T - 1 - t)^T: segments are layout rows, in_block = block_cols
+  int bs;                 // 8, 16, 32, 64 or 128
+  bool transpose_kernel;  // M(t) = W(T - 1 - t)^T: segments are layout rows, in_block = block_cols
   ConvGeometry g;
 };
 
 // The weight gradient of that convolution.
 struct ConvWgradParams {
-  const void* a;             // [n, *in, a_blocks * bs]: the convolution's input
-  const void* b;             // [n, *out, b_blocks * bs]: the gradient of its output
-  void* dw;                  // [cap, *kernel, bs, bs], every element is written (0 at padding)
-  const int32_t* block_rows; // [cap]
-  const int32_t* block_cols; // [cap]
-  const int32_t* nnz;        // scalar
+  const void* a;              // [n, *in, a_blocks * bs]: the convolution's input
+  const void* b;              // [n, *out, b_blocks * bs]: the gradient of its output
+  void* dw;                   // [cap, *kernel, bs, bs], every element is written (0 at padding)
+  const int32_t* block_rows;  // [cap]
+  const int32_t* block_cols;  // [cap]
+  const int32_t* nnz;         // scalar
   int64_t n;
-  int a_blocks;              // plain: C / bs (rows of the layout); transpose_kernel: K / bs
-  int b_blocks;              // plain: K / bs; transpose_kernel: C / bs
+  int a_blocks;  // plain: C / bs (rows of the layout); transpose_kernel: K / bs
+  int b_blocks;  // plain: K / bs; transpose_kernel: C / bs
   int cap;
   int bs;
   bool transpose_kernel;
@@ -94,9 +94,9 @@ struct ConvWgradParams {
 bool RunConv(DType in, bool out_f32, const ConvParams& p, const Parallel& par);
 bool RunConvWgrad(DType in, bool out_f32, const ConvWgradParams& p, const Parallel& par);
 
-#define JBS_DECLARE_CONV_KERNELS(isa)                                                      \
-  namespace isa {                                                                          \
-  bool RunConv(DType in, bool out_f32, const ConvParams& p, const Parallel& par);          \
+#define JBS_DECLARE_CONV_KERNELS(isa)                                                       \
+  namespace isa {                                                                           \
+  bool RunConv(DType in, bool out_f32, const ConvParams& p, const Parallel& par);           \
   bool RunConvWgrad(DType in, bool out_f32, const ConvWgradParams& p, const Parallel& par); \
   }
 

@@ -51,9 +51,9 @@ std::string Shapes(const char* a_name, const ffi::AnyBuffer& a, const char* b_na
 
 // Fills g from the attributes and the shapes of the input `a` [N, *in, Ca], the output
 // `y` [N, *out, Cy] and the blocks `w` [cap, *kernel, bs, bs].
-ffi::Error CheckGeometry(const char* op, const ffi::AnyBuffer& a, const ffi::AnyBuffer& y,
-                         const ffi::AnyBuffer& w, Dims strides, Dims lhs_dilation, Dims rhs_dilation,
-                         Dims padding_low, const std::string& shapes, cpu::ConvGeometry* g) {
+ffi::Error CheckGeometry(const char* op, const ffi::AnyBuffer& a, const ffi::AnyBuffer& y, const ffi::AnyBuffer& w,
+                         Dims strides, Dims lhs_dilation, Dims rhs_dilation, Dims padding_low,
+                         const std::string& shapes, cpu::ConvGeometry* g) {
   const int64_t nd = static_cast<int64_t>(w.dimensions().size()) - 3;
   if (nd < 1 || nd > cpu::kMaxConvDims) {
     return Invalid(op, "the blocks must be [capacity, *kernel_size, bs, bs] with 1 to 3 spatial dims; got " + shapes);
@@ -110,8 +110,10 @@ ffi::Error CheckBlocks(const char* op, const char* name, const ffi::AnyBuffer& w
 }
 
 ffi::Error Unsupported(const char* op, const std::string& shapes) {
-  return ffi::Error::Internal(std::string(op) + ": no CPU kernel for this block size, or no memory for its "
-                              "scratch buffers; " + shapes);
+  return ffi::Error::Internal(std::string(op) +
+                              ": no CPU kernel for this block size, or no memory for its "
+                              "scratch buffers; " +
+                              shapes);
 }
 
 int64_t Taps(const cpu::ConvGeometry& g) {
@@ -131,9 +133,9 @@ int64_t Macs(int64_t n, const cpu::ConvGeometry& g, const int32_t* nnz, int64_t 
 }
 
 ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
-                    ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
-                    ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> out,
-                    Dims strides, Dims lhs_dilation, Dims rhs_dilation, Dims padding_low, bool transpose_kernel) {
+                    ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots,
+                    ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> out, Dims strides, Dims lhs_dilation,
+                    Dims rhs_dilation, Dims padding_low, bool transpose_kernel) {
   const char* op = "jbs_bsconv";
   const std::string shapes = Shapes("a", a, "w", w, "out", *out);
   Tables t;
@@ -155,10 +157,9 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer w, ff
                            "] for " + GridStr(t, bs) + (transpose_kernel ? " (transpose_kernel)" : "") + "; got " +
                            shapes);
   }
-  if (order.element_type() != ffi::DataType::S32 || order.dimensions().size() != 1 ||
-      order.dimensions()[0] != nseg) {
-    return Invalid(op, "order must be int32 [" + std::to_string(nseg) + "], got " +
-                           DtypeName(order.element_type()) + " " + ShapeStr(order));
+  if (order.element_type() != ffi::DataType::S32 || order.dimensions().size() != 1 || order.dimensions()[0] != nseg) {
+    return Invalid(op, "order must be int32 [" + std::to_string(nseg) + "], got " + DtypeName(order.element_type()) +
+                           " " + ShapeStr(order));
   }
   p.a = a.untyped_data();
   p.w = w.untyped_data();
@@ -229,15 +230,15 @@ auto BindConv() {
   using ffi::AnyBuffer;
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
-      .Arg<AnyBuffer>()   // a [N, *in, Cin]
-      .Arg<AnyBuffer>()   // w [cap, *kernel, bs, bs]
-      .Arg<AnyBuffer>()   // block_rows [cap]
-      .Arg<AnyBuffer>()   // block_cols [cap]
-      .Arg<AnyBuffer>()   // col_ptr [KB + 1]
-      .Arg<AnyBuffer>()   // row_ptr [CB + 1]
-      .Arg<AnyBuffer>()   // row_slots [cap]
-      .Arg<AnyBuffer>()   // order [Cout / bs], longest first
-      .Ret<AnyBuffer>()   // out [N, *out, Cout]
+      .Arg<AnyBuffer>()  // a [N, *in, Cin]
+      .Arg<AnyBuffer>()  // w [cap, *kernel, bs, bs]
+      .Arg<AnyBuffer>()  // block_rows [cap]
+      .Arg<AnyBuffer>()  // block_cols [cap]
+      .Arg<AnyBuffer>()  // col_ptr [KB + 1]
+      .Arg<AnyBuffer>()  // row_ptr [CB + 1]
+      .Arg<AnyBuffer>()  // row_slots [cap]
+      .Arg<AnyBuffer>()  // order [Cout / bs], longest first
+      .Ret<AnyBuffer>()  // out [N, *out, Cout]
       .Attr<Dims>("window_strides")
       .Attr<Dims>("lhs_dilation")
       .Attr<Dims>("rhs_dilation")
@@ -249,14 +250,14 @@ auto BindWgrad() {
   using ffi::AnyBuffer;
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
-      .Arg<AnyBuffer>()   // a [N, *in, Ca]
-      .Arg<AnyBuffer>()   // b [N, *out, Cb]
-      .Arg<AnyBuffer>()   // block_rows [cap]
-      .Arg<AnyBuffer>()   // block_cols [cap]
-      .Arg<AnyBuffer>()   // col_ptr [KB + 1]
-      .Arg<AnyBuffer>()   // row_ptr [CB + 1] (unused)
-      .Arg<AnyBuffer>()   // row_slots [cap] (unused)
-      .Ret<AnyBuffer>()   // dw [cap, *kernel, bs, bs]
+      .Arg<AnyBuffer>()  // a [N, *in, Ca]
+      .Arg<AnyBuffer>()  // b [N, *out, Cb]
+      .Arg<AnyBuffer>()  // block_rows [cap]
+      .Arg<AnyBuffer>()  // block_cols [cap]
+      .Arg<AnyBuffer>()  // col_ptr [KB + 1]
+      .Arg<AnyBuffer>()  // row_ptr [CB + 1] (unused)
+      .Arg<AnyBuffer>()  // row_slots [cap] (unused)
+      .Ret<AnyBuffer>()  // dw [cap, *kernel, bs, bs]
       .Attr<Dims>("window_strides")
       .Attr<Dims>("lhs_dilation")
       .Attr<Dims>("rhs_dilation")

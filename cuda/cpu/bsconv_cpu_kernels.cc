@@ -149,8 +149,8 @@ struct Lines {
   int64_t out_outer, in_outer;  // products of the outer output / input dims
   int64_t out_inner, in_inner;
   int64_t ostep, istep, phases;
-  int64_t taps;                 // all taps
-  int64_t k_inner;              // taps of the inner dim
+  int64_t taps;     // all taps
+  int64_t k_inner;  // taps of the inner dim
 };
 
 Lines MakeLines(const ConvGeometry& g) {
@@ -293,17 +293,17 @@ struct ConvJob {
   DType in, out;
   int64_t nnz;
   Lines l;
-  int64_t lines;           // n * out_outer
-  const Unit* units;       // per line
+  int64_t lines;      // n * out_outer
+  const Unit* units;  // per line
   int64_t num_units;
-  const int64_t* tap_i0;   // [phases][k_inner] inner input start, or INT64_MIN for a dilation zero
-  const int64_t* outer_in; // [out_outer][k_outer] (OuterTable)
-  int64_t pad_lo, pad_hi;  // zero rows around each inner run of the widened input
-  int64_t wp;              // pad_lo + in_inner + pad_hi
-  float* packed;           // [nin][n][in_outer][wp][bs]
-  const float* weights;    // [cap][taps][bs][bs], M(t) of slot s at [s][t] (transposed if needed)
-  int64_t max_segments;    // per item
-  int* failed;             // set when an item found no scratch memory
+  const int64_t* tap_i0;    // [phases][k_inner] inner input start, or INT64_MIN for a dilation zero
+  const int64_t* outer_in;  // [out_outer][k_outer] (OuterTable)
+  int64_t pad_lo, pad_hi;   // zero rows around each inner run of the widened input
+  int64_t wp;               // pad_lo + in_inner + pad_hi
+  float* packed;            // [nin][n][in_outer][wp][bs]
+  const float* weights;     // [cap][taps][bs][bs], M(t) of slot s at [s][t] (transposed if needed)
+  int64_t max_segments;     // per item
+  int* failed;              // set when an item found no scratch memory
 };
 
 constexpr int64_t kNoInput = INT64_MIN;
@@ -496,8 +496,8 @@ struct WgradJob {
   int64_t nnz;
   Lines l;
   int64_t lines;
-  float* pa;  // [a_blocks][n][in positions][bs]
-  float* pb;  // [b_blocks][n][out positions][bs]
+  float* pa;                // [a_blocks][n][in positions][bs]
+  float* pb;                // [b_blocks][n][out positions][bs]
   const int64_t* outer_in;  // [out_outer][k_outer] (OuterTable)
   const int64_t* tap_i0;    // [phases][k_inner] inner input start, or kNoInput
   int64_t max_segments;
@@ -576,7 +576,8 @@ void WgradItem(void* arg, int64_t item) {
           const int64_t len = Min(job.chunk, m_hi - m);
           // A run that continues the previous one in both operands (the next line of a
           // whole-width tap) extends it: fewer, longer segments.
-          if (count > 0 && lengths[count - 1] + len <= job.chunk && lhs[count - 1] + lengths[count - 1] * l_step == l_run &&
+          if (count > 0 && lengths[count - 1] + len <= job.chunk &&
+              lhs[count - 1] + lengths[count - 1] * l_step == l_run &&
               rhs[count - 1] + lengths[count - 1] * r_step == r_run) {
             lengths[count - 1] += static_cast<int32_t>(len);
             continue;

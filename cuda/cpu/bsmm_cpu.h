@@ -36,10 +36,10 @@ bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par);
 // Name of the instruction set the dispatcher chose: "avx512", "avx2" or "baseline".
 const char* KernelIsa();
 
-#define JBS_DECLARE_CPU_KERNELS(isa)                                                           \
-  namespace isa {                                                                              \
+#define JBS_DECLARE_CPU_KERNELS(isa)                                                              \
+  namespace isa {                                                                                 \
   bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Parallel& par); \
-  bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par);                \
+  bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par);                   \
   }
 
 JBS_DECLARE_CPU_KERNELS(baseline)

@@ -25,18 +25,17 @@ int64_t Macs(int64_t rows, const int32_t* nnz, int cap, int bs) {
 }
 
 ffi::Error Unsupported(const char* op, const Operands& shapes) {
-  return ffi::Error::Internal(std::string(op) + ": no CPU kernel for this block size, or no memory for its scratch buffers; " +
-                              shapes.str());
+  return ffi::Error::Internal(
+      std::string(op) + ": no CPU kernel for this block size, or no memory for its scratch buffers; " + shapes.str());
 }
 
 ffi::Error DsdImpl(const char* op, bool transpose, ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer w,
-                   ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr,
-                   ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots, ffi::AnyBuffer order,
-                   ffi::Result<ffi::AnyBuffer> out) {
+                   ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
+                   ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> out) {
   KernelDtypes dt;
   DsdParams p;
-  if (ffi::Error e = CheckDsd(op, transpose, a, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
-                              order, *out, &dt, &p);
+  if (ffi::Error e =
+          CheckDsd(op, transpose, a, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order, *out, &dt, &p);
       e.failure()) {
     return e;
   }
@@ -50,15 +49,13 @@ ffi::Error DsdImpl(const char* op, bool transpose, ffi::ThreadPool pool, ffi::An
 ffi::Error FpropImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
                      ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
                      ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> y) {
-  return DsdImpl("jbs_bsmm_fprop", false, pool, x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
-                 order, y);
+  return DsdImpl("jbs_bsmm_fprop", false, pool, x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order, y);
 }
 
 ffi::Error BpropImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
                      ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
                      ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> dx) {
-  return DsdImpl("jbs_bsmm_bprop", true, pool, g, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
-                 order, dx);
+  return DsdImpl("jbs_bsmm_bprop", true, pool, g, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order, dx);
 }
 
 ffi::Error UpdatImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer block_rows,

@@ -73,8 +73,8 @@ struct TileShape {
 
 // C[rows, BS] += A[rows, K] @ B[K, BS] (A with strides a_row, a_k; B and C row-major).
 template <int BS>
-void Gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb,
-          float* C, int64_t ldc) {
+void Gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb, float* C,
+          int64_t ldc) {
   constexpr int L = TileShape<BS>::kLanes, NV = TileShape<BS>::kVectors, R = TileShape<BS>::kRows;
   const int64_t full = rows - rows % R;  // rows in whole tiles; the rest one by one
   for (int j = 0; j < BS; j += NV * L) {
@@ -110,7 +110,6 @@ Scratch& ThreadScratch() {
   static thread_local Scratch scratch;
   return scratch;
 }
-
 
 constexpr int kCallerBuffers = 3;
 // Larger buffers are freed at the end of each call, so that a thread keeps at most a
@@ -195,7 +194,7 @@ void DsdItem(void* arg, int64_t item) {
   const DsdJob& job = *static_cast<const DsdJob*>(arg);
   const DsdParams& p = *job.p;
   const int64_t seg = p.order[item / job.tiles];
-  if (seg < 0 || seg >= p.nseg) return;  // not a permutation: the handler's contract is broken
+  if (seg < 0 || seg >= p.nseg) return;                      // not a permutation: the handler's contract is broken
   const int64_t first = (item % job.tiles) * job.tile_rows;  // within the chunk
   const int64_t rows = Min(job.tile_rows, job.rows - first);
   if (rows <= 0) return;
@@ -271,11 +270,11 @@ struct SddJob {
   DType in;
   DType out;
   int64_t nnz;
-  int64_t row0, rows;  // the chunk of rows
+  int64_t row0, rows;   // the chunk of rows
   bool first, last;     // the current chunk is the first / last one
   float* px;            // [cb][rows][bs]
   float* pdy;           // [kb][rows][bs]
-  float* accumulators; // [cap, bs, bs] float32 (dw itself, or scratch), or nullptr
+  float* accumulators;  // [cap, bs, bs] float32 (dw itself, or scratch), or nullptr
 };
 
 template <int BS>

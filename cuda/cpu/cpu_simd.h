@@ -69,7 +69,7 @@ inline uint16_t FloatToF16(float f) {
   uint32_t u = FloatToBits(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
   u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (u > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (u >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
   if (u < 0x38800000u) {  // below 2^-14: a subnormal (or zero) in units of 2^-24
     const float units = BitsToFloat(u) * 16777216.0f;
@@ -139,10 +139,23 @@ typedef float V4u __attribute__((vector_size(16), aligned(4)));
 typedef float V8u __attribute__((vector_size(32), aligned(4)));
 typedef float V16u __attribute__((vector_size(64), aligned(4)));
 
-template <int L> struct VecOf;
-template <> struct VecOf<4> { typedef V4 type; typedef V4u unaligned; };
-template <> struct VecOf<8> { typedef V8 type; typedef V8u unaligned; };
-template <> struct VecOf<16> { typedef V16 type; typedef V16u unaligned; };
+template <int L>
+struct VecOf;
+template <>
+struct VecOf<4> {
+  typedef V4 type;
+  typedef V4u unaligned;
+};
+template <>
+struct VecOf<8> {
+  typedef V8 type;
+  typedef V8u unaligned;
+};
+template <>
+struct VecOf<16> {
+  typedef V16 type;
+  typedef V16u unaligned;
+};
 
 // Every lane = x, as one broadcast load where the instruction set has it. (Not
 // `V{} + x`: that adds 0.0, which the compiler must keep for -0.0, and then broadcasts

@@ -42,10 +42,9 @@ cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams&
 // DSD on TF32 tensor cores (float32 inputs at DEFAULT/HIGH precision, float32 output),
 // the block sizes kDsdTF32BlockSizes (bsmm_sm90_tf32.h: 16/32 packed,
 // bsmm_sm90_dsd_packed.cuh, and 64/128; not 8), no zero-sized dimension.
-// TF32 GMMA reads B K-major only, so w is read as bprop reads it, w[s] viewed [n, k]: bprop passes w, fprop passes w with its
-// blocks transposed (the lowering's jnp.swapaxes(w, -1, -2)); the tables of `p` say
-// which product it is. Inputs are rounded towards zero to TF32 (10 mantissa bits) by the
-// tensor cores; accumulation is float32.
+// TF32 GMMA reads B K-major only, so w is read as bprop reads it, w[s] viewed [n, k]: bprop passes w, fprop passes w
+// with its blocks transposed (the lowering's jnp.swapaxes(w, -1, -2)); the tables of `p` say which product it is.
+// Inputs are rounded towards zero to TF32 (10 mantissa bits) by the tensor cores; accumulation is float32.
 cudaError_t LaunchDsdTF32(const DsdParams& p, const Launch& launch);
 
 // SDD (updat).

@@ -97,12 +97,15 @@ constexpr bool CheckTmaBox() {
     static_assert(decltype(cute::cosize(BoxLayout{}))::value == kBoxElems, "TMA box: not a compact layout");
   }
   constexpr int kRepeat = kSwizzleRepeatBytes<SwizzleAtom>;
-  constexpr int kInstrBytes = static_cast<int>(decltype(cute::size<1>(typename Tma::AtomLayoutRef{}))::value * sizeof(T));
+  constexpr int kInstrBytes =
+      static_cast<int>(decltype(cute::size<1>(typename Tma::AtomLayoutRef{}))::value * sizeof(T));
   constexpr int kBoxBytes = static_cast<int>(kBoxElems * sizeof(T));
-  static_assert(decltype(cute::size(typename Tma::Tiler_MN{}))::value == kBoxElems, "TMA box: the copy moves another tile");
+  static_assert(decltype(cute::size(typename Tma::Tiler_MN{}))::value == kBoxElems,
+                "TMA box: the copy moves another tile");
   static_assert(kInstrBytes % kRepeat == 0,
                 "TMA box: an instruction of the box starts off the 128-byte / swizzle-repeat alignment");
-  static_assert(kBoxBytes % kRepeat == 0, "TMA box: consecutive boxes start off the 128-byte / swizzle-repeat alignment");
+  static_assert(kBoxBytes % kRepeat == 0,
+                "TMA box: consecutive boxes start off the 128-byte / swizzle-repeat alignment");
   return true;
 }
 

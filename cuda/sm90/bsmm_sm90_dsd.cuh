@@ -62,16 +62,19 @@ struct DsdConfig {
 
   using SmemLayoutA =
       decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<T>{}, cute::make_shape(TileM{}, TileK{}, Stages{})));
-  using SmemAtomB = cute::conditional_t<kTransW, cute::GMMA::Layout_K_SW128_Atom<T>, cute::GMMA::Layout_MN_SW128_Atom<T>>;
+  using SmemAtomB =
+      cute::conditional_t<kTransW, cute::GMMA::Layout_K_SW128_Atom<T>, cute::GMMA::Layout_MN_SW128_Atom<T>>;
   using SmemLayoutB = decltype(cute::tile_to_shape(SmemAtomB{}, cute::make_shape(TileN{}, TileK{}, Stages{})));
   // Epilogue tile: rows of the output contiguous in n, 128-byte swizzled against bank
   // conflicts (the TMA store unswizzles).
-  using SmemLayoutC = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<OutT>{}, cute::make_shape(TileM{}, TileN{})));
+  using SmemLayoutC =
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<OutT>{}, cute::make_shape(TileM{}, TileN{})));
 
   static constexpr cute::GMMA::Major kMajorB = kTransW ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
   using MmaOp = decltype(cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, TileN, TileK>,
                                                     cute::GMMA::Major::K, kMajorB>());
-  using TiledMma = decltype(cute::make_tiled_mma(MmaOp{}, cute::Layout<cute::Shape<cute::Int<kConsumers>, cute::_1, cute::_1>>{}));
+  using TiledMma =
+      decltype(cute::make_tiled_mma(MmaOp{}, cute::Layout<cute::Shape<cute::Int<kConsumers>, cute::_1, cute::_1>>{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
@@ -113,14 +116,15 @@ struct DsdConfig {
     return cute::make_tensor(cute::make_gmem_ptr(out), cute::make_shape(n, static_cast<int>(ldc)),
                              cute::make_stride(ldc, cute::_1{}));
   }
-  using TmaA = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GlobalA(nullptr, 0, 0),
-                                            SmemLayoutA{}(cute::_, cute::_, 0)));
-  using TmaB = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GlobalB(nullptr, 0),
-                                            SmemLayoutB{}(cute::_, cute::_, 0)));
+  using TmaA =
+      decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GlobalA(nullptr, 0, 0), SmemLayoutA{}(cute::_, cute::_, 0)));
+  using TmaB =
+      decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GlobalB(nullptr, 0), SmemLayoutB{}(cute::_, cute::_, 0)));
   using TmaC = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GlobalC(nullptr, 0, 0), SmemLayoutC{}));
-  static_assert(CheckTmaBox<T, TmaA, decltype(SmemLayoutA{}(cute::_, cute::_, 0)), cute::GMMA::Layout_K_SW128_Atom<T>>() &&
-                CheckTmaBox<T, TmaB, decltype(SmemLayoutB{}(cute::_, cute::_, 0)), SmemAtomB>() &&
-                CheckTmaBox<OutT, TmaC, SmemLayoutC, cute::GMMA::Layout_K_SW128_Atom<OutT>>());
+  static_assert(
+      CheckTmaBox<T, TmaA, decltype(SmemLayoutA{}(cute::_, cute::_, 0)), cute::GMMA::Layout_K_SW128_Atom<T>>() &&
+      CheckTmaBox<T, TmaB, decltype(SmemLayoutB{}(cute::_, cute::_, 0)), SmemAtomB>() &&
+      CheckTmaBox<OutT, TmaC, SmemLayoutC, cute::GMMA::Layout_K_SW128_Atom<OutT>>());
 };
 
 template <class Cfg>
@@ -243,8 +247,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) DsdSm90Kernel(const __grid_c
   Tensor tCsC_store = tma_c_thr.partition_S(sC);
   const bool store_thread = ctid == 0;
 
-  PipelineState read_state;    // next stage to consume
-  PipelineState release_state; // oldest stage still read by an in-flight GMMA batch
+  PipelineState read_state;     // next stage to consume
+  PipelineState release_state;  // oldest stage still read by an in-flight GMMA batch
   for (int64_t t = blockIdx.x; t < items; t += gridDim.x) {
     plan::DsdItem item;
     int out, start, end;
@@ -313,15 +317,15 @@ cudaError_t LaunchDsdConfig(const DsdParams& p, const Launch& launch) {
     return cudaErrorInvalidValue;  // TMA coordinates are 32-bit
   }
   const int n = static_cast<int>(p.n);
-  DsdArgs<Cfg> args{p, plan::MakeDsdPlan(p.n, Cfg::kTileM, p.nseg, 1),
-                    cute::make_tma_copy(cute::SM90_TMA_LOAD{},
-                                        Cfg::GlobalA(static_cast<const T*>(p.a), n, int64_t{p.nin} * Cfg::kBs),
-                                        typename Cfg::SmemLayoutA{}(cute::_, cute::_, 0)),
-                    cute::make_tma_copy(cute::SM90_TMA_LOAD{}, Cfg::GlobalB(static_cast<const T*>(p.w), p.cap),
-                                        typename Cfg::SmemLayoutB{}(cute::_, cute::_, 0)),
-                    cute::make_tma_copy(cute::SM90_TMA_STORE{},
-                                        Cfg::GlobalC(static_cast<OutT*>(p.out), n, int64_t{p.nseg} * Cfg::kBs),
-                                        typename Cfg::SmemLayoutC{})};
+  DsdArgs<Cfg> args{
+      p, plan::MakeDsdPlan(p.n, Cfg::kTileM, p.nseg, 1),
+      cute::make_tma_copy(cute::SM90_TMA_LOAD{}, Cfg::GlobalA(static_cast<const T*>(p.a), n, int64_t{p.nin} * Cfg::kBs),
+                          typename Cfg::SmemLayoutA{}(cute::_, cute::_, 0)),
+      cute::make_tma_copy(cute::SM90_TMA_LOAD{}, Cfg::GlobalB(static_cast<const T*>(p.w), p.cap),
+                          typename Cfg::SmemLayoutB{}(cute::_, cute::_, 0)),
+      cute::make_tma_copy(cute::SM90_TMA_STORE{},
+                          Cfg::GlobalC(static_cast<OutT*>(p.out), n, int64_t{p.nseg} * Cfg::kBs),
+                          typename Cfg::SmemLayoutC{})};
   const int grid = plan::PersistentGrid(plan::DsdNumItems(args.plan), launch.num_sms > 0 ? launch.num_sms : 1, 1);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, launch.stream>>>(args);
   return cudaGetLastError();
@@ -332,12 +336,9 @@ cudaError_t LaunchDsdConfig(const DsdParams& p, const Launch& launch) {
 inline cudaError_t DispatchDsdTF32(const DsdParams& p, const Launch& launch) {
   using T = cutlass::tfloat32_t;  // same bits as float32
   switch (p.bs) {
-    case 64:
-      return LaunchDsdConfig<DsdConfig<T, float, 64, true>>(p, launch);
-    case 128:
-      return LaunchDsdConfig<DsdConfig<T, float, 128, true>>(p, launch);
-    default:
-      return cudaErrorInvalidValue;  // 8, 16, 32: DispatchDsdPackedTF32
+    case 64: return LaunchDsdConfig<DsdConfig<T, float, 64, true>>(p, launch);
+    case 128: return LaunchDsdConfig<DsdConfig<T, float, 128, true>>(p, launch);
+    default: return cudaErrorInvalidValue;  // 8, 16, 32: DispatchDsdPackedTF32
   }
 }
 
@@ -351,8 +352,7 @@ cudaError_t DispatchDsd(bool transpose_w, const DsdParams& p, const Launch& laun
     case 128:
       return transpose_w ? LaunchDsdConfig<DsdConfig<T, OutT, 128, true>>(p, launch)
                          : LaunchDsdConfig<DsdConfig<T, OutT, 128, false>>(p, launch);
-    default:
-      return cudaErrorInvalidValue;  // 8, 16, 32: bsmm_sm90_dsd_packed.cuh
+    default: return cudaErrorInvalidValue;  // 8, 16, 32: bsmm_sm90_dsd_packed.cuh
   }
 }
 

@@ -44,7 +44,7 @@ struct DsdPackedConfig {
   static constexpr bool kTransW = TRANS_W_;
   static constexpr int kPack = 64 / kBs;  // members per tile (plan::DsdPackFor)
   static constexpr int kTileM = 128;
-  static constexpr int kWidth = 64;  // tile N and stage K
+  static constexpr int kWidth = 64;                       // tile N and stage K
   static constexpr int kStages = sizeof(T) == 2 ? 6 : 4;  // TF32 stages are twice as big
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
@@ -78,7 +78,8 @@ struct DsdPackedConfig {
 
   using MmaOp = decltype(cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, Width, Width>,
                                                     cute::GMMA::Major::K, kMajorB>());
-  using TiledMma = decltype(cute::make_tiled_mma(MmaOp{}, cute::Layout<cute::Shape<cute::Int<kConsumers>, cute::_1, cute::_1>>{}));
+  using TiledMma =
+      decltype(cute::make_tiled_mma(MmaOp{}, cute::Layout<cute::Shape<cute::Int<kConsumers>, cute::_1, cute::_1>>{}));
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
   struct SharedStorage {
@@ -171,7 +172,8 @@ __device__ __forceinline__ PackedGroup<P> LoadPackedGroup(const DsdParams& p, co
 }
 
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, 1) DsdPackedSm90Kernel(const __grid_constant__ DsdPackedArgs<Cfg> args) {
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    DsdPackedSm90Kernel(const __grid_constant__ DsdPackedArgs<Cfg> args) {
   using namespace cute;
   using T = typename Cfg::T;
   using Pipeline = typename Cfg::Pipeline;
@@ -354,7 +356,8 @@ cudaError_t LaunchDsdPackedConfig(const DsdParams& p, const Launch& launch) {
                           typename Cfg::SliceA{}),
       cute::make_tma_copy(cute::SM90_TMA_LOAD{}, Cfg::GlobalB(static_cast<const T*>(p.w), p.cap),
                           typename Cfg::BlockB{}),
-      cute::make_tma_copy(cute::SM90_TMA_STORE{}, Cfg::GlobalC(static_cast<OutT*>(p.out), n, int64_t{p.nseg} * Cfg::kBs),
+      cute::make_tma_copy(cute::SM90_TMA_STORE{},
+                          Cfg::GlobalC(static_cast<OutT*>(p.out), n, int64_t{p.nseg} * Cfg::kBs),
                           typename Cfg::SliceC{})};
   const int grid = plan::PersistentGrid(plan::DsdNumItems(args.plan), launch.num_sms > 0 ? launch.num_sms : 1, 1);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, launch.stream>>>(args);
@@ -373,8 +376,7 @@ cudaError_t DispatchDsdPacked(bool transpose_w, const DsdParams& p, const Launch
     case 32:
       return transpose_w ? LaunchDsdPackedConfig<DsdPackedConfig<T, OutT, 32, true>>(p, launch)
                          : LaunchDsdPackedConfig<DsdPackedConfig<T, OutT, 32, false>>(p, launch);
-    default:
-      return cudaErrorInvalidValue;
+    default: return cudaErrorInvalidValue;
   }
 }
 
@@ -384,14 +386,10 @@ cudaError_t DispatchDsdPacked(bool transpose_w, const DsdParams& p, const Launch
 template <typename T = cutlass::tfloat32_t>
 cudaError_t DispatchDsdPackedTF32(const DsdParams& p, const Launch& launch) {
   switch (p.bs) {
-    case 8:
-      return LaunchDsdPackedConfig<DsdPackedConfig<T, float, 8, true>>(p, launch);
-    case 16:
-      return LaunchDsdPackedConfig<DsdPackedConfig<T, float, 16, true>>(p, launch);
-    case 32:
-      return LaunchDsdPackedConfig<DsdPackedConfig<T, float, 32, true>>(p, launch);
-    default:
-      return cudaErrorInvalidValue;  // 64, 128: bsmm_sm90_dsd.cuh
+    case 8: return LaunchDsdPackedConfig<DsdPackedConfig<T, float, 8, true>>(p, launch);
+    case 16: return LaunchDsdPackedConfig<DsdPackedConfig<T, float, 16, true>>(p, launch);
+    case 32: return LaunchDsdPackedConfig<DsdPackedConfig<T, float, 32, true>>(p, launch);
+    default: return cudaErrorInvalidValue;  // 64, 128: bsmm_sm90_dsd.cuh
   }
 }
 

@@ -91,7 +91,8 @@ ffi::Error PrepareStreamDevice(const char* op, cudaStream_t stream) {
   if ((err = cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess ||
       (err = cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess ||
       (err = cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) {
-    return ffi::Error::Internal(CudaErrorText(op, "cannot read the attributes of device " + std::to_string(device), err));
+    return ffi::Error::Internal(
+        CudaErrorText(op, "cannot read the attributes of device " + std::to_string(device), err));
   }
   if (info.major != 9) return NotHopper(op, device, info);
   if (device != current && (err = cudaSetDevice(device)) != cudaSuccess) {
@@ -104,7 +105,8 @@ ffi::Error PrepareStreamDevice(const char* op, cudaStream_t stream) {
     if (err == cudaSuccess) err = restore;
   }
   if (err != cudaSuccess) {
-    return ffi::Error::Internal(CudaErrorText(op, "cannot prepare the kernels on device " + std::to_string(device), err));
+    return ffi::Error::Internal(
+        CudaErrorText(op, "cannot prepare the kernels on device " + std::to_string(device), err));
   }
   prepared_devices[device] = info;
   return ffi::Error::Success();
@@ -159,13 +161,12 @@ ffi::Error LaunchError(const char* op, cudaError_t err, const Operands& shapes) 
 }
 
 ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer w,
-                   ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr,
-                   ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots, ffi::AnyBuffer order,
-                   ffi::Result<ffi::AnyBuffer> out, bool tf32) {
+                   ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
+                   ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> out, bool tf32) {
   KernelDtypes dt;
   DsdParams p;
-  if (ffi::Error e = CheckDsd(op, transpose, a, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order,
-                              *out, &dt, &p);
+  if (ffi::Error e =
+          CheckDsd(op, transpose, a, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order, *out, &dt, &p);
       e.failure()) {
     return e;
   }
@@ -177,7 +178,8 @@ ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::Any
   if (tf32 && !DsdTF32Block(p.bs)) {
     return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true at block size " + std::to_string(p.bs) +
                                        ", where the TF32 kernel is off (cuda/sm90/bsmm_sm90_tf32.h; the lowering "
-                                       "passes tf32=false there), got " + DescribeDsd(a, w, *out).str());
+                                       "passes tf32=false there), got " +
+                                       DescribeDsd(a, w, *out).str());
   }
   DeviceInfo info;
   if (ffi::Error e = RequireDevice(op, stream, &info); e.failure()) return e;
@@ -206,34 +208,35 @@ ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::Any
 ffi::Error FpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
                      ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
                      ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> y, bool tf32) {
-  return DsdImpl("jbs_bsmm_fprop_sm90", false, stream, x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
-                 order, y, tf32);
+  return DsdImpl("jbs_bsmm_fprop_sm90", false, stream, x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order,
+                 y, tf32);
 }
 
 ffi::Error BpropImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
                      ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
                      ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> dx, bool tf32) {
-  return DsdImpl("jbs_bsmm_bprop_sm90", true, stream, g, w, block_rows, block_cols, col_ptr, row_ptr, row_slots,
-                 order, dx, tf32);
+  return DsdImpl("jbs_bsmm_bprop_sm90", true, stream, g, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order,
+                 dx, tf32);
 }
 
 ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer block_rows,
                      ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
-                     ffi::AnyBuffer row_slots, ffi::Result<ffi::AnyBuffer> dw,
-                     ffi::Result<ffi::AnyBuffer> workspace, bool tf32) {
+                     ffi::AnyBuffer row_slots, ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> workspace,
+                     bool tf32) {
   const char* op = "jbs_bsmm_updat_sm90";
   KernelDtypes dt;
   SddParams p;
   if (tf32) {
     if (x.dimensions().size() != 2 || dy.dimensions().size() != 2) {
-      return ffi::Error::InvalidArgument(std::string(op) + ": tf32=true takes x^T [C, n] and dy^T [K, n] (rank 2), got " +
+      return ffi::Error::InvalidArgument(std::string(op) +
+                                         ": tf32=true takes x^T [C, n] and dy^T [K, n] (rank 2), got " +
                                          DescribeSdd(x, dy, *dw).str());
     }
     // The checks (and the problem they fill) see the [n, C] / [n, K] products; the data
     // pointers stay those of x^T and dy^T, which the TF32 kernel reads K-major.
     TransposedView xv(x), dyv(dy);
-    if (ffi::Error e = CheckSdd(op, xv.buffer(), dyv.buffer(), block_rows, block_cols, col_ptr, row_ptr, row_slots,
-                                *dw, &dt, &p);
+    if (ffi::Error e =
+            CheckSdd(op, xv.buffer(), dyv.buffer(), block_rows, block_cols, col_ptr, row_ptr, row_slots, *dw, &dt, &p);
         e.failure()) {
       return e;
     }

@@ -58,8 +58,8 @@ inline bool Sm90RunsDsdTF32(DType in, const DsdParams& p) {
   return in == DType::kF32 && DsdTF32Block(p.bs) && p.n > 0 && p.nin > 0 && p.nseg > 0 && p.cap > 0;
 }
 inline bool Sm90RunsSddTF32(DType in, const SddParams& p) {
-  return in == DType::kF32 && SddTF32Block(p.bs) && p.n > 0 && p.n % kSddTF32RowMultiple == 0 && p.cb > 0 &&
-         p.kb > 0 && p.cap > 0;
+  return in == DType::kF32 && SddTF32Block(p.bs) && p.n > 0 && p.n % kSddTF32RowMultiple == 0 && p.cb > 0 && p.kb > 0 &&
+         p.cap > 0;
 }
 
 // Bytes of float32 partial sums the updat of `p` needs on a device with `num_sms` SMs

@@ -57,15 +57,20 @@ struct SddConfig {
   using TileK = cute::Int<kTileK>;
   using Buffers = cute::Int<kGroup * kStages>;  // buffer stage * G + g
 
-  using SmemAtom = cute::conditional_t<kKMajor, cute::GMMA::Layout_K_SW128_Atom<T>, cute::GMMA::Layout_MN_SW128_Atom<T>>;
+  using SmemAtom =
+      cute::conditional_t<kKMajor, cute::GMMA::Layout_K_SW128_Atom<T>, cute::GMMA::Layout_MN_SW128_Atom<T>>;
   using SmemLayoutA = decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(TileB{}, TileK{}, Buffers{})));
   using SmemLayoutB = SmemLayoutA;
-  using SmemLayoutC = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<OutT>{}, cute::make_shape(TileB{}, TileB{})));
-  using SmemLayoutW = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{}, cute::make_shape(TileB{}, TileB{})));
+  using SmemLayoutC =
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<OutT>{}, cute::make_shape(TileB{}, TileB{})));
+  using SmemLayoutW =
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{}, cute::make_shape(TileB{}, TileB{})));
 
   static constexpr cute::GMMA::Major kMajor = kKMajor ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
-  using MmaOp = decltype(cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, TileB, TileK>, kMajor, kMajor>());
-  using TiledMma = decltype(cute::make_tiled_mma(MmaOp{}, cute::Layout<cute::Shape<cute::Int<kConsumers>, cute::_1, cute::_1>>{}));
+  using MmaOp =
+      decltype(cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, TileB, TileK>, kMajor, kMajor>());
+  using TiledMma =
+      decltype(cute::make_tiled_mma(MmaOp{}, cute::Layout<cute::Shape<cute::Int<kConsumers>, cute::_1, cute::_1>>{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
@@ -130,8 +135,8 @@ struct SddGroup {
   int col[G];
   int b_index[G];
   bool valid[G];
-  int count;     // valid slots
-  int b_tiles;   // distinct dy tiles loaded per k-step
+  int count;    // valid slots
+  int b_tiles;  // distinct dy tiles loaded per k-step
 };
 
 template <int G>
@@ -209,10 +214,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) SddSm90Kernel(const __grid_c
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (warp_in_group != 0 || !cute::elect_one_sync()) return;
-    Tensor gX = local_tile(args.tma_x.get_tma_tensor(make_shape(p.cb * BS, n)), Shape<typename Cfg::TileB, typename Cfg::TileK>{},
-                           make_coord(_, _));  // (BS, KS, cb, k_tiles)
-    Tensor gD = local_tile(args.tma_dy.get_tma_tensor(make_shape(p.kb * BS, n)), Shape<typename Cfg::TileB, typename Cfg::TileK>{},
-                           make_coord(_, _));  // (BS, KS, kb, k_tiles)
+    Tensor gX =
+        local_tile(args.tma_x.get_tma_tensor(make_shape(p.cb * BS, n)),
+                   Shape<typename Cfg::TileB, typename Cfg::TileK>{}, make_coord(_, _));  // (BS, KS, cb, k_tiles)
+    Tensor gD =
+        local_tile(args.tma_dy.get_tma_tensor(make_shape(p.kb * BS, n)),
+                   Shape<typename Cfg::TileB, typename Cfg::TileK>{}, make_coord(_, _));  // (BS, KS, kb, k_tiles)
     auto [tXg, tXs] = tma_partition(args.tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gX));
     auto [tDg, tDs] = tma_partition(args.tma_dy, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gD));
 
@@ -252,7 +259,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) SddSm90Kernel(const __grid_c
   using Accum = decltype(partition_fragment_C(mma, Shape<typename Cfg::TileB, typename Cfg::TileB>{}));
   Accum accum[G];
 
-  Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<typename Cfg::OutT*>(shared.c.data())), typename Cfg::SmemLayoutC{});
+  Tensor sC =
+      make_tensor(make_smem_ptr(reinterpret_cast<typename Cfg::OutT*>(shared.c.data())), typename Cfg::SmemLayoutC{});
   Tensor sW = make_tensor(make_smem_ptr(shared.c.data()), typename Cfg::SmemLayoutW{});
   Tensor tCsC = thr_mma.partition_C(sC);
   Tensor tCsW = thr_mma.partition_C(sW);
@@ -346,8 +354,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) SddSm90Kernel(const __grid_c
 // Second pass of a split updat: dw[e] = sum over splits s (in order) of ws[s][e], and 0
 // for slots >= nnz. Four elements per thread (BS * BS is a multiple of 4).
 template <typename OutT>
-__global__ void SddReduceKernel(const float* __restrict__ ws, OutT* __restrict__ dw, const int32_t* __restrict__ nnz_ptr,
-                                int splits, int cap, int block_elems) {
+__global__ void SddReduceKernel(const float* __restrict__ ws, OutT* __restrict__ dw,
+                                const int32_t* __restrict__ nnz_ptr, int splits, int cap, int block_elems) {
   const int64_t total4 = static_cast<int64_t>(cap) * block_elems / 4;
   const int64_t split_stride = static_cast<int64_t>(cap) * block_elems;
   const int nnz = Clamp(__ldg(nnz_ptr), 0, cap);
@@ -378,8 +386,8 @@ cudaError_t LaunchSddReduce(void (*reduce)(const float*, OutT*, const int32_t*, 
                             const SddParams& p, int splits, int bs, const Launch& launch) {
   const int64_t total4 = static_cast<int64_t>(p.cap) * bs * bs / 4;
   const int blocks = static_cast<int>(plan::Min64(plan::CeilDiv(total4, kReduceThreads), int64_t{launch.num_sms} * 8));
-  reduce<<<blocks > 0 ? blocks : 1, kReduceThreads, 0, launch.stream>>>(ws, static_cast<OutT*>(p.dw), p.nnz, splits,
-                                                                         p.cap, bs * bs);
+  reduce < < < blocks > 0 ? blocks : 1, kReduceThreads, 0,
+      launch.stream >>> (ws, static_cast<OutT*>(p.dw), p.nnz, splits, p.cap, bs * bs);
   return cudaGetLastError();
 }
 
@@ -407,16 +415,20 @@ cudaError_t LaunchSddConfig(const SddParams& p, const Launch& launch) {
   // Without a split the workspace descriptor is never used; it points at dw (any valid
   // address) so that it can still be encoded.
   float* ws_desc = pl.splits > 1 ? ws : static_cast<float*>(p.dw);
-  SddArgs<Cfg> args{p, pl,
-                    cute::make_tma_copy(cute::SM90_TMA_LOAD{}, Cfg::GlobalOperand(static_cast<const T*>(p.x), p.cb * Cfg::kBs, n),
-                                        typename Cfg::SmemLayoutA{}(cute::_, cute::_, 0)),
-                    cute::make_tma_copy(cute::SM90_TMA_LOAD{}, Cfg::GlobalOperand(static_cast<const T*>(p.dy), p.kb * Cfg::kBs, n),
-                                        typename Cfg::SmemLayoutB{}(cute::_, cute::_, 0)),
-                    cute::make_tma_copy(cute::SM90_TMA_STORE{}, Cfg::template GlobalOut<OutT>(static_cast<OutT*>(p.dw), p.cap * Cfg::kBs),
-                                        typename Cfg::SmemLayoutC{}),
-                    cute::make_tma_copy(cute::SM90_TMA_STORE{},
-                                        Cfg::template GlobalOut<float>(ws_desc, static_cast<int>(pl.splits > 1 ? ws_rows : p.cap * Cfg::kBs)),
-                                        typename Cfg::SmemLayoutW{})};
+  SddArgs<Cfg> args{
+      p,
+      pl,
+      cute::make_tma_copy(cute::SM90_TMA_LOAD{}, Cfg::GlobalOperand(static_cast<const T*>(p.x), p.cb * Cfg::kBs, n),
+                          typename Cfg::SmemLayoutA{}(cute::_, cute::_, 0)),
+      cute::make_tma_copy(cute::SM90_TMA_LOAD{}, Cfg::GlobalOperand(static_cast<const T*>(p.dy), p.kb * Cfg::kBs, n),
+                          typename Cfg::SmemLayoutB{}(cute::_, cute::_, 0)),
+      cute::make_tma_copy(cute::SM90_TMA_STORE{},
+                          Cfg::template GlobalOut<OutT>(static_cast<OutT*>(p.dw), p.cap * Cfg::kBs),
+                          typename Cfg::SmemLayoutC{}),
+      cute::make_tma_copy(
+          cute::SM90_TMA_STORE{},
+          Cfg::template GlobalOut<float>(ws_desc, static_cast<int>(pl.splits > 1 ? ws_rows : p.cap * Cfg::kBs)),
+          typename Cfg::SmemLayoutW{})};
   const int grid = plan::PersistentGrid(plan::SddNumItems(pl), launch.num_sms > 0 ? launch.num_sms : 1, 1);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, launch.stream>>>(args);
   cudaError_t err = cudaGetLastError();

@@ -102,7 +102,7 @@ struct SddSmallConfig {
   static constexpr bool kKMajor = sizeof(T) == 4;  // TF32: x^T and dy^T, read K-major
   static constexpr int kStages = kKMajor ? 6 : 8;
   static constexpr int kBoxK = kKMajor ? 32 : kTileK;  // rows of n per TMA box (TF32: one 128-byte swizzle row)
-  static constexpr int kBoxesK = kTileK / kBoxK;        // boxes per slot tile
+  static constexpr int kBoxesK = kTileK / kBoxK;       // boxes per slot tile
   static constexpr int kBoxKBlocks = kBoxK * static_cast<int>(sizeof(T)) / 32;  // GMMA k-blocks (32 bytes) per box
   static constexpr int kConsumers = 1;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;

@@ -39,8 +39,16 @@ from jax_blocksparse.ops.attention import BlockMask, as_block_mask, blocksparse_
 from jax_blocksparse.ops.block_mask import check_token_fn
 
 __all__ = [
-    "AttentionConfig", "Projection", "attend", "check_attention", "check_inputs", "decode", "merge_heads",
-    "projections", "split_heads", "update_cache",
+    "AttentionConfig",
+    "Projection",
+    "attend",
+    "check_attention",
+    "check_inputs",
+    "decode",
+    "merge_heads",
+    "projections",
+    "split_heads",
+    "update_cache",
 ]
 
 
@@ -89,13 +97,16 @@ def _positive_int(value, name, layer):
 
 def _layer_mask(mask, block_size, mask_fn, num_heads) -> BlockMask:
     if isinstance(mask, jax.core.Tracer) or isinstance(mask, BlockMask) and not mask.is_concrete:
-        raise TypeError("mask must be concrete (a numpy bool grid or a concrete BlockMask): a layer's block mask "
-                        "is static")
+        raise TypeError(
+            "mask must be concrete (a numpy bool grid or a concrete BlockMask): a layer's block mask is static"
+        )
     bm = as_block_mask(mask, block_size, mask_fn=mask_fn)
     gb, gh, n_q, n_kv = bm.grid
     if gb != 1 or gh not in (1, num_heads) or n_q != n_kv:
-        raise ValueError(f"mask must be a square grid [T/bs, T/bs] or [heads={num_heads}, T/bs, T/bs] (no batch dim), "
-                         f"got grid {bm.grid}")
+        raise ValueError(
+            f"mask must be a square grid [T/bs, T/bs] or [heads={num_heads}, T/bs, T/bs] (no batch dim), "
+            f"got grid {bm.grid}"
+        )
     return bm
 
 
@@ -144,8 +155,10 @@ def check_attention(
     qkv_mask = None if qkv_mask is None else StaticMask(qkv_mask)
     out_mask = None if out_mask is None else StaticMask(out_mask)
     if qkv_mask is not None and num_kv_heads != num_heads:
-        raise ValueError(f"{layer}: qkv_mask (block-sparse query, key and value projections) needs num_kv_heads == "
-                         f"num_heads, got {num_kv_heads} and {num_heads}")
+        raise ValueError(
+            f"{layer}: qkv_mask (block-sparse query, key and value projections) needs num_kv_heads == "
+            f"num_heads, got {num_kv_heads} and {num_heads}"
+        )
     if qkv_mask is not None and qkv_features is None:
         qkv_features = qkv_mask.shape[1] * projection_block_size
         if qkv_features % num_heads:
@@ -153,8 +166,20 @@ def check_attention(
                 f"{layer}: qkv_mask of shape {qkv_mask.shape} gives qkv_features={qkv_features} (mask columns x "
                 f"projection_block_size), which must be divisible by num_heads={num_heads}"
             )
-    return AttentionConfig(layer, num_heads, num_kv_heads, mask, bool(is_causal), dropout_rate, qkv_features,
-                           out_features, qkv_mask, out_mask, projection_block_size, score_fn)
+    return AttentionConfig(
+        layer,
+        num_heads,
+        num_kv_heads,
+        mask,
+        bool(is_causal),
+        dropout_rate,
+        qkv_features,
+        out_features,
+        qkv_mask,
+        out_mask,
+        projection_block_size,
+        score_fn,
+    )
 
 
 def projections(cfg: AttentionConfig, in_features: int) -> dict[str, Projection]:
@@ -193,8 +218,11 @@ def check_inputs(cfg: AttentionConfig, x, layer: str, *, decode: bool = False) -
     """Inputs must be [..., T, features] with T = ``mask.shape[-1] * block_size`` (T = 1 when decoding)."""
     want = 1 if decode else cfg.seq_len
     if x.ndim < 2 or x.shape[-2] != want:
-        what = "one token per decoding step" if decode else (
-            f"a mask of grid {cfg.mask.grid[2:]} at block_size={cfg.block_size}")
+        what = (
+            "one token per decoding step"
+            if decode
+            else (f"a mask of grid {cfg.mask.grid[2:]} at block_size={cfg.block_size}")
+        )
         raise ValueError(f"{layer}: inputs must be [..., T={want}, features] for {what}, got {tuple(x.shape)}")
 
 
@@ -217,8 +245,9 @@ def _heads(cfg: AttentionConfig, query, key, value):
     return q, k, v
 
 
-def attend(cfg: AttentionConfig, query, key, value, *, deterministic: bool, dropout_rng, precision=None,
-           segment_ids=None):
+def attend(
+    cfg: AttentionConfig, query, key, value, *, deterministic: bool, dropout_rng, precision=None, segment_ids=None
+):
     """Block-sparse multi-head attention of projected [..., T, features] inputs.
 
     ``query`` has num_heads heads, ``key`` and ``value`` num_kv_heads. Splits the heads,
@@ -240,12 +269,22 @@ def attend(cfg: AttentionConfig, query, key, value, *, deterministic: bool, drop
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids)
         if segment_ids.shape != query.shape[:-1]:
-            raise ValueError(f"{cfg.layer}: segment_ids must have the inputs' [..., T] = {query.shape[:-1]}, got "
-                             f"{segment_ids.shape}")
+            raise ValueError(
+                f"{cfg.layer}: segment_ids must have the inputs' [..., T] = {query.shape[:-1]}, got {segment_ids.shape}"
+            )
         segments = segment_ids.reshape(q.shape[:2])
-    out = blocksparse_attention(q, k, v, cfg.mask, is_causal=cfg.is_causal, score_fn=cfg.score_fn,
-                                query_segment_ids=segments, dropout_rate=rate,
-                                dropout_rng=dropout_rng if rate > 0.0 else None, precision=precision)
+    out = blocksparse_attention(
+        q,
+        k,
+        v,
+        cfg.mask,
+        is_causal=cfg.is_causal,
+        score_fn=cfg.score_fn,
+        query_segment_ids=segments,
+        dropout_rate=rate,
+        dropout_rng=dropout_rng if rate > 0.0 else None,
+        precision=precision,
+    )
     return merge_heads(out, tuple(query.shape[:-2]))
 
 
@@ -259,8 +298,10 @@ def update_cache(cached_key, cached_value, index, key, value):
     key = key.reshape(key.shape[:-1] + (kv_heads, head_dim)).astype(cached_key.dtype)
     value = value.reshape(value.shape[:-1] + (kv_heads, cached_value.shape[-1])).astype(cached_value.dtype)
     start = (0,) * (cached_key.ndim - 3) + (index, 0, 0)
-    return (jax.lax.dynamic_update_slice(cached_key, key, start),
-            jax.lax.dynamic_update_slice(cached_value, value, start))
+    return (
+        jax.lax.dynamic_update_slice(cached_key, key, start),
+        jax.lax.dynamic_update_slice(cached_value, value, start),
+    )
 
 
 def check_cache(cfg: AttentionConfig, cached_key, query, layer: str) -> None:
@@ -268,8 +309,10 @@ def check_cache(cfg: AttentionConfig, cached_key, query, layer: str) -> None:
     head_dim = query.shape[-1] // cfg.num_heads
     want = tuple(query.shape[:-2]) + (cfg.seq_len, cfg.num_kv_heads, head_dim)
     if tuple(cached_key.shape) != want:
-        raise ValueError(f"{layer}: the key-value cache is {tuple(cached_key.shape)}, but a query token "
-                         f"{tuple(query.shape)} needs {want}")
+        raise ValueError(
+            f"{layer}: the key-value cache is {tuple(cached_key.shape)}, but a query token "
+            f"{tuple(query.shape)} needs {want}"
+        )
 
 
 def decode(cfg: AttentionConfig, query, cached_key, cached_value, index, *, precision=None):
@@ -282,6 +325,7 @@ def decode(cfg: AttentionConfig, query, cached_key, cached_value, index, *, prec
     q = split_heads(query, cfg.num_heads)
     n = q.shape[0]
     caches = (c.reshape((n,) + c.shape[-3:]) for c in (cached_key, cached_value))
-    out = blocksparse_decode(q.astype(cached_key.dtype), *caches, index, cfg.mask, score_fn=cfg.score_fn,
-                             precision=precision)
+    out = blocksparse_decode(
+        q.astype(cached_key.dtype), *caches, index, cfg.mask, score_fn=cfg.score_fn, precision=precision
+    )
     return merge_heads(out.astype(query.dtype), lead)

@@ -30,8 +30,17 @@ from jax_blocksparse.layout import Layout, check_block_size, check_mask
 from jax_blocksparse.ops._checks import canonical_precision
 
 __all__ = [
-    "StaticMask", "add_bias", "canonicalize_dtype", "check_config", "check_float32_dw", "check_options",
-    "default_kernel_init", "fan_in", "init_kernel", "layout_for", "promote",
+    "StaticMask",
+    "add_bias",
+    "canonicalize_dtype",
+    "check_config",
+    "check_float32_dw",
+    "check_options",
+    "default_kernel_init",
+    "fan_in",
+    "init_kernel",
+    "layout_for",
+    "promote",
 ]
 
 
@@ -112,8 +121,16 @@ def layout_for(mask: StaticMask, block_size: int, capacity: int | None) -> Layou
     return Layout.from_mask(mask.array, block_size, capacity)
 
 
-def check_config(mask: StaticMask, block_size, capacity, in_features: int | None, out_features: int, layer: str,
-                 *, transpose: bool = False):
+def check_config(
+    mask: StaticMask,
+    block_size,
+    capacity,
+    in_features: int | None,
+    out_features: int,
+    layer: str,
+    *,
+    transpose: bool = False,
+):
     """Validates a layer's static configuration; returns the canonical block size.
 
     The mask's rows are the inputs and its columns the outputs, or the other way

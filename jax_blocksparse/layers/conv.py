@@ -49,8 +49,15 @@ from jax_blocksparse.layout import Layout
 from jax_blocksparse.ops.conv import bsconv, bsconv_transpose
 
 __all__ = [
-    "ConvConfig", "canonicalize_padding", "check_conv", "check_conv_inputs", "conv_apply", "conv_transpose_apply",
-    "hashable", "init_conv_kernel", "kernel_size_tuple",
+    "ConvConfig",
+    "canonicalize_padding",
+    "check_conv",
+    "check_conv_inputs",
+    "conv_apply",
+    "conv_transpose_apply",
+    "hashable",
+    "init_conv_kernel",
+    "kernel_size_tuple",
 ]
 
 
@@ -92,8 +99,23 @@ class ConvConfig(NamedTuple):
         return layout_for(self.mask, self.block_size, capacity)
 
 
-def check_conv(mask, block_size, kernel_size, capacity, in_features, features, *, strides, padding, input_dilation,
-               kernel_dilation, float32_dw, param_dtype, layer: str, transpose_kernel: bool = False) -> ConvConfig:
+def check_conv(
+    mask,
+    block_size,
+    kernel_size,
+    capacity,
+    in_features,
+    features,
+    *,
+    strides,
+    padding,
+    input_dilation,
+    kernel_dilation,
+    float32_dw,
+    param_dtype,
+    layer: str,
+    transpose_kernel: bool = False,
+) -> ConvConfig:
     """Checks a conv (or transposed conv) layer's configuration.
 
     ``in_features`` may be None (linen infers it); with ``transpose_kernel`` the
@@ -103,10 +125,19 @@ def check_conv(mask, block_size, kernel_size, capacity, in_features, features, *
     float32_dw = check_float32_dw(float32_dw, param_dtype, layer)
     mask = StaticMask(mask)
     kernel_size = kernel_size_tuple(kernel_size, layer)
-    block_size = check_config(mask, block_size, capacity, in_features, features, layer,
-                              transpose=bool(transpose_kernel))
-    return ConvConfig(mask, block_size, kernel_size, hashable(strides), hashable(padding), hashable(input_dilation),
-                      hashable(kernel_dilation), float32_dw)
+    block_size = check_config(
+        mask, block_size, capacity, in_features, features, layer, transpose=bool(transpose_kernel)
+    )
+    return ConvConfig(
+        mask,
+        block_size,
+        kernel_size,
+        hashable(strides),
+        hashable(padding),
+        hashable(input_dilation),
+        hashable(kernel_dilation),
+        float32_dw,
+    )
 
 
 def check_conv_inputs(inputs, channels: int, num_spatial: int, layer: str, layout: Layout):
@@ -207,8 +238,22 @@ def _finish(y, bias, batch_shape):
     return y
 
 
-def conv_apply(inputs, kernel, bias, layout, kernel_size, strides, padding, input_dilation, kernel_dilation, dtype,
-               float32_dw=False, *, precision=None, impl: str | None = None):
+def conv_apply(
+    inputs,
+    kernel,
+    bias,
+    layout,
+    kernel_size,
+    strides,
+    padding,
+    input_dilation,
+    kernel_dilation,
+    dtype,
+    float32_dw=False,
+    *,
+    precision=None,
+    impl: str | None = None,
+):
     """The forward pass of BlockSparseConv (linen and nnx), as ``flax.linen.Conv``.
 
     Args:
@@ -236,14 +281,37 @@ def conv_apply(inputs, kernel, bias, layout, kernel_size, strides, padding, inpu
         padding_lax = "VALID"
     inputs, kernel, bias, compute = promote(inputs, kernel, bias, dtype, float32_dw)
     y = bsconv(
-        inputs, kernel, layout, strides=strides, padding=padding_lax, dilation=kernel_dilation,
-        input_dilation=input_dilation, compute_dtype=compute, float32_dw=float32_dw, precision=precision, impl=impl,
+        inputs,
+        kernel,
+        layout,
+        strides=strides,
+        padding=padding_lax,
+        dilation=kernel_dilation,
+        input_dilation=input_dilation,
+        compute_dtype=compute,
+        float32_dw=float32_dw,
+        precision=precision,
+        impl=impl,
     )
     return _finish(y, bias, batch_shape)
 
 
-def conv_transpose_apply(inputs, kernel, bias, layout, kernel_size, strides, padding, kernel_dilation,
-                         transpose_kernel, dtype, float32_dw=False, *, precision=None, impl: str | None = None):
+def conv_transpose_apply(
+    inputs,
+    kernel,
+    bias,
+    layout,
+    kernel_size,
+    strides,
+    padding,
+    kernel_dilation,
+    transpose_kernel,
+    dtype,
+    float32_dw=False,
+    *,
+    precision=None,
+    impl: str | None = None,
+):
     """The forward pass of BlockSparseConvTranspose (linen and nnx), as ``flax.linen.ConvTranspose``.
 
     Shapes as :func:`conv_apply`; ``transpose_kernel`` flips the kernel's taps and
@@ -258,8 +326,16 @@ def conv_transpose_apply(inputs, kernel, bias, layout, kernel_size, strides, pad
         padding_lax = "VALID"
     inputs, kernel, bias, compute = promote(inputs, kernel, bias, dtype, float32_dw)
     y = bsconv_transpose(
-        inputs, kernel, layout, strides=strides, padding=padding_lax, dilation=kernel_dilation,
-        transpose_kernel=bool(transpose_kernel), compute_dtype=compute, float32_dw=float32_dw, precision=precision,
+        inputs,
+        kernel,
+        layout,
+        strides=strides,
+        padding=padding_lax,
+        dilation=kernel_dilation,
+        transpose_kernel=bool(transpose_kernel),
+        compute_dtype=compute,
+        float32_dw=float32_dw,
+        precision=precision,
         impl=impl,
     )
     if padding == "CIRCULAR":

@@ -56,14 +56,22 @@ def check_inputs(inputs, layout: Layout, layer: str):
         )
 
 
-def apply(inputs, kernel, bias, layout: Layout, compute_dtype=None, float32_dw: bool = False, *, precision=None,
-          impl: str | None = None):
+def apply(
+    inputs,
+    kernel,
+    bias,
+    layout: Layout,
+    compute_dtype=None,
+    float32_dw: bool = False,
+    *,
+    precision=None,
+    impl: str | None = None,
+):
     """``inputs @ to_dense(kernel, layout) + bias`` for operands from :func:`promote`.
 
     ``precision`` and ``impl`` go to :func:`~jax_blocksparse.bsmm` (and so to its gradient).
     """
-    y = bsmm(inputs, kernel, layout, compute_dtype=compute_dtype, float32_dw=float32_dw, precision=precision,
-             impl=impl)
+    y = bsmm(inputs, kernel, layout, compute_dtype=compute_dtype, float32_dw=float32_dw, precision=precision, impl=impl)
     return add_bias(y, bias)
 
 
@@ -84,8 +92,19 @@ def check_dynamic_layout(layout, expected: Layout, layer: str):
         )
 
 
-def forward(inputs, kernel, bias, layout: Layout, *, dtype, float32_dw: bool, current=None, layer: str = "layer",
-            precision=None, impl: str | None = None):
+def forward(
+    inputs,
+    kernel,
+    bias,
+    layout: Layout,
+    *,
+    dtype,
+    float32_dw: bool,
+    current=None,
+    layer: str = "layer",
+    precision=None,
+    impl: str | None = None,
+):
     """The forward pass of the block-sparse dense layer (linen and nnx).
 
     Args:

@@ -45,7 +45,13 @@ from jax_blocksparse.layout import Layout, check_block_size
 from jax_blocksparse.ops.recurrence import LSTMSpec, LSTMStage, lstm_spec, lstm_stages
 
 __all__ = [
-    "CellConfig", "cached_config", "cell_config", "compute_dtype", "host_layout", "init_param", "run_sequence",
+    "CellConfig",
+    "cached_config",
+    "cell_config",
+    "compute_dtype",
+    "host_layout",
+    "init_param",
+    "run_sequence",
     "static_mask",
 ]
 
@@ -134,9 +140,17 @@ class CellConfig:
         except KeyError:
             raise KeyError(f"{layer} has no block-sparse kernel named {param_name!r}") from None
 
-    def spec(self, gate_fn: Callable = jax.nn.sigmoid, activation_fn: Callable = jnp.tanh,
-             internal_activation: Callable | None = jax.nn.relu, dtype=jnp.float32,
-             float32_dw: bool = False, *, precision=None, impl: str | None = None) -> LSTMSpec:
+    def spec(
+        self,
+        gate_fn: Callable = jax.nn.sigmoid,
+        activation_fn: Callable = jnp.tanh,
+        internal_activation: Callable | None = jax.nn.relu,
+        dtype=jnp.float32,
+        float32_dw: bool = False,
+        *,
+        precision=None,
+        impl: str | None = None,
+    ) -> LSTMSpec:
         """The op's :class:`~jax_blocksparse.ops.recurrence.LSTMSpec` for these masks and settings.
 
         ``precision`` and ``impl`` (a cell's, from
@@ -145,10 +159,19 @@ class CellConfig:
         """
         stages = self.stages
         return lstm_spec(
-            self.features, stages[-1].layout, step_layouts=[s.layout for s in stages if s.kind == "step"],
-            mh_layout=stages[0].layout if self.multiplicative else None, input_layout=self.input_layout(),
-            layer_norm=self.layer_norm, epsilon=self.epsilon, gate_fn=gate_fn, activation_fn=activation_fn,
-            internal_activation=internal_activation, dtype=dtype, float32_dw=float32_dw, precision=precision,
+            self.features,
+            stages[-1].layout,
+            step_layouts=[s.layout for s in stages if s.kind == "step"],
+            mh_layout=stages[0].layout if self.multiplicative else None,
+            input_layout=self.input_layout(),
+            layer_norm=self.layer_norm,
+            epsilon=self.epsilon,
+            gate_fn=gate_fn,
+            activation_fn=activation_fn,
+            internal_activation=internal_activation,
+            dtype=dtype,
+            float32_dw=float32_dw,
+            precision=precision,
             impl=impl,
         )
 
@@ -258,17 +281,38 @@ def cell_config(
 
 
 @functools.lru_cache(maxsize=256)
-def cached_config(layer, features, mask, block_size, multiplicative, internal_steps, step_masks, mh_mask,
-                  input_mask, layer_norm, epsilon) -> CellConfig:
+def cached_config(
+    layer,
+    features,
+    mask,
+    block_size,
+    multiplicative,
+    internal_steps,
+    step_masks,
+    mh_mask,
+    input_mask,
+    layer_norm,
+    epsilon,
+) -> CellConfig:
     """:func:`cell_config` of hashable arguments, built once (what a linen cell reads per call)."""
     return cell_config(
-        layer, features, mask, block_size, multiplicative=multiplicative, internal_steps=internal_steps,
-        step_masks=step_masks, mh_mask=mh_mask, input_mask=input_mask, layer_norm=layer_norm, epsilon=epsilon,
+        layer,
+        features,
+        mask,
+        block_size,
+        multiplicative=multiplicative,
+        internal_steps=internal_steps,
+        step_masks=step_masks,
+        mh_mask=mh_mask,
+        input_mask=input_mask,
+        layer_norm=layer_norm,
+        epsilon=epsilon,
     )
 
 
-def init_param(config: CellConfig, name: str, key, in_features: int, *, kernel_init, recurrent_kernel_init,
-               bias_init, param_dtype):
+def init_param(
+    config: CellConfig, name: str, key, in_features: int, *, kernel_init, recurrent_kernel_init, bias_init, param_dtype
+):
     """The initial value of one parameter.
 
     Block-sparse kernels default to LeCun normal with their true fan-in (see
@@ -300,8 +344,9 @@ def compute_dtype(dtype, inputs, param_dtype) -> np.dtype:
     return np.dtype(jnp.result_type(inputs, param_dtype))
 
 
-def run_sequence(cell, inputs, time_major, initial_carry, return_carry, initialize_carry, *, precision=None,
-                 impl: str | None = None):
+def run_sequence(
+    cell, inputs, time_major, initial_carry, return_carry, initialize_carry, *, precision=None, impl: str | None = None
+):
     """The body of the linen and nnx ``BlockSparseLSTM``: batch-major in and out, ``cell.sequence``.
 
     Args:

@@ -41,9 +41,17 @@ from jax_blocksparse.ops.conv import conv_from_dense, conv_to_dense
 from jax_blocksparse.ops.matmul import from_dense, to_dense
 
 __all__ = [
-    "Candidate", "LayerReport", "LayerSparsity", "SparsifyReport", "block_scores", "dense_kernel", "non_default",
+    "Candidate",
+    "LayerReport",
+    "LayerSparsity",
+    "SparsifyReport",
+    "block_scores",
+    "dense_kernel",
+    "non_default",
     "path_filter",
-    "plan_sparsity", "shape_reason", "sparse_kernel",
+    "plan_sparsity",
+    "shape_reason",
+    "sparse_kernel",
 ]
 
 #: The layer kinds a model's layers convert to: a dense layer, a convolution.
@@ -219,8 +227,18 @@ class SparsifyReport:
             if r.note:
                 what = f"{what}; {r.note}" if what else r.note
             density = "dense" if r.blocks is None else f"{r.density:.3f}"
-            rows.append((r.path, r.layer_type, str(r.shape), density, blocks, f"{r.params_before:,}",
-                         f"{r.params_after:,}", what))
+            rows.append(
+                (
+                    r.path,
+                    r.layer_type,
+                    str(r.shape),
+                    density,
+                    blocks,
+                    f"{r.params_before:,}",
+                    f"{r.params_after:,}",
+                    what,
+                )
+            )
         before, after = self.params_before, self.params_after
         share = f" ({after / before:.1%})" if before else ""
         rows.append(("total", "", "", "", "", f"{before:,}", f"{after:,}{share}", ""))
@@ -356,8 +374,7 @@ def _given_mask(path: str, mask, grid) -> np.ndarray:
         array = array.astype(bool)
     if array.shape != tuple(grid):
         raise ValueError(
-            f"selection for {path!r}: the mask must have the layer's block grid shape {tuple(grid)}, "
-            f"got {array.shape}"
+            f"selection for {path!r}: the mask must have the layer's block grid shape {tuple(grid)}, got {array.shape}"
         )
     if not array.any():
         raise ValueError(
@@ -454,7 +471,8 @@ def plan_sparsity(
     grids = [(c.shape[-2] // block_size, c.shape[-1] // block_size) for c in converted]
     if converted:
         densities = (budgets.erk_densities if distribution == "erk" else budgets.uniform_densities)(
-            [c.shape for c in converted], density)
+            [c.shape for c in converted], density
+        )
         counts = budgets.allocate_blocks(densities, [cb * kb for cb, kb in grids])
     else:
         densities, counts = [], []
@@ -471,8 +489,17 @@ def plan_sparsity(
         taps = math.prod(c.shape[:-2])
         note = f"static layout: {c.dynamic_reason}" if dynamic and c.dynamic_reason else None
         rows[c.path] = LayerReport(
-            c.path, c.layer_type, c.shape, c.params, slots * block_size * block_size * taps + int(c.bias_size),
-            block_size=block_size, blocks=nnz, grid_blocks=total, capacity=slots, dynamic=is_dynamic, note=note,
+            c.path,
+            c.layer_type,
+            c.shape,
+            c.params,
+            slots * block_size * block_size * taps + int(c.bias_size),
+            block_size=block_size,
+            blocks=nnz,
+            grid_blocks=total,
+            capacity=slots,
+            dynamic=is_dynamic,
+            note=note,
         )
     for c in candidates:
         if c.path not in rows:

@@ -124,21 +124,46 @@ class BlockSparseSelfAttention(nn.Module):
 
     def _config(self) -> _core.AttentionConfig:
         return _core.check_attention(
-            type(self).__name__, num_heads=self.num_heads, mask=self.mask, block_size=self.block_size,
-            is_causal=self.is_causal, dropout_rate=self.dropout_rate, qkv_features=self.qkv_features,
-            out_features=self.out_features, qkv_mask=self.qkv_mask, out_mask=self.out_mask,
-            projection_block_size=self.projection_block_size, num_kv_heads=self.num_kv_heads,
-            mask_fn=self.mask_fn, score_fn=self.score_fn,
+            type(self).__name__,
+            num_heads=self.num_heads,
+            mask=self.mask,
+            block_size=self.block_size,
+            is_causal=self.is_causal,
+            dropout_rate=self.dropout_rate,
+            qkv_features=self.qkv_features,
+            out_features=self.out_features,
+            qkv_mask=self.qkv_mask,
+            out_mask=self.out_mask,
+            projection_block_size=self.projection_block_size,
+            num_kv_heads=self.num_kv_heads,
+            mask_fn=self.mask_fn,
+            score_fn=self.score_fn,
         )
 
     def _projection(self, name: str, spec: _core.Projection):
         if spec.mask is None:
             init = nn.initializers.lecun_normal() if self.kernel_init is None else self.kernel_init
-            return nn.Dense(spec.out_features, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
-                            kernel_init=init, bias_init=self.bias_init, precision=self.precision, name=name)
-        return BlockSparseDense(spec.out_features, spec.mask, spec.block_size, use_bias=self.use_bias,
-                                dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                                bias_init=self.bias_init, name=name)
+            return nn.Dense(
+                spec.out_features,
+                use_bias=self.use_bias,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                kernel_init=init,
+                bias_init=self.bias_init,
+                precision=self.precision,
+                name=name,
+            )
+        return BlockSparseDense(
+            spec.out_features,
+            spec.mask,
+            spec.block_size,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=self.kernel_init,
+            bias_init=self.bias_init,
+            name=name,
+        )
 
     @nn.compact
     def __call__(self, inputs: Array, *, segment_ids: Array | None = None, deterministic: bool | None = None) -> Array:
@@ -166,8 +191,9 @@ class BlockSparseSelfAttention(nn.Module):
                     raise ValueError(f"{name}: segment_ids are not supported while decoding")
                 _core.check_cache(cfg, cached_key.value, q, name)
                 index = cache_index.value
-                cached_key.value, cached_value.value = _core.update_cache(cached_key.value, cached_value.value,
-                                                                          index, k, v)
+                cached_key.value, cached_value.value = _core.update_cache(
+                    cached_key.value, cached_value.value, index, k, v
+                )
                 cache_index.value = index + 1
                 y = _core.decode(cfg, q, cached_key.value, cached_value.value, index, precision=self.precision)
                 return self._projection("out", specs["out"])(y)
@@ -176,6 +202,14 @@ class BlockSparseSelfAttention(nn.Module):
         else:
             deterministic = True
         rng = None if deterministic else self.make_rng("dropout")
-        y = _core.attend(cfg, q, k, v, deterministic=deterministic, dropout_rng=rng, precision=self.precision,
-                         segment_ids=segment_ids)
+        y = _core.attend(
+            cfg,
+            q,
+            k,
+            v,
+            deterministic=deterministic,
+            dropout_rng=rng,
+            precision=self.precision,
+            segment_ids=segment_ids,
+        )
         return self._projection("out", specs["out"])(y)

@@ -104,9 +104,19 @@ class BlockSparseConv(nn.Module):
 
     def __post_init__(self):
         cfg = _core.check_conv(
-            self.mask, self.block_size, self.kernel_size, self.capacity, None, self.features, strides=self.strides,
-            padding=self.padding, input_dilation=self.input_dilation, kernel_dilation=self.kernel_dilation,
-            float32_dw=self.float32_dw, param_dtype=self.param_dtype, layer=type(self).__name__,
+            self.mask,
+            self.block_size,
+            self.kernel_size,
+            self.capacity,
+            None,
+            self.features,
+            strides=self.strides,
+            padding=self.padding,
+            input_dilation=self.input_dilation,
+            kernel_dilation=self.kernel_dilation,
+            float32_dw=self.float32_dw,
+            param_dtype=self.param_dtype,
+            layer=type(self).__name__,
         )
         self.mask, self.block_size, self.kernel_size, self.strides, self.padding = cfg[:5]
         self.input_dilation, self.kernel_dilation, self.float32_dw = cfg[5:]
@@ -139,8 +149,18 @@ class BlockSparseConv(nn.Module):
         )
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         return _core.conv_apply(
-            inputs, kernel, bias, layout, self.kernel_size, self.strides, self.padding,
-            self.input_dilation, self.kernel_dilation, self.dtype, self.float32_dw, precision=self.precision,
+            inputs,
+            kernel,
+            bias,
+            layout,
+            self.kernel_size,
+            self.strides,
+            self.padding,
+            self.input_dilation,
+            self.kernel_dilation,
+            self.dtype,
+            self.float32_dw,
+            precision=self.precision,
             impl=self.impl,
         )
 
@@ -205,9 +225,19 @@ class BlockSparseConvTranspose(nn.Module):
 
     def __post_init__(self):
         cfg = _core.check_conv(
-            self.mask, self.block_size, self.kernel_size, self.capacity, None, self.features, strides=self.strides,
-            padding=self.padding, input_dilation=1, kernel_dilation=self.kernel_dilation,
-            float32_dw=self.float32_dw, param_dtype=self.param_dtype, layer=type(self).__name__,
+            self.mask,
+            self.block_size,
+            self.kernel_size,
+            self.capacity,
+            None,
+            self.features,
+            strides=self.strides,
+            padding=self.padding,
+            input_dilation=1,
+            kernel_dilation=self.kernel_dilation,
+            float32_dw=self.float32_dw,
+            param_dtype=self.param_dtype,
+            layer=type(self).__name__,
             transpose_kernel=self.transpose_kernel,
         )
         self.mask, self.block_size, self.kernel_size, self.strides, self.padding = cfg[:5]
@@ -236,13 +266,28 @@ class BlockSparseConvTranspose(nn.Module):
         kernel = self.param(
             "kernel",
             lambda key: _core.init_conv_kernel(
-                self.kernel_init, key, layout, self.mask, self.kernel_size, self.param_dtype,
+                self.kernel_init,
+                key,
+                layout,
+                self.mask,
+                self.kernel_size,
+                self.param_dtype,
                 fan_in_rows=self.transpose_kernel,
             ),
         )
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         return _core.conv_transpose_apply(
-            inputs, kernel, bias, layout, self.kernel_size, self.strides, self.padding,
-            self.kernel_dilation, self.transpose_kernel, self.dtype, self.float32_dw, precision=self.precision,
+            inputs,
+            kernel,
+            bias,
+            layout,
+            self.kernel_size,
+            self.strides,
+            self.padding,
+            self.kernel_dilation,
+            self.transpose_kernel,
+            self.dtype,
+            self.float32_dw,
+            precision=self.precision,
             impl=self.impl,
         )

@@ -113,7 +113,13 @@ class BlockSparseDense(nn.Module):
     def __post_init__(self):
         # Attributes may be set until Module.__post_init__ runs; keep the mask hashable.
         self.mask, self.block_size, self.float32_dw = _core.check_dense(
-            self.mask, self.block_size, self.capacity, None, self.features, self.float32_dw, self.param_dtype,
+            self.mask,
+            self.block_size,
+            self.capacity,
+            None,
+            self.features,
+            self.float32_dw,
+            self.param_dtype,
             type(self).__name__,
         )
         self.precision, self.impl = _common.check_options(self.precision, self.impl, type(self).__name__)
@@ -146,5 +152,15 @@ class BlockSparseDense(nn.Module):
         )
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         current = self.variable(LAYOUT_COLLECTION, "kernel", lambda: layout).value if self.dynamic else None
-        return _core.forward(inputs, kernel, bias, layout, dtype=self.dtype, float32_dw=self.float32_dw,
-                             current=current, layer=type(self).__name__, precision=self.precision, impl=self.impl)
+        return _core.forward(
+            inputs,
+            kernel,
+            bias,
+            layout,
+            dtype=self.dtype,
+            float32_dw=self.float32_dw,
+            current=current,
+            layer=type(self).__name__,
+            precision=self.precision,
+            impl=self.impl,
+        )

@@ -126,7 +126,13 @@ class ColumnParallelDense(nn.Module):
 
     def __post_init__(self):
         self.mask, self.block_size, self.float32_dw = _dense.check_dense(
-            self.mask, self.block_size, None, None, self.features, self.float32_dw, self.param_dtype,
+            self.mask,
+            self.block_size,
+            None,
+            None,
+            self.features,
+            self.float32_dw,
+            self.param_dtype,
             type(self).__name__,
         )
         self.precision, self.impl = _common.check_options(self.precision, self.impl, type(self).__name__)
@@ -135,8 +141,14 @@ class ColumnParallelDense(nn.Module):
 
     def _split(self) -> _core.ColumnSplit:
         return _core.column_split(
-            self.mask, self.block_size, self.mesh, self.axis, self.batch_axis, self.gather_output,
-            self.shard_capacity, type(self).__name__,
+            self.mask,
+            self.block_size,
+            self.mesh,
+            self.axis,
+            self.batch_axis,
+            self.gather_output,
+            self.shard_capacity,
+            type(self).__name__,
         )
 
     @property
@@ -185,5 +197,4 @@ class ColumnParallelDense(nn.Module):
         if self.use_bias:
             bias_init = nn.with_partitioning(self.bias_init, (None,), self.mesh)
             bias = self.param("bias", bias_init, (self.features,), self.param_dtype)
-        return split.apply(inputs, kernel, bias, self.dtype, self.float32_dw, precision=self.precision,
-                           impl=self.impl)
+        return split.apply(inputs, kernel, bias, self.dtype, self.float32_dw, precision=self.precision, impl=self.impl)

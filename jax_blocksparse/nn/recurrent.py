@@ -171,9 +171,17 @@ class BlockSparseLSTMCell(nn.RNNCellBase):
         self.float32_dw = check_float32_dw(self.float32_dw, self.param_dtype, type(self).__name__)
         self.precision, self.impl = check_options(self.precision, self.impl, type(self).__name__)
         config = _core.cell_config(
-            type(self).__name__, self.features, self.mask, self.block_size,
-            multiplicative=self.multiplicative, internal_steps=self.internal_steps, step_masks=self.step_masks,
-            mh_mask=self._mh_mask(), input_mask=self.input_mask, layer_norm=self.layer_norm, epsilon=self.epsilon,
+            type(self).__name__,
+            self.features,
+            self.mask,
+            self.block_size,
+            multiplicative=self.multiplicative,
+            internal_steps=self.internal_steps,
+            step_masks=self.step_masks,
+            mh_mask=self._mh_mask(),
+            input_mask=self.input_mask,
+            layer_norm=self.layer_norm,
+            epsilon=self.epsilon,
         )
         # Keep every mask hashable (the module is a jit cache key / static argument).
         self.mask = _core.static_mask(self.mask, "mask", type(self).__name__)
@@ -188,8 +196,17 @@ class BlockSparseLSTMCell(nn.RNNCellBase):
     def config(self) -> _core.CellConfig:
         """The validated static configuration (layouts: ``config.stages[k].layout``)."""
         return _core.cached_config(
-            type(self).__name__, self.features, self.mask, self.block_size, self.multiplicative,
-            self.internal_steps, self.step_masks, self._mh_mask(), self.input_mask, self.layer_norm, self.epsilon,
+            type(self).__name__,
+            self.features,
+            self.mask,
+            self.block_size,
+            self.multiplicative,
+            self.internal_steps,
+            self.step_masks,
+            self._mh_mask(),
+            self.input_mask,
+            self.layer_norm,
+            self.epsilon,
         )
 
     @property
@@ -213,8 +230,13 @@ class BlockSparseLSTMCell(nn.RNNCellBase):
             out[name] = self.param(
                 name,
                 lambda key, _n=name: _core.init_param(
-                    config, _n, key, in_features, kernel_init=self.kernel_init,
-                    recurrent_kernel_init=self.recurrent_kernel_init, bias_init=self.bias_init,
+                    config,
+                    _n,
+                    key,
+                    in_features,
+                    kernel_init=self.kernel_init,
+                    recurrent_kernel_init=self.recurrent_kernel_init,
+                    bias_init=self.bias_init,
                     param_dtype=self.param_dtype,
                 ),
             )
@@ -222,10 +244,15 @@ class BlockSparseLSTMCell(nn.RNNCellBase):
 
     def _spec(self, inputs, precision=None, impl=None) -> LSTMSpec:
         """The op's spec; ``precision`` / ``impl`` (checked) override the cell's when not None."""
-        return self.config.spec(self.gate_fn, self.activation_fn, self.internal_activation,
-                                _core.compute_dtype(self.dtype, inputs, self.param_dtype), self.float32_dw,
-                                precision=self.precision if precision is None else precision,
-                                impl=self.impl if impl is None else impl)
+        return self.config.spec(
+            self.gate_fn,
+            self.activation_fn,
+            self.internal_activation,
+            _core.compute_dtype(self.dtype, inputs, self.param_dtype),
+            self.float32_dw,
+            precision=self.precision if precision is None else precision,
+            impl=self.impl if impl is None else impl,
+        )
 
     def __call__(self, carry, inputs):
         """One timestep.
@@ -366,10 +393,17 @@ class BlockSparseLSTM(nn.Module):
           outputs [*batch, T, H] (or time-major), or ``((c_T, h_T), outputs)``.
         """
         if not isinstance(self.cell, BlockSparseLSTMCell):
-            raise TypeError(f"BlockSparseLSTM: cell must be a BlockSparseLSTMCell or BlockSparseMLSTMCell, "
-                            f"got {type(self.cell).__name__}")
-        return _core.run_sequence(self.cell, inputs, self.time_major, initial_carry,
-                            return_carry if return_carry is not None else self.return_carry,
-                            lambda shape: self.cell.initialize_carry(
-                                init_key if init_key is not None else jax.random.key(0), shape),
-                            precision=self.precision, impl=self.impl)
+            raise TypeError(
+                f"BlockSparseLSTM: cell must be a BlockSparseLSTMCell or BlockSparseMLSTMCell, "
+                f"got {type(self.cell).__name__}"
+            )
+        return _core.run_sequence(
+            self.cell,
+            inputs,
+            self.time_major,
+            initial_carry,
+            return_carry if return_carry is not None else self.return_carry,
+            lambda shape: self.cell.initialize_carry(init_key if init_key is not None else jax.random.key(0), shape),
+            precision=self.precision,
+            impl=self.impl,
+        )

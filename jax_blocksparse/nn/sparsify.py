@@ -155,21 +155,39 @@ def _dense_call(module: nn.Dense, plan: _core.LayerSparsity, inputs, name, preci
     if module.features != layout.shape[1]:
         raise ValueError(f"{name}: features={module.features}, but its block mask has {layout.shape[1]} outputs")
     _dense.check_inputs(inputs, layout, name)
-    kernel = module.param(
-        "kernel", lambda key: _common.init_kernel(None, key, layout, plan.mask, module.param_dtype)
-    )
+    kernel = module.param("kernel", lambda key: _common.init_kernel(None, key, layout, plan.mask, module.param_dtype))
     bias = module.param("bias", module.bias_init, (module.features,), module.param_dtype) if module.use_bias else None
     current = module.variable(LAYOUT_COLLECTION, "kernel", lambda: layout).value if plan.dynamic else None
-    return _dense.forward(inputs, kernel, bias, layout, dtype=module.dtype, float32_dw=False, current=current,
-                          layer=name, precision=precision, impl=impl)
+    return _dense.forward(
+        inputs,
+        kernel,
+        bias,
+        layout,
+        dtype=module.dtype,
+        float32_dw=False,
+        current=current,
+        layer=name,
+        precision=precision,
+        impl=impl,
+    )
 
 
 def _conv_call(module: nn.Conv, plan: _core.LayerSparsity, inputs, name, precision, impl):
     """``nn.Conv.__call__`` on the stored blocks: the block-sparse conv layer's forward pass."""
     cfg = _conv.check_conv(
-        plan.mask, plan.block_size, module.kernel_size, plan.capacity, None, module.features, strides=module.strides,
-        padding=module.padding, input_dilation=module.input_dilation, kernel_dilation=module.kernel_dilation,
-        float32_dw=False, param_dtype=module.param_dtype, layer=name,
+        plan.mask,
+        plan.block_size,
+        module.kernel_size,
+        plan.capacity,
+        None,
+        module.features,
+        strides=module.strides,
+        padding=module.padding,
+        input_dilation=module.input_dilation,
+        kernel_dilation=module.kernel_dilation,
+        float32_dw=False,
+        param_dtype=module.param_dtype,
+        layer=name,
     )
     layout = cfg.layout(plan.capacity)
     _conv.check_conv_inputs(inputs, layout.shape[0], len(cfg.kernel_size), name, layout)
@@ -178,9 +196,21 @@ def _conv_call(module: nn.Conv, plan: _core.LayerSparsity, inputs, name, precisi
         lambda key: _conv.init_conv_kernel(None, key, layout, cfg.mask, cfg.kernel_size, module.param_dtype),
     )
     bias = module.param("bias", module.bias_init, (module.features,), module.param_dtype) if module.use_bias else None
-    return _conv.conv_apply(inputs, kernel, bias, layout, cfg.kernel_size, cfg.strides, cfg.padding,
-                            cfg.input_dilation, cfg.kernel_dilation, module.dtype, False, precision=precision,
-                            impl=impl)
+    return _conv.conv_apply(
+        inputs,
+        kernel,
+        bias,
+        layout,
+        cfg.kernel_size,
+        cfg.strides,
+        cfg.padding,
+        cfg.input_dilation,
+        cfg.kernel_dilation,
+        module.dtype,
+        False,
+        precision=precision,
+        impl=impl,
+    )
 
 
 def _record(module: nn.Module, variables, args, apply_kwargs) -> list[tuple[tuple[str, ...], nn.Module, tuple]]:
@@ -303,14 +333,29 @@ def sparsify(
                 "(a lifted transform such as nn.scan or nn.vmap)"
             )
             kernel = np.zeros(seen_shape or (0, 0), np.float32) if kernel is None else kernel
-        candidates.append(_core.Candidate(
-            name, kind, type(m).__name__, kernel, 0 if bias is None else int(np.size(bias)), reason,
-            dynamic_reason="conv layers have no dynamic layout" if kind == "conv" else None,
-        ))
+        candidates.append(
+            _core.Candidate(
+                name,
+                kind,
+                type(m).__name__,
+                kernel,
+                0 if bias is None else int(np.size(bias)),
+                reason,
+                dynamic_reason="conv layers have no dynamic layout" if kind == "conv" else None,
+            )
+        )
         paths[name] = path
     plans, report = _core.plan_sparsity(
-        candidates, density, block_size, distribution=distribution, selection=selection, keep_dense=keep_dense,
-        dynamic=dynamic, capacity_factor=capacity_factor, norm=norm, strict=strict,
+        candidates,
+        density,
+        block_size,
+        distribution=distribution,
+        selection=selection,
+        keep_dense=keep_dense,
+        dynamic=dynamic,
+        capacity_factor=capacity_factor,
+        norm=norm,
+        strict=strict,
     )
     new_variables = dict(variables)
     for name, plan in plans.items():
@@ -345,12 +390,14 @@ def densify(sparse: SparsifiedModule, variables):
         if plan.dynamic:
             current = _lookup(variables.get(LAYOUT_COLLECTION), path + ("kernel",))
             if current is None:
-                raise ValueError(f"densify: the dynamic layer {'/'.join(path)} has no layout in "
-                                 f"variables[{LAYOUT_COLLECTION!r}]")
+                raise ValueError(
+                    f"densify: the dynamic layer {'/'.join(path)} has no layout in variables[{LAYOUT_COLLECTION!r}]"
+                )
             layout = current
             variables[LAYOUT_COLLECTION] = _without(variables[LAYOUT_COLLECTION], path + ("kernel",))
-        variables["params"] = _with(variables["params"], path + ("kernel",),
-                                    _core.dense_kernel(entry["kernel"], layout))
+        variables["params"] = _with(
+            variables["params"], path + ("kernel",), _core.dense_kernel(entry["kernel"], layout)
+        )
     if LAYOUT_COLLECTION in variables and not variables[LAYOUT_COLLECTION]:
         del variables[LAYOUT_COLLECTION]
     return variables

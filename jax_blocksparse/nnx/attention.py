@@ -85,12 +85,24 @@ class BlockSparseSelfAttention(nnx.Module):
         precision: Any = None,
         rngs: nnx.Rngs,
     ):
-        self.config = nnx.static(_core.check_attention(
-            type(self).__name__, num_heads=num_heads, mask=mask, block_size=block_size, is_causal=is_causal,
-            dropout_rate=dropout_rate, qkv_features=qkv_features, out_features=out_features, qkv_mask=qkv_mask,
-            out_mask=out_mask, projection_block_size=projection_block_size, num_kv_heads=num_kv_heads,
-            mask_fn=mask_fn, score_fn=score_fn,
-        ))
+        self.config = nnx.static(
+            _core.check_attention(
+                type(self).__name__,
+                num_heads=num_heads,
+                mask=mask,
+                block_size=block_size,
+                is_causal=is_causal,
+                dropout_rate=dropout_rate,
+                qkv_features=qkv_features,
+                out_features=out_features,
+                qkv_mask=qkv_mask,
+                out_mask=out_mask,
+                projection_block_size=projection_block_size,
+                num_kv_heads=num_kv_heads,
+                mask_fn=mask_fn,
+                score_fn=score_fn,
+            )
+        )
         self.in_features = in_features
         self.deterministic = deterministic
         self.decode = decode
@@ -101,12 +113,29 @@ class BlockSparseSelfAttention(nnx.Module):
         def projection(spec: _core.Projection):
             if spec.mask is None:
                 init = nnx.initializers.lecun_normal() if kernel_init is None else kernel_init
-                return nnx.Linear(spec.in_features, spec.out_features, use_bias=use_bias, dtype=dtype,
-                                  param_dtype=param_dtype, kernel_init=init, bias_init=bias_init,
-                                  precision=precision, rngs=rngs)
-            return BlockSparseLinear(spec.in_features, spec.out_features, spec.mask, spec.block_size,
-                                     use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                                     kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+                return nnx.Linear(
+                    spec.in_features,
+                    spec.out_features,
+                    use_bias=use_bias,
+                    dtype=dtype,
+                    param_dtype=param_dtype,
+                    kernel_init=init,
+                    bias_init=bias_init,
+                    precision=precision,
+                    rngs=rngs,
+                )
+            return BlockSparseLinear(
+                spec.in_features,
+                spec.out_features,
+                spec.mask,
+                spec.block_size,
+                use_bias=use_bias,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=kernel_init,
+                bias_init=bias_init,
+                rngs=rngs,
+            )
 
         self.query, self.key, self.value, self.out = (projection(specs[n]) for n in ("query", "key", "value", "out"))
         self.rngs = rngs["dropout"].fork() if self.config.dropout_rate > 0.0 else nnx.data(None)
@@ -117,8 +146,10 @@ class BlockSparseSelfAttention(nnx.Module):
         cfg = self.config
         *lead, t, f = input_shape
         if t != cfg.seq_len or f != self.in_features:
-            raise ValueError(f"{type(self).__name__}: init_cache needs input_shape [..., T={cfg.seq_len}, "
-                             f"in_features={self.in_features}], got {tuple(input_shape)}")
+            raise ValueError(
+                f"{type(self).__name__}: init_cache needs input_shape [..., T={cfg.seq_len}, "
+                f"in_features={self.in_features}], got {tuple(input_shape)}"
+            )
         qkv = _core.projections(cfg, f)["query"].out_features
         shape = (*lead, t, cfg.num_kv_heads, qkv // cfg.num_heads)
         dtype = self.dtype or dtype
@@ -126,8 +157,15 @@ class BlockSparseSelfAttention(nnx.Module):
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
         self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
 
-    def __call__(self, inputs: Array, *, segment_ids: Array | None = None, deterministic: bool | None = None,
-                 rngs: nnx.Rngs | None = None, decode: bool | None = None) -> Array:
+    def __call__(
+        self,
+        inputs: Array,
+        *,
+        segment_ids: Array | None = None,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | None = None,
+        decode: bool | None = None,
+    ) -> Array:
         """Self-attention of ``inputs`` [..., T, in_features] -> [..., T, out_features].
 
         ``segment_ids`` (int [..., T]): packed documents. ``deterministic`` and ``decode``
@@ -139,8 +177,9 @@ class BlockSparseSelfAttention(nnx.Module):
         decode = self.decode if decode is None else decode
         _core.check_inputs(cfg, inputs, name, decode=decode)
         if inputs.shape[-1] != self.in_features:
-            raise ValueError(f"{name}: inputs must have in_features={self.in_features} features, "
-                             f"got {tuple(inputs.shape)}")
+            raise ValueError(
+                f"{name}: inputs must have in_features={self.in_features} features, got {tuple(inputs.shape)}"
+            )
         q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
         if decode:
             if self.cached_key is None:
@@ -150,7 +189,8 @@ class BlockSparseSelfAttention(nnx.Module):
             _core.check_cache(cfg, self.cached_key[...], q, name)
             index = self.cache_index[...]
             self.cached_key[...], self.cached_value[...] = _core.update_cache(
-                self.cached_key[...], self.cached_value[...], index, k, v)
+                self.cached_key[...], self.cached_value[...], index, k, v
+            )
             self.cache_index[...] = index + 1
             y = _core.decode(cfg, q, self.cached_key[...], self.cached_value[...], index, precision=self.precision)
             return self.out(y)
@@ -161,6 +201,14 @@ class BlockSparseSelfAttention(nnx.Module):
             if stream is None:
                 raise ValueError(f"{name}: dropout needs rngs (none were kept or given)")
             rng = stream()
-        y = _core.attend(cfg, q, k, v, deterministic=deterministic, dropout_rng=rng, precision=self.precision,
-                         segment_ids=segment_ids)
+        y = _core.attend(
+            cfg,
+            q,
+            k,
+            v,
+            deterministic=deterministic,
+            dropout_rng=rng,
+            precision=self.precision,
+            segment_ids=segment_ids,
+        )
         return self.out(y)

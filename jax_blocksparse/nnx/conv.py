@@ -102,9 +102,19 @@ class BlockSparseConv(nnx.Module):
         rngs: nnx.Rngs,
     ):
         cfg = _core.check_conv(
-            mask, block_size, kernel_size, capacity, in_features, out_features, strides=strides, padding=padding,
-            input_dilation=input_dilation, kernel_dilation=kernel_dilation, float32_dw=float32_dw,
-            param_dtype=param_dtype, layer=type(self).__name__,
+            mask,
+            block_size,
+            kernel_size,
+            capacity,
+            in_features,
+            out_features,
+            strides=strides,
+            padding=padding,
+            input_dilation=input_dilation,
+            kernel_dilation=kernel_dilation,
+            float32_dw=float32_dw,
+            param_dtype=param_dtype,
+            layer=type(self).__name__,
         )
         self.in_features = in_features
         self.out_features = out_features
@@ -138,8 +148,18 @@ class BlockSparseConv(nnx.Module):
         _core.check_conv_inputs(inputs, self.in_features, len(self.kernel_size), type(self).__name__, layout)
         bias = self.bias[...] if self.bias is not None else None
         return _core.conv_apply(
-            inputs, self.kernel[...], bias, layout, self.kernel_size, self.strides, self.padding,
-            self.input_dilation, self.kernel_dilation, self.dtype, self.float32_dw, precision=self.precision,
+            inputs,
+            self.kernel[...],
+            bias,
+            layout,
+            self.kernel_size,
+            self.strides,
+            self.padding,
+            self.input_dilation,
+            self.kernel_dilation,
+            self.dtype,
+            self.float32_dw,
+            precision=self.precision,
             impl=self.impl,
         )
 
@@ -204,9 +224,20 @@ class BlockSparseConvTranspose(nnx.Module):
         rngs: nnx.Rngs,
     ):
         cfg = _core.check_conv(
-            mask, block_size, kernel_size, capacity, in_features, out_features, strides=strides, padding=padding,
-            input_dilation=1, kernel_dilation=kernel_dilation, float32_dw=float32_dw, param_dtype=param_dtype,
-            layer=type(self).__name__, transpose_kernel=transpose_kernel,
+            mask,
+            block_size,
+            kernel_size,
+            capacity,
+            in_features,
+            out_features,
+            strides=strides,
+            padding=padding,
+            input_dilation=1,
+            kernel_dilation=kernel_dilation,
+            float32_dw=float32_dw,
+            param_dtype=param_dtype,
+            layer=type(self).__name__,
+            transpose_kernel=transpose_kernel,
         )
         self.in_features = in_features
         self.out_features = out_features
@@ -223,7 +254,12 @@ class BlockSparseConvTranspose(nnx.Module):
         self.kernel_shape = (layout.capacity, *self.kernel_size, self.block_size, self.block_size)
         self.kernel = nnx.Param(
             _core.init_conv_kernel(
-                kernel_init, rngs.params(), layout, self.mask, self.kernel_size, param_dtype,
+                kernel_init,
+                rngs.params(),
+                layout,
+                self.mask,
+                self.kernel_size,
+                param_dtype,
                 fan_in_rows=transpose_kernel,
             )
         )
@@ -244,7 +280,17 @@ class BlockSparseConvTranspose(nnx.Module):
         _core.check_conv_inputs(inputs, self.in_features, len(self.kernel_size), type(self).__name__, layout)
         bias = self.bias[...] if self.bias is not None else None
         return _core.conv_transpose_apply(
-            inputs, self.kernel[...], bias, layout, self.kernel_size, self.strides, self.padding,
-            self.kernel_dilation, self.transpose_kernel, self.dtype, self.float32_dw, precision=self.precision,
+            inputs,
+            self.kernel[...],
+            bias,
+            layout,
+            self.kernel_size,
+            self.strides,
+            self.padding,
+            self.kernel_dilation,
+            self.transpose_kernel,
+            self.dtype,
+            self.float32_dw,
+            precision=self.precision,
             impl=self.impl,
         )

@@ -153,5 +153,15 @@ class BlockSparseLinear(nnx.Module):
         _core.check_inputs(inputs, layout, type(self).__name__)
         bias = self.bias[...] if self.bias is not None else None
         current = self.kernel_layout.get_value() if self.dynamic else None
-        return _core.forward(inputs, self.kernel[...], bias, layout, dtype=self.dtype, float32_dw=self.float32_dw,
-                             current=current, layer=type(self).__name__, precision=self.precision, impl=self.impl)
+        return _core.forward(
+            inputs,
+            self.kernel[...],
+            bias,
+            layout,
+            dtype=self.dtype,
+            float32_dw=self.float32_dw,
+            current=current,
+            layer=type(self).__name__,
+            precision=self.precision,
+            impl=self.impl,
+        )

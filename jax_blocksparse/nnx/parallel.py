@@ -147,8 +147,14 @@ class ColumnParallelLinear(nnx.Module):
 
     def _split(self) -> _core.ColumnSplit:
         return _core.ColumnSplit(
-            self.mask, self.block_size, self.mesh, self.axis, self.batch_axis, self.gather_output,
-            self.mesh.shape[self.axis], self.shard_capacity,
+            self.mask,
+            self.block_size,
+            self.mesh,
+            self.axis,
+            self.batch_axis,
+            self.gather_output,
+            self.mesh.shape[self.axis],
+            self.shard_capacity,
         )
 
     @property
@@ -188,5 +194,6 @@ class ColumnParallelLinear(nnx.Module):
         split = self._split()
         _dense.check_inputs(inputs, split.layout, type(self).__name__)
         bias = self.bias[...] if self.bias is not None else None
-        return split.apply(inputs, self.kernel[...], bias, self.dtype, self.float32_dw, precision=self.precision,
-                           impl=self.impl)
+        return split.apply(
+            inputs, self.kernel[...], bias, self.dtype, self.float32_dw, precision=self.precision, impl=self.impl
+        )

@@ -129,9 +129,18 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
         self.float32_dw = check_float32_dw(float32_dw, param_dtype, name)
         self.precision, self.impl = check_options(precision, impl, name)
         config = _core.cell_config(
-            name, hidden_features, mask, block_size, multiplicative=self.multiplicative,
-            internal_steps=internal_steps, step_masks=step_masks, mh_mask=mh_mask, input_mask=input_mask,
-            in_features=in_features, layer_norm=layer_norm, epsilon=epsilon,
+            name,
+            hidden_features,
+            mask,
+            block_size,
+            multiplicative=self.multiplicative,
+            internal_steps=internal_steps,
+            step_masks=step_masks,
+            mh_mask=mh_mask,
+            input_mask=input_mask,
+            in_features=in_features,
+            layer_norm=layer_norm,
+            epsilon=epsilon,
         )
         self.in_features = int(in_features)
         self.hidden_features = config.features
@@ -146,8 +155,14 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
         self.param_names = tuple(config.param_shapes(self.in_features))
         for pname in self.param_names:
             value = _core.init_param(
-                config, pname, rngs.params(), self.in_features, kernel_init=kernel_init,
-                recurrent_kernel_init=recurrent_kernel_init, bias_init=bias_init, param_dtype=param_dtype,
+                config,
+                pname,
+                rngs.params(),
+                self.in_features,
+                kernel_init=kernel_init,
+                recurrent_kernel_init=recurrent_kernel_init,
+                bias_init=bias_init,
+                param_dtype=param_dtype,
             )
             setattr(self, pname, nnx.Param(value))
 
@@ -165,10 +180,15 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
 
     def _spec(self, inputs, precision=None, impl=None) -> LSTMSpec:
         """The op's spec; ``precision`` / ``impl`` (checked) override the cell's when not None."""
-        return self.config.spec(self.gate_fn, self.activation_fn, self.internal_activation,
-                                _core.compute_dtype(self.dtype, inputs, self.param_dtype), self.float32_dw,
-                                precision=self.precision if precision is None else precision,
-                                impl=self.impl if impl is None else impl)
+        return self.config.spec(
+            self.gate_fn,
+            self.activation_fn,
+            self.internal_activation,
+            _core.compute_dtype(self.dtype, inputs, self.param_dtype),
+            self.float32_dw,
+            precision=self.precision if precision is None else precision,
+            impl=self.impl if impl is None else impl,
+        )
 
     def _check_inputs(self, inputs):
         if jnp.shape(inputs)[-1:] != (self.in_features,):
@@ -266,8 +286,15 @@ class BlockSparseLSTM(nnx.Module):
         keeps the cell's (whose own None reads the default when traced).
     """
 
-    def __init__(self, cell: BlockSparseLSTMCell, *, time_major: bool = False, return_carry: bool = False,
-                 precision: PrecisionLike = None, impl: str | None = None):
+    def __init__(
+        self,
+        cell: BlockSparseLSTMCell,
+        *,
+        time_major: bool = False,
+        return_carry: bool = False,
+        precision: PrecisionLike = None,
+        impl: str | None = None,
+    ):
         if not isinstance(cell, BlockSparseLSTMCell):
             raise TypeError(
                 "BlockSparseLSTM: cell must be a BlockSparseLSTMCell or BlockSparseMLSTMCell, "
@@ -281,7 +308,12 @@ class BlockSparseLSTM(nnx.Module):
     def __call__(self, inputs, *, initial_carry=None, return_carry: bool | None = None, rngs=None):
         """inputs [*batch, T, D] -> outputs [*batch, T, H] (or ``(carry, outputs)``)."""
         return _core.run_sequence(
-            self.cell, inputs, self.time_major, initial_carry,
+            self.cell,
+            inputs,
+            self.time_major,
+            initial_carry,
             self.return_carry if return_carry is None else return_carry,
-            lambda shape: self.cell.initialize_carry(shape, rngs), precision=self.precision, impl=self.impl,
+            lambda shape: self.cell.initialize_carry(shape, rngs),
+            precision=self.precision,
+            impl=self.impl,
         )

@@ -63,7 +63,12 @@ def _candidates(model):
             reason = _conv_reason(node) if conv else _linear_reason(node)
             bias = 0 if node.bias is None else int(np.size(node.bias[...]))
             candidate = _core.Candidate(
-                _path(parts), "conv" if conv else "linear", type(node).__name__, node.kernel[...], bias, reason,
+                _path(parts),
+                "conv" if conv else "linear",
+                type(node).__name__,
+                node.kernel[...],
+                bias,
+                reason,
                 dynamic_reason="BlockSparseConv has no dynamic layout" if conv else None,
             )
             found.append((candidate, node))
@@ -118,18 +123,32 @@ def _block_sparse(layer, plan: _core.LayerSparsity, impl):
     kernel = _core.sparse_kernel(layer.kernel[...], layout)
     bias = None if layer.bias is None else layer.bias[...]
     common = dict(
-        use_bias=bias is not None, dtype=layer.dtype, param_dtype=layer.param_dtype, precision=layer.precision,
-        kernel_init=_constant(kernel), bias_init=_constant(bias), capacity=plan.capacity, impl=impl,
+        use_bias=bias is not None,
+        dtype=layer.dtype,
+        param_dtype=layer.param_dtype,
+        precision=layer.precision,
+        kernel_init=_constant(kernel),
+        bias_init=_constant(bias),
+        capacity=plan.capacity,
+        impl=impl,
         rngs=nnx.Rngs(0),
     )
     if isinstance(layer, nnx.Conv):
         return BlockSparseConv(
-            layer.in_features, layer.out_features, layer.kernel_size, plan.mask, plan.block_size, layer.strides,
-            padding=layer.padding, input_dilation=layer.input_dilation, kernel_dilation=layer.kernel_dilation,
+            layer.in_features,
+            layer.out_features,
+            layer.kernel_size,
+            plan.mask,
+            plan.block_size,
+            layer.strides,
+            padding=layer.padding,
+            input_dilation=layer.input_dilation,
+            kernel_dilation=layer.kernel_dilation,
             **common,
         )
-    return BlockSparseLinear(layer.in_features, layer.out_features, plan.mask, plan.block_size,
-                             dynamic=plan.dynamic, **common)
+    return BlockSparseLinear(
+        layer.in_features, layer.out_features, plan.mask, plan.block_size, dynamic=plan.dynamic, **common
+    )
 
 
 def sparsify(
@@ -211,8 +230,16 @@ def sparsify(
     """
     found = _candidates(model)
     plans, report = _core.plan_sparsity(
-        [c for c, _ in found], density, block_size, distribution=distribution, selection=selection,
-        keep_dense=keep_dense, dynamic=dynamic, capacity_factor=capacity_factor, norm=norm, strict=strict,
+        [c for c, _ in found],
+        density,
+        block_size,
+        distribution=distribution,
+        selection=selection,
+        keep_dense=keep_dense,
+        dynamic=dynamic,
+        capacity_factor=capacity_factor,
+        norm=norm,
+        strict=strict,
     )
     model = nnx.clone(model)
     # The clone holds new layer objects: find them again, by path.
@@ -226,15 +253,25 @@ def _dense(layer):
     kernel = _core.dense_kernel(layer.kernel[...], layer.layout)
     bias = None if layer.bias is None else layer.bias[...]
     common = dict(
-        use_bias=bias is not None, dtype=layer.dtype, param_dtype=layer.param_dtype, precision=layer.precision,
-        kernel_init=_constant(kernel), rngs=nnx.Rngs(0),
+        use_bias=bias is not None,
+        dtype=layer.dtype,
+        param_dtype=layer.param_dtype,
+        precision=layer.precision,
+        kernel_init=_constant(kernel),
+        rngs=nnx.Rngs(0),
     )
     if bias is not None:
         common["bias_init"] = _constant(bias)
     if isinstance(layer, BlockSparseConv):
         return nnx.Conv(
-            layer.in_features, layer.out_features, layer.kernel_size, layer.strides, padding=layer.padding,
-            input_dilation=layer.input_dilation, kernel_dilation=layer.kernel_dilation, **common,
+            layer.in_features,
+            layer.out_features,
+            layer.kernel_size,
+            layer.strides,
+            padding=layer.padding,
+            input_dilation=layer.input_dilation,
+            kernel_dilation=layer.kernel_dilation,
+            **common,
         )
     return nnx.Linear(layer.in_features, layer.out_features, **common)
 

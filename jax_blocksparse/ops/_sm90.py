@@ -194,8 +194,9 @@ def select_target(target: str, verified: frozenset[str]) -> str:
     return sm90 if cc.split(".")[0] == "9" else target
 
 
-def updat_workspace_bytes(dtype, n: int, grid: tuple[int, int], capacity: int, bs: int, *, tf32: bool = False,
-                          num_sms: int | None = None) -> int:
+def updat_workspace_bytes(
+    dtype, n: int, grid: tuple[int, int], capacity: int, bs: int, *, tf32: bool = False, num_sms: int | None = None
+) -> int:
     """Bytes of the updat_sm90 workspace: float32 partials [splits, capacity, bs, bs] when the
     kernel's plan splits the N reduction, else 0 (also for the problems the portable kernels
     run). The extension computes it with the function the handler checks the workspace with

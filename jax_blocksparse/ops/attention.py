@@ -76,14 +76,20 @@ def _check_qkv(query, key, value):
         raise ValueError(f"query must be [batch, T_q, heads, head_dim], got shape {tuple(query.shape)}")
     b, _, h, d = query.shape
     if key.ndim != 4 or key.shape[0] != b or key.shape[3] != d:
-        raise ValueError(f"key must be [batch={b}, T_kv, kv_heads, head_dim={d}] (query {tuple(query.shape)}), "
-                         f"got shape {tuple(key.shape)}")
+        raise ValueError(
+            f"key must be [batch={b}, T_kv, kv_heads, head_dim={d}] (query {tuple(query.shape)}), "
+            f"got shape {tuple(key.shape)}"
+        )
     if value.ndim != 4 or value.shape[:3] != key.shape[:3]:
-        raise ValueError(f"value must be [batch, T_kv, kv_heads, head_dim_v] with the first three of key "
-                         f"{tuple(key.shape)}, got shape {tuple(value.shape)}")
+        raise ValueError(
+            f"value must be [batch, T_kv, kv_heads, head_dim_v] with the first three of key "
+            f"{tuple(key.shape)}, got shape {tuple(value.shape)}"
+        )
     if key.shape[2] == 0 or h % key.shape[2]:
-        raise ValueError(f"the query heads ({h}, query {tuple(query.shape)}) must be a multiple of the key/value "
-                         f"heads ({key.shape[2]}, key {tuple(key.shape)})")
+        raise ValueError(
+            f"the query heads ({h}, query {tuple(query.shape)}) must be a multiple of the key/value "
+            f"heads ({key.shape[2]}, key {tuple(key.shape)})"
+        )
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, {key.dtype} and {value.dtype}")
     return query, key, value
@@ -96,10 +102,13 @@ def as_block_mask(block_mask, block_size, *, mask_fn=None) -> BlockMask:
             raise ValueError(f"block_size={block_size} differs from the block mask's {block_mask.block_size}")
         if mask_fn is not None:
             if block_mask.mask_fn is not None:
-                raise ValueError("mask_fn is given twice: the BlockMask already carries one (its full tiles "
-                                 "are full for that function)")
-            block_mask = BlockMask(block_mask.blocks, block_mask.block_size, mask_fn=mask_fn,
-                                   capacity=block_mask.capacity)
+                raise ValueError(
+                    "mask_fn is given twice: the BlockMask already carries one (its full tiles "
+                    "are full for that function)"
+                )
+            block_mask = BlockMask(
+                block_mask.blocks, block_mask.block_size, mask_fn=mask_fn, capacity=block_mask.capacity
+            )
         return block_mask
     if block_size is None:
         raise TypeError("block_size is required when block_mask is a bool grid (a BlockMask carries its own)")
@@ -120,8 +129,10 @@ def _check_grid(bm: BlockMask, batch, heads, q_len, kv_len):
     if q_len % bs or kv_len % bs:
         raise ValueError(f"T_q={q_len} and T_kv={kv_len} must be multiples of block_size={bs}")
     if (n_q, n_kv) != (q_len // bs, kv_len // bs):
-        raise ValueError(f"block_mask of grid {bm.grid} does not match T_q={q_len}, T_kv={kv_len} at block_size={bs}: "
-                         f"its last two dims must be [{q_len // bs}, {kv_len // bs}]")
+        raise ValueError(
+            f"block_mask of grid {bm.grid} does not match T_q={q_len}, T_kv={kv_len} at block_size={bs}: "
+            f"its last two dims must be [{q_len // bs}, {kv_len // bs}]"
+        )
     if gb not in (1, batch) or gh not in (1, heads):
         raise ValueError(f"block_mask of grid {bm.grid} must have batch 1 or {batch} and heads 1 or {heads}")
 
@@ -142,8 +153,10 @@ def _check_bias(bias, batch, heads, q_len, kv_len):
     full = (batch, heads, q_len, kv_len)
     shape = (1,) * (4 - bias.ndim) + tuple(bias.shape)
     if bias.ndim > 4 or any(s not in (1, f) for s, f in zip(shape, full)) or shape[2:] != full[2:]:
-        raise ValueError(f"bias must broadcast to [batch, heads, T_q, T_kv] = {list(full)} with its last two dims "
-                         f"[T_q, T_kv], got shape {tuple(bias.shape)}")
+        raise ValueError(
+            f"bias must broadcast to [batch, heads, T_q, T_kv] = {list(full)} with its last two dims "
+            f"[T_q, T_kv], got shape {tuple(bias.shape)}"
+        )
     return bias.reshape(shape)
 
 
@@ -265,15 +278,25 @@ def blocksparse_attention(
         data["q_segments"] = _int_array(query_segment_ids, "query_segment_ids", (batch, q_len))
         if key_value_segment_ids is None:
             if q_len != kv_len:
-                raise ValueError(f"T_q={q_len} != T_kv={kv_len}: key_value_segment_ids is needed with "
-                                 "query_segment_ids")
+                raise ValueError(
+                    f"T_q={q_len} != T_kv={kv_len}: key_value_segment_ids is needed with query_segment_ids"
+                )
             data["kv_segments"] = data["q_segments"]
         else:
             data["kv_segments"] = _int_array(key_value_segment_ids, "key_value_segment_ids", (batch, kv_len))
 
-    body = functools.partial(_attend, block_size=bm.block_size, mask_fn=bm.mask_fn, capacity=bm.capacity,
-                             is_causal=bool(is_causal), scale=scale, score_fn=score_fn, dropout_rate=dropout_rate,
-                             precision=precision, impl=impl)
+    body = functools.partial(
+        _attend,
+        block_size=bm.block_size,
+        mask_fn=bm.mask_fn,
+        capacity=bm.capacity,
+        is_causal=bool(is_causal),
+        scale=scale,
+        score_fn=score_fn,
+        dropout_rate=dropout_rate,
+        precision=precision,
+        impl=impl,
+    )
     grids = {"blocks": bm.blocks, "full": bm.full}
     axes, size = _auto_mesh_axes(query)
     if size > 1 and batch % size == 0:
@@ -333,8 +356,24 @@ def _features(a):
     return a.transpose(3, 0, 2, 1).reshape(d, b * h * t)
 
 
-def _attend(query, key, value, data, grids, rng, *, block_size, mask_fn, capacity, is_causal, scale, score_fn,
-            dropout_rate, precision, impl):
+def _attend(
+    query,
+    key,
+    value,
+    data,
+    grids,
+    rng,
+    *,
+    block_size,
+    mask_fn,
+    capacity,
+    is_causal,
+    scale,
+    score_fn,
+    dropout_rate,
+    precision,
+    impl,
+):
     """The attention of checked operands on one device: see :func:`blocksparse_attention`."""
     batch, q_len, heads, _ = query.shape
     kv_heads, dv = key.shape[2], value.shape[3]
@@ -345,17 +384,25 @@ def _attend(query, key, value, data, grids, rng, *, block_size, mask_fn, capacit
         return jnp.zeros((batch, q_len, heads, dv), query.dtype)
 
     # scores[s] = k_block @ q_block^T: [total, bs_kv, bs_q], float32
-    scores = bsmm_updat(_features(key), _features(query), layout, out_dtype=jnp.float32, precision=precision,
-                        impl=impl) * jnp.float32(scale)
+    scores = bsmm_updat(
+        _features(key), _features(query), layout, out_dtype=jnp.float32, precision=precision, impl=impl
+    ) * jnp.float32(scale)
     if "bias" in data:
         bias = data["bias"]
         tiles = bias.reshape(bias.shape[:2] + (q_len // block_size, block_size, -1, block_size))
-        pick = (plan.batch if bias.shape[0] > 1 else 0, plan.head if bias.shape[1] > 1 else 0, plan.q_block,
-                slice(None), plan.kv_block, slice(None))
+        pick = (
+            plan.batch if bias.shape[0] > 1 else 0,
+            plan.head if bias.shape[1] > 1 else 0,
+            plan.q_block,
+            slice(None),
+            plan.kv_block,
+            slice(None),
+        )
         scores = scores + tiles[pick].swapaxes(-1, -2).astype(jnp.float32)  # [total, bs_kv, bs_q]
     if score_fn is not None:
-        scores = elementwise(lambda s, *i: jnp.asarray(score_fn(s, *i), jnp.float32), scores,
-                             *_element_indices(plan, block_size))
+        scores = elementwise(
+            lambda s, *i: jnp.asarray(score_fn(s, *i), jnp.float32), scores, *_element_indices(plan, block_size)
+        )
     keep = _kept(plan, mask_fn, is_causal, data, block_size)
     if keep is not None:
         scores = jnp.where(keep, scores, -jnp.inf)
@@ -374,8 +421,14 @@ def _attend(query, key, value, data, grids, rng, *, block_size, mask_fn, capacit
         kept = jax.random.bernoulli(rng, 1.0 - dropout_rate, probs.shape)
         probs = jnp.where(kept, probs / (1.0 - dropout_rate), 0.0)
 
-    out_t = bsmm(_features(value), probs.astype(value.dtype), layout, preferred_element_type=query.dtype,
-                 precision=precision, impl=impl)  # [Dv, B*H*T_q] = (P @ v)^T
+    out_t = bsmm(
+        _features(value),
+        probs.astype(value.dtype),
+        layout,
+        preferred_element_type=query.dtype,
+        precision=precision,
+        impl=impl,
+    )  # [Dv, B*H*T_q] = (P @ v)^T
     out = out_t.reshape(dv, batch, heads, q_len).transpose(1, 3, 2, 0)
     if plan.overflow is not None:  # tiles were dropped: say so loudly (nothing can raise inside jit)
         out = jnp.where(plan.overflow, jnp.nan, out)
@@ -405,6 +458,7 @@ def _kept(plan, mask_fn, is_causal, data, bs: int):
         return c if a is None else a & c
 
     if mask_fn is not None or is_causal:
+
         def structured(b, h, q, kv):
             m = mask_fn(b, h, q, kv) if mask_fn is not None else True
             return m & (q >= kv) if is_causal else m
@@ -528,8 +582,9 @@ def blocksparse_decode(
         kv_head = (jnp.arange(heads) // group)[None, :, None]
         keys = key_cache.reshape(batch, -1, bs, kv_heads, head_dim)[b_ix, ids, :, kv_head, :]  # [B, H, w, bs, D]
         values = value_cache.reshape(batch, -1, bs, kv_heads, value_cache.shape[-1])[b_ix, ids, :, kv_head, :]
-        s = jnp.einsum("bhd,bhwkd->bhwk", query[:, 0], keys, preferred_element_type=jnp.float32,
-                       precision=precision) * jnp.float32(scale)
+        s = jnp.einsum(
+            "bhd,bhwkd->bhwk", query[:, 0], keys, preferred_element_type=jnp.float32, precision=precision
+        ) * jnp.float32(scale)
         kv_idx = ids[..., None] * bs + jnp.arange(bs, dtype=jnp.int32)  # [B, H, w, bs]
         b_i = jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]
         h_i = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
@@ -543,8 +598,13 @@ def blocksparse_decode(
         e = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
         total = e.sum(axis=(2, 3), keepdims=True)
         p = e * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-        out = jnp.einsum("bhwk,bhwkd->bhd", p.astype(value_cache.dtype), values, preferred_element_type=jnp.float32,
-                         precision=precision)
+        out = jnp.einsum(
+            "bhwk,bhwkd->bhd",
+            p.astype(value_cache.dtype),
+            values,
+            preferred_element_type=jnp.float32,
+            precision=precision,
+        )
         return out.astype(query.dtype)[:, None]
 
     branches = [functools.partial(step, width) for width in table.buckets]

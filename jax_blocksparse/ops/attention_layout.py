@@ -142,6 +142,15 @@ def stacked_plan(bm: BlockMask, batch: int, heads: int, kv_heads: int, is_causal
     """
     if bm.is_concrete:
         full_key = None if bm.full is None else np.ascontiguousarray(bm.full).tobytes()
-        return _host_plan(np.ascontiguousarray(bm.blocks).tobytes(), full_key, bm.grid, bm.block_size, batch, heads,
-                          kv_heads, bool(is_causal), bm.mask_fn is not None)
+        return _host_plan(
+            np.ascontiguousarray(bm.blocks).tobytes(),
+            full_key,
+            bm.grid,
+            bm.block_size,
+            batch,
+            heads,
+            kv_heads,
+            bool(is_causal),
+            bm.mask_fn is not None,
+        )
     return _traced_plan(bm, batch, heads, kv_heads, is_causal)

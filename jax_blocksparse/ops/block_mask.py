@@ -42,11 +42,14 @@ def _grid4(array, name: str):
     if not hasattr(array, "shape"):
         array = np.asarray(array)
     if np.dtype(array.dtype) != np.bool_:
-        raise TypeError(f"{name} must be a boolean block grid, got dtype {np.dtype(array.dtype)} "
-                        f"with shape {tuple(array.shape)}")
+        raise TypeError(
+            f"{name} must be a boolean block grid, got dtype {np.dtype(array.dtype)} with shape {tuple(array.shape)}"
+        )
     if array.ndim not in (2, 3, 4):
-        raise ValueError(f"{name} must be [T_q/bs, T_kv/bs], [heads, T_q/bs, T_kv/bs] or "
-                         f"[batch, heads, T_q/bs, T_kv/bs], got shape {tuple(array.shape)}")
+        raise ValueError(
+            f"{name} must be [T_q/bs, T_kv/bs], [heads, T_q/bs, T_kv/bs] or "
+            f"[batch, heads, T_q/bs, T_kv/bs], got shape {tuple(array.shape)}"
+        )
     shape = (1,) * (4 - array.ndim) + tuple(array.shape)
     if _is_concrete(array):
         return np.asarray(array).reshape(shape)
@@ -71,8 +74,10 @@ def check_token_fn(fn, name: str, *, takes_score: bool):
         out = jax.eval_shape(fn, *args)
     except Exception as e:
         signature = "(score, b, h, q_idx, kv_idx)" if takes_score else "(b, h, q_idx, kv_idx)"
-        raise TypeError(f"{name} must take {signature} as int32 scalars{' and a float32 score' if takes_score else ''}"
-                        f" (it is traced elementwise); calling it failed with {type(e).__name__}: {e}") from e
+        raise TypeError(
+            f"{name} must take {signature} as int32 scalars{' and a float32 score' if takes_score else ''}"
+            f" (it is traced elementwise); calling it failed with {type(e).__name__}: {e}"
+        ) from e
     if not hasattr(out, "shape") or out.shape != ():
         raise TypeError(f"{name} must return one value per element (a scalar), got {out}")
     if takes_score and not jnp.issubdtype(out.dtype, jnp.floating):
@@ -150,15 +155,22 @@ class BlockMask:
             if capacity is None:
                 capacity = most
             elif capacity < most:
-                raise ValueError(f"capacity={capacity} is smaller than the {most} blocks of one (batch, head) grid "
-                                 f"of blocks {blocks.shape}")
+                raise ValueError(
+                    f"capacity={capacity} is smaller than the {most} blocks of one (batch, head) grid "
+                    f"of blocks {blocks.shape}"
+                )
         elif capacity is None:
             raise ValueError(
                 f"a traced block grid (shape {tuple(blocks.shape)}) needs capacity=<blocks per (batch, head)>: "
                 "the attention's layout is built inside jit with that many slots"
             )
         self.blocks, self.full, self.block_size, self.mask_fn, self.capacity = (
-            blocks, full, block_size, mask_fn, capacity)
+            blocks,
+            full,
+            block_size,
+            mask_fn,
+            capacity,
+        )
 
     # -- pytree -------------------------------------------------------------------
 
@@ -245,8 +257,9 @@ def _length(value, name, block_size):
     return value
 
 
-def create_block_mask(mask_fn, batch, heads, q_len: int, kv_len: int, block_size: int, *,
-                      capacity: int | None = None) -> BlockMask:
+def create_block_mask(
+    mask_fn, batch, heads, q_len: int, kv_len: int, block_size: int, *, capacity: int | None = None
+) -> BlockMask:
     """The :class:`BlockMask` of a token-level mask: tiles where ``mask_fn`` holds anywhere.
 
     ``mask_fn(b, h, q_idx, kv_idx) -> bool`` is evaluated at every element of the
@@ -300,13 +313,22 @@ def create_block_mask(mask_fn, batch, heads, q_len: int, kv_len: int, block_size
     if _is_concrete(blocks) and _is_concrete(full):
         blocks, full = np.asarray(blocks), np.asarray(full)
     elif capacity is None:
-        raise ValueError("create_block_mask: mask_fn depends on traced values (inside jit), so the block mask is "
-                         "traced and needs capacity=<blocks per (batch, head)>")
+        raise ValueError(
+            "create_block_mask: mask_fn depends on traced values (inside jit), so the block mask is "
+            "traced and needs capacity=<blocks per (batch, head)>"
+        )
     return BlockMask(blocks, block_size, full=full, mask_fn=mask_fn, capacity=capacity)
 
 
-def block_mask_from_segments(query_segment_ids, key_value_segment_ids=None, *, block_size: int,
-                             capacity: int | None = None, is_causal: bool = False, pattern=None) -> BlockMask:
+def block_mask_from_segments(
+    query_segment_ids,
+    key_value_segment_ids=None,
+    *,
+    block_size: int,
+    capacity: int | None = None,
+    is_causal: bool = False,
+    pattern=None,
+) -> BlockMask:
     """The tiles where a query and a key of the same segment (packed document) can meet.
 
     A tile (i, j) of batch row b is present when the segment ids of query block i and
@@ -344,11 +366,16 @@ def block_mask_from_segments(query_segment_ids, key_value_segment_ids=None, *, b
     """
     block_size = check_block_size(block_size)
     q_ids = _segment_ids(query_segment_ids, "query_segment_ids", block_size)
-    kv_ids = q_ids if key_value_segment_ids is None else _segment_ids(key_value_segment_ids, "key_value_segment_ids",
-                                                                      block_size)
+    kv_ids = (
+        q_ids
+        if key_value_segment_ids is None
+        else _segment_ids(key_value_segment_ids, "key_value_segment_ids", block_size)
+    )
     if kv_ids.shape[0] != q_ids.shape[0]:
-        raise ValueError(f"key_value_segment_ids must have the batch of query_segment_ids {tuple(q_ids.shape)}, "
-                         f"got {tuple(kv_ids.shape)}")
+        raise ValueError(
+            f"key_value_segment_ids must have the batch of query_segment_ids {tuple(q_ids.shape)}, "
+            f"got {tuple(kv_ids.shape)}"
+        )
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     xp = np if _is_concrete(q_ids) and _is_concrete(kv_ids) else jnp

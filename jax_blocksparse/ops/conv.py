@@ -206,21 +206,23 @@ def bsconv_transpose(
     layout = check_layout(layout)
     x, w = jnp.asarray(as_float_array(x, "x")), jnp.asarray(as_float_array(w, "w"))
     g = _geometry(
-        "bsconv_transpose", x, w, layout, strides, padding, dilation, 1, transpose=True,
+        "bsconv_transpose",
+        x,
+        w,
+        layout,
+        strides,
+        padding,
+        dilation,
+        1,
+        transpose=True,
         transpose_kernel=transpose_kernel,
     )
-    prec = _precision(
-        "bsconv_transpose", x, w, preferred_element_type, compute_dtype, float32_dw, precision, impl
-    )
+    prec = _precision("bsconv_transpose", x, w, preferred_element_type, compute_dtype, float32_dw, precision, impl)
     k_out = layout.shape[0] if transpose_kernel else layout.shape[1]
     out_shape = (x.shape[0], *g.out_spatial, k_out)
     if _is_empty(out_shape) or _is_empty(x.shape[1:-1]):
         return jnp.zeros(out_shape, prec.out_dtype)
     return _bind(x, w, layout, g, prec, transpose_kernel=bool(transpose_kernel))
-
-
-
-
 
 
 def bsconv_reference(
@@ -271,7 +273,15 @@ def bsconv_transpose_reference(
     layout = check_layout(layout)
     x, w = jnp.asarray(as_float_array(x, "x")), jnp.asarray(as_float_array(w, "w"))
     g = _geometry(
-        "bsconv_transpose_reference", x, w, layout, strides, padding, dilation, 1, transpose=True,
+        "bsconv_transpose_reference",
+        x,
+        w,
+        layout,
+        strides,
+        padding,
+        dilation,
+        1,
+        transpose=True,
         transpose_kernel=transpose_kernel,
     )
     common = compute_dtype_of(compute_dtype, x.dtype, w.dtype)
@@ -293,10 +303,6 @@ def bsconv_transpose_reference(
 # ---------------------------------------------------------------------------------
 # Shape rules
 # ---------------------------------------------------------------------------------
-
-
-
-
 
 
 def _precision(op, x, w, preferred_element_type, compute_dtype, float32_dw, precision, impl) -> Precision:
@@ -321,8 +327,6 @@ def _dimension_numbers(ndim: int):
 
 def _is_empty(shape) -> bool:
     return any(d == 0 for d in shape)
-
-
 
 
 def _int_tuple(value, n: int, name: str, op: str) -> tuple[int, ...]:
@@ -459,7 +463,3 @@ def _bind(x, w, layout: Layout, g: Geometry, prec: Precision, *, transpose_kerne
         impl=prec.impl,
         precision=prec.precision,
     )
-
-
-
-

@@ -191,8 +191,9 @@ def wgrad_reference(a, b, *tables, spec, kernel_size, block_size, compute_dtype,
     b = b.astype(compute_dtype).astype(jnp.float32)
 
     def conv_fun(a, w):
-        return conv_reference(a, w, *tables, spec=spec, compute_dtype=jnp.float32, out_dtype=jnp.float32,
-                              precision=precision)
+        return conv_reference(
+            a, w, *tables, spec=spec, compute_dtype=jnp.float32, out_dtype=jnp.float32, precision=precision
+        )
 
     return _wgrad_by_transpose(conv_fun, a, b, tables, spec, kernel_size, block_size, out_dtype)
 
@@ -215,7 +216,11 @@ def _composed_conv(a, w, tables, spec, compute_dtype, out_dtype, precision, impl
     kernel_size = tuple(w.shape[1:-2])
     layout = _layout(tables, w.shape[-1])
     g = Geometry(
-        kernel_size, spec.strides, spec.padding, spec.lhs_dilation, spec.rhs_dilation,
+        kernel_size,
+        spec.strides,
+        spec.padding,
+        spec.lhs_dilation,
+        spec.rhs_dilation,
         output_spatial(a.shape[1:-1], kernel_size, spec),
     )
     prec = Precision(np.dtype(compute_dtype), np.dtype(out_dtype), False, precision, impl)
@@ -226,8 +231,7 @@ def conv_composed(a, w, *tables, spec, compute_dtype, out_dtype, impl, precision
     return _composed_conv(a, w, tables, spec, compute_dtype, out_dtype, precision, impl)
 
 
-def wgrad_composed(a, b, *tables, spec, kernel_size, block_size, compute_dtype, out_dtype, impl, precision=None,
-                   **_):
+def wgrad_composed(a, b, *tables, spec, kernel_size, block_size, compute_dtype, out_dtype, impl, precision=None, **_):
     a = a.astype(compute_dtype)
 
     def conv_fun(a, w):
@@ -244,6 +248,7 @@ def wgrad_composed(a, b, *tables, spec, kernel_size, block_size, compute_dtype, 
 # ---------------------------------------------------------------------------------
 # Lowerings: the native CPU kernels
 # ---------------------------------------------------------------------------------
+
 
 def _kernel_dtype(in_dtype, out_dtype):
     """What the handler writes: the input dtype or float32 (any other is a cast of that)."""
@@ -395,8 +400,16 @@ def _conv_transpose(ct, a, w, *tables, spec, compute_dtype, out_dtype, impl, pre
         back = dual(spec, a_aval.shape[1:-1], kernel_size)
         ct_a = conv(ct, w, tables, spec=back, **dict(params, compute_dtype=common), out_dtype=a_aval.dtype)
     if ad.is_undefined_primal(w):
-        ct_w = wgrad(a, ct, tables, spec=spec, kernel_size=kernel_size, block_size=w_aval.shape[-1],
-                     **dict(params, compute_dtype=common), out_dtype=w_aval.dtype)
+        ct_w = wgrad(
+            a,
+            ct,
+            tables,
+            spec=spec,
+            kernel_size=kernel_size,
+            block_size=w_aval.shape[-1],
+            **dict(params, compute_dtype=common),
+            out_dtype=w_aval.dtype,
+        )
     return [ct_a, ct_w, *nones]
 
 

@@ -62,7 +62,11 @@ def dual(spec: ConvSpec, in_spatial, kernel_size) -> ConvSpec:
     out = output_spatial(in_spatial, kernel_size, spec)
     padding = []
     for n, o, ke, (lo, _), s, ld in zip(
-        in_spatial, out, effective_kernel(kernel_size, spec.rhs_dilation), spec.padding, spec.strides,
+        in_spatial,
+        out,
+        effective_kernel(kernel_size, spec.rhs_dilation),
+        spec.padding,
+        spec.strides,
         spec.lhs_dilation,
     ):
         lo2 = ke - 1 - lo

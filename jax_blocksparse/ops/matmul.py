@@ -282,9 +282,7 @@ def bsmm_reference(
 
 def _check_w(w, layout: Layout):
     if w.shape != layout.w_shape:
-        raise ValueError(
-            f"w must have shape [capacity, bs, bs] = {layout.w_shape} for {layout}, got {tuple(w.shape)}"
-        )
+        raise ValueError(f"w must have shape [capacity, bs, bs] = {layout.w_shape} for {layout}, got {tuple(w.shape)}")
 
 
 def _params(layout: Layout, out_dtype, precision, impl) -> dict:
@@ -440,10 +438,7 @@ def _matchvarying_axes(operands):
     union = frozenset().union(*vmas)
     if not union:
         return list(operands)
-    return [
-        o if v == union else pvary(o, tuple(sorted(union - v)))
-        for o, v in zip(operands, vmas)
-    ]
+    return [o if v == union else pvary(o, tuple(sorted(union - v))) for o, v in zip(operands, vmas)]
 
 
 def _bind(prim, a, b, tables, *, block_size, out_dtype, impl, precision, lhs_dtype=None):
@@ -593,8 +588,10 @@ def _batch_rule(prim):
             dw = prim.bind(a, _fold_features(b, nb), *stacked, **params)
             return dw[pos], 0
         capacity = b.shape[1]
-        b_stacked = jnp.zeros((nb * capacity,) + b.shape[2:], b.dtype).at[pos.reshape(-1)].set(
-            b.reshape(nb * capacity, *b.shape[2:]), unique_indices=True
+        b_stacked = (
+            jnp.zeros((nb * capacity,) + b.shape[2:], b.dtype)
+            .at[pos.reshape(-1)]
+            .set(b.reshape(nb * capacity, *b.shape[2:]), unique_indices=True)
         )
         out = prim.bind(a, b_stacked, *stacked, **params)
         return _unfold_features(out, nb), 0
@@ -706,6 +703,7 @@ def _transpose_rule(prim):
 # ---------------------------------------------------------------------------------
 # Registration
 # ---------------------------------------------------------------------------------
+
 
 @functools.cache
 def _jitted_bind(prim, params: tuple):

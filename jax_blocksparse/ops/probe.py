@@ -118,8 +118,17 @@ def _probe_bwd(grid, block_size, precision, impl, residuals, dy):
 probe_product.defvjp(_probe_fwd, _probe_bwd)
 
 
-def linear(inputs, kernel, layout_like, bias=None, compute_dtype=None, float32_dw: bool = False, *, precision=None,
-           impl: str | None = None):
+def linear(
+    inputs,
+    kernel,
+    layout_like,
+    bias=None,
+    compute_dtype=None,
+    float32_dw: bool = False,
+    *,
+    precision=None,
+    impl: str | None = None,
+):
     """``bsmm(inputs, kernel, layout) + bias``, plus the probe term for a ProbedLayout.
 
     Args:
@@ -137,8 +146,7 @@ def linear(inputs, kernel, layout_like, bias=None, compute_dtype=None, float32_d
     layout, probe = unwrap(layout_like)
     # Resolved here, so the probe's gradient runs as the forward product was traced.
     precision, impl = canonical_precision(precision), config.canonical_impl(impl)
-    y = bsmm(inputs, kernel, layout, compute_dtype=compute_dtype, float32_dw=float32_dw, precision=precision,
-             impl=impl)
+    y = bsmm(inputs, kernel, layout, compute_dtype=compute_dtype, float32_dw=float32_dw, precision=precision, impl=impl)
     if probe is not None:
         y = y + probe_product(inputs, probe, layout.grid, layout.block_size, precision, impl).astype(y.dtype)
     if bias is not None:

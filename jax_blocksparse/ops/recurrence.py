@@ -97,7 +97,13 @@ from jax_blocksparse.ops._checks import canonical_precision, pvary, varying_axes
 from jax_blocksparse.ops.matmul import bsmm, bsmm_updat
 
 __all__ = [
-    "LSTMSpec", "LSTMStage", "bs_lstm_sequence", "bs_lstm_step", "check_step_inputs", "lstm_spec", "project_inputs",
+    "LSTMSpec",
+    "LSTMStage",
+    "bs_lstm_sequence",
+    "bs_lstm_step",
+    "check_step_inputs",
+    "lstm_spec",
+    "project_inputs",
 ]
 
 _F32 = jnp.float32
@@ -197,8 +203,9 @@ class LSTMSpec:
         return shapes
 
 
-def lstm_stages(recurrent_layout: Layout, step_layouts=(), mh_layout: Layout | None = None,
-                layer_norm: bool = True) -> tuple[LSTMStage, ...]:
+def lstm_stages(
+    recurrent_layout: Layout, step_layouts=(), mh_layout: Layout | None = None, layer_norm: bool = True
+) -> tuple[LSTMStage, ...]:
     """The products of one timestep, named: ``mh_kernel`` (if ``mh_layout``), ``step{i}_kernel``,
     ``recurrent_kernel``, each with its vector parameters. No checks (see :func:`lstm_spec`)."""
     stages = []
@@ -289,8 +296,21 @@ def lstm_spec(
     if impl is not None:
         impl = config.canonical_impl(impl, name="lstm_spec: impl")
     stages = lstm_stages(recurrent_layout, steps, mh, bool(layer_norm))
-    return LSTMSpec(h, stages, input_layout, mh is not None, bool(layer_norm), float(epsilon), gate_fn,
-                    activation_fn, internal_activation, dtype, bool(float32_dw), precision, impl)
+    return LSTMSpec(
+        h,
+        stages,
+        input_layout,
+        mh is not None,
+        bool(layer_norm),
+        float(epsilon),
+        gate_fn,
+        activation_fn,
+        internal_activation,
+        dtype,
+        bool(float32_dw),
+        precision,
+        impl,
+    )
 
 
 def check_step_inputs(fn: str, carry, inputs, features: int):
@@ -299,9 +319,7 @@ def check_step_inputs(fn: str, carry, inputs, features: int):
         raise ValueError(f"{fn}: carry must be a pair (c, h) from initialize_carry, got {type(carry).__name__}")
     c, h = carry
     if jnp.shape(c)[-1:] != (features,) or jnp.shape(h)[-1:] != (features,):
-        raise ValueError(
-            f"{fn}: carry (c, h) must have shape [..., {features}], got {jnp.shape(c)} and {jnp.shape(h)}"
-        )
+        raise ValueError(f"{fn}: carry (c, h) must have shape [..., {features}], got {jnp.shape(c)} and {jnp.shape(h)}")
     if jnp.ndim(inputs) < 1:
         raise ValueError(f"{fn}: inputs must have shape [..., in_features], got {jnp.shape(inputs)}")
 
@@ -374,8 +392,14 @@ def project_inputs(spec: LSTMSpec, params, x):
         p = jnp.matmul(x, kernel, precision=spec.precision, preferred_element_type=_F32)
     else:
         p = bsmm(
-            x, kernel, spec.input_layout, preferred_element_type=_F32, compute_dtype=spec.dtype,
-            float32_dw=spec.float32_dw, precision=spec.precision, impl=spec.impl,
+            x,
+            kernel,
+            spec.input_layout,
+            preferred_element_type=_F32,
+            compute_dtype=spec.dtype,
+            float32_dw=spec.float32_dw,
+            precision=spec.precision,
+            impl=spec.impl,
         )
     if spec.layer_norm:
         p = _group_norm(p, spec.groups, spec.epsilon) * params["input_scale"].astype(_F32)
@@ -442,8 +466,15 @@ def _chain(spec: LSTMSpec, weights, small, carry, aux):
     r = h.astype(spec.dtype)
     rs, zs = [], []
     for stage, w, sm in zip(spec.stages, weights, small):
-        z = bsmm(r, w, stage.layout, compute_dtype=spec.dtype, float32_dw=spec.float32_dw, precision=spec.precision,
-                 impl=spec.impl)
+        z = bsmm(
+            r,
+            w,
+            stage.layout,
+            compute_dtype=spec.dtype,
+            float32_dw=spec.float32_dw,
+            precision=spec.precision,
+            impl=spec.impl,
+        )
         rs.append(r)
         zs.append(z)
         out = _piece(spec, stage, z, aux, c, h.dtype, sm)

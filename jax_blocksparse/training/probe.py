@@ -29,8 +29,15 @@ from jax_blocksparse.ops.probe import (
 from jax_blocksparse.training import _paths
 
 __all__ = [
-    "ProbedLayout", "dense_grads", "dense_grid_blocks", "grid_view", "linear", "probe_product", "probed",
-    "unwrap", "zero_probes",
+    "ProbedLayout",
+    "dense_grads",
+    "dense_grid_blocks",
+    "grid_view",
+    "linear",
+    "probe_product",
+    "probed",
+    "unwrap",
+    "zero_probes",
 ]
 
 

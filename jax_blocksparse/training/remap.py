@@ -71,8 +71,7 @@ def remap_blocks(values, old_layout: Layout, new_layout: Layout, fill=0):
     old_layout, new_layout = _check_pair(old_layout, new_layout)
     if values.ndim < 1 or values.shape[0] != old_layout.capacity:
         raise ValueError(
-            f"remap_blocks: values must have shape [old capacity={old_layout.capacity}, ...], "
-            f"got {tuple(values.shape)}"
+            f"remap_blocks: values must have shape [old capacity={old_layout.capacity}, ...], got {tuple(values.shape)}"
         )
     return _move(values, slot_map(old_layout, new_layout), fill)
 

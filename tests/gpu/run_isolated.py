@@ -73,8 +73,13 @@ POLL_S = 0.1
 _CUDA_ERROR = re.compile(r"CUDA_ERROR_\w+|CUDA error|cudaError\w+|illegal memory access|misaligned address")
 # compute-sanitizer's line prefix (nine "=", not a longer pytest rule), possibly after pytest's dots.
 _SANITIZER_PREFIX = re.compile(r"(?<!=)========= ")
-_SANITIZER_BORING = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "LEAK SUMMARY", "RACECHECK SUMMARY",
-                     "Target application returned")
+_SANITIZER_BORING = (
+    "COMPUTE-SANITIZER",
+    "ERROR SUMMARY",
+    "LEAK SUMMARY",
+    "RACECHECK SUMMARY",
+    "Target application returned",
+)
 
 
 # ---------------------------------------------------------------------------------
@@ -158,7 +163,7 @@ def _node_id(case, file: str) -> str:
     if classname == module:
         return f"{file}::{name}"
     if classname.startswith(module + "."):
-        return f"{file}::{classname[len(module) + 1:].replace('.', '::')}::{name}"
+        return f"{file}::{classname[len(module) + 1 :].replace('.', '::')}::{name}"
     return f"{classname}::{name}" if classname else name
 
 
@@ -175,8 +180,13 @@ def read_junit(path: Path, file: str):
         return None, None
     suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
     counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    counts = dict(tests=counts["tests"], passed=counts["tests"] - counts["failures"] - counts["errors"]
-                  - counts["skipped"], failed=counts["failures"], errors=counts["errors"], skipped=counts["skipped"])
+    counts = dict(
+        tests=counts["tests"],
+        passed=counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+        failed=counts["failures"],
+        errors=counts["errors"],
+        skipped=counts["skipped"],
+    )
     for suite in suites:
         for case in suite.iter("testcase"):
             bad = case.find("failure")
@@ -235,7 +245,7 @@ def sanitizer_first_report(text: str) -> str | None:
             if report:
                 break
             continue
-        line = raw[found.end():]
+        line = raw[found.end() :]
         if not report:
             if line.strip() and not line.startswith(" ") and not any(b in line for b in _SANITIZER_BORING):
                 report.append(line.strip())
@@ -271,12 +281,29 @@ class Runner:
         self.running: list[tuple[dict, subprocess.Popen, float, float]] = []  # job, process, start, limit
         self.sanitizing: list[tuple] = []  # job, process, start, limit, log, argv
         self.report = dict(
-            runner="tests/gpu/run_isolated.py", started=datetime.datetime.now(datetime.timezone.utc)
-            .isoformat(timespec="seconds"), cwd=os.getcwd(), parallel=args.parallel, timeout_s=args.timeout,
-            budget_s=args.budget, pytest_args=self.pytest_args(), complete=False, jobs=jobs)
+            runner="tests/gpu/run_isolated.py",
+            started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            cwd=os.getcwd(),
+            parallel=args.parallel,
+            timeout_s=args.timeout,
+            budget_s=args.budget,
+            pytest_args=self.pytest_args(),
+            complete=False,
+            jobs=jobs,
+        )
         for job in jobs:
-            job.update(status="not-run", rc=None, signal=None, seconds=None, counts=None, first_failure=None,
-                       cuda_error=None, log=f"{job['slug']}.log", junit=f"{job['slug']}.xml", sanitizer=None)
+            job.update(
+                status="not-run",
+                rc=None,
+                signal=None,
+                seconds=None,
+                counts=None,
+                first_failure=None,
+                cuda_error=None,
+                log=f"{job['slug']}.log",
+                junit=f"{job['slug']}.xml",
+                sanitizer=None,
+            )
 
     def pytest_args(self) -> list[str]:
         return ["-x", "-q", "-p", PLUGIN, *self.args.pytest_args]
@@ -302,14 +329,26 @@ class Runner:
 
     def start(self, job) -> None:
         limit = min(self.args.timeout, self.left())
-        cmd = [self.args.python, "-m", "pytest", *job["selection"], *self.pytest_args(),
-               f"--junitxml={self.out / job['junit']}"]
+        cmd = [
+            self.args.python,
+            "-m",
+            "pytest",
+            *job["selection"],
+            *self.pytest_args(),
+            f"--junitxml={self.out / job['junit']}",
+        ]
         job["argv"] = cmd
         for name in (job["junit"], f"{job['slug']}.current"):
             (self.out / name).unlink(missing_ok=True)
         with open(self.out / job["log"], "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=self._env(job), start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self._env(job),
+                start_new_session=True,
+            )
         self.running.append((job, proc, time.monotonic(), limit))
 
     def finish(self, job, proc, started, timed_out) -> None:
@@ -318,9 +357,14 @@ class Runner:
         log = self.out / job["log"]
         counts, first = read_junit(junit, job["file"])
         status = classify(rc, timed_out, junit.exists())
-        job.update(status=status, rc=rc, seconds=round(time.monotonic() - started, 1), counts=counts,
-                   signal=signal.Signals(-rc).name if rc is not None and rc < 0 else None,
-                   cuda_error=cuda_error_line(log))
+        job.update(
+            status=status,
+            rc=rc,
+            seconds=round(time.monotonic() - started, 1),
+            counts=counts,
+            signal=signal.Signals(-rc).name if rc is not None and rc < 0 else None,
+            cuda_error=cuda_error_line(log),
+        )
         if status in ("died", "timeout"):
             current = self.out / f"{job['slug']}.current"
             test = current.read_text().strip() if current.exists() else ""
@@ -336,8 +380,11 @@ class Runner:
             first = dict(test=None, error=_first_line(_tail_error(log)) or f"pytest exit status {rc}")
         job["first_failure"] = first
         counts_text = _counts_text(counts)
-        print(f"[{sum(j['status'] != 'not-run' for j in self.jobs):>3}/{len(self.jobs)}] {status:7} "
-              f"{job['seconds']:7.1f}s  {job['id']}" + (f"  ({counts_text})" if counts_text else ""), flush=True)
+        print(
+            f"[{sum(j['status'] != 'not-run' for j in self.jobs):>3}/{len(self.jobs)}] {status:7} "
+            f"{job['seconds']:7.1f}s  {job['id']}" + (f"  ({counts_text})" if counts_text else ""),
+            flush=True,
+        )
         if first and status != "pass":
             print(f"      first failure: {first.get('test') or '?'}: {first.get('error')}", flush=True)
 
@@ -394,11 +441,29 @@ class Runner:
             while todo and len(self.sanitizing) < self.args.parallel and self.left() >= MIN_START_S:
                 job = todo.pop(0)
                 log = self.out / f"{job['slug']}.memcheck.log"
-                cmd = [tool, "--tool", "memcheck", "--print-limit", "20", self.args.python, "-m", "pytest",
-                       job["first_failure"]["test"], "-x", "-q", *self.args.pytest_args]
+                cmd = [
+                    tool,
+                    "--tool",
+                    "memcheck",
+                    "--print-limit",
+                    "20",
+                    self.args.python,
+                    "-m",
+                    "pytest",
+                    job["first_failure"]["test"],
+                    "-x",
+                    "-q",
+                    *self.args.pytest_args,
+                ]
                 with open(log, "w") as f:
-                    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+                    proc = subprocess.Popen(
+                        cmd,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                        start_new_session=True,
+                    )
                 limit = min(self.args.sanitizer_timeout, self.left())
                 self.sanitizing.append((job, proc, time.monotonic(), limit, log, cmd))
             if todo and not self.sanitizing and self.left() < MIN_START_S:
@@ -418,10 +483,20 @@ class Runner:
                 errors = sanitizer_errors(text)
                 report = sanitizer_first_report(text)
                 status = "timeout" if timed_out else ("errors" if report or errors else "clean")
-                job["sanitizer"] = dict(status=status, rc=proc.returncode, seconds=round(time.monotonic() - started, 1),
-                                        errors=errors, first_report=report, log=log.name, argv=cmd)
-                print(f"      memcheck {status}: {job['first_failure']['test']}"
-                      + (f": {report.splitlines()[0]}" if report else ""), flush=True)
+                job["sanitizer"] = dict(
+                    status=status,
+                    rc=proc.returncode,
+                    seconds=round(time.monotonic() - started, 1),
+                    errors=errors,
+                    first_report=report,
+                    log=log.name,
+                    argv=cmd,
+                )
+                print(
+                    f"      memcheck {status}: {job['first_failure']['test']}"
+                    + (f": {report.splitlines()[0]}" if report else ""),
+                    flush=True,
+                )
                 self.save()
             self.sanitizing = still
 
@@ -466,8 +541,9 @@ def _counts_text(counts) -> str:
 def totals(jobs: list[dict]) -> dict:
     """Jobs per status and the summed test counts."""
     out = {s: sum(j["status"] == s for j in jobs) for s in STATUSES}
-    tests = {k: sum((j["counts"] or {}).get(k, 0) for j in jobs) for k in ("tests", "passed", "failed", "errors",
-                                                                            "skipped")}
+    tests = {
+        k: sum((j["counts"] or {}).get(k, 0) for j in jobs) for k in ("tests", "passed", "failed", "errors", "skipped")
+    }
     return dict(jobs=len(jobs), **out, tests=tests)
 
 
@@ -476,24 +552,43 @@ def parse_args(argv=None):
     extra = []
     if "--" in argv:
         at = argv.index("--")
-        argv, extra = argv[:at], argv[at + 1:]
+        argv, extra = argv[:at], argv[at + 1 :]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("targets", nargs="+", help="test files or node ids (FILE::NAME)")
     p.add_argument("--out", required=True, help="directory for the logs, JUnit XML and (by default) the JSON")
     p.add_argument("--json", help="the JSON report (default OUT/isolated.json)")
-    p.add_argument("--split", choices=("file", "function"), default="file",
-                   help="one process per file (default) or per test function of each file")
-    p.add_argument("--keyword", action="append", default=[],
-                   help="one process per -k EXPR of each file (repeatable; instead of --split)")
-    p.add_argument("--order", choices=("given", "size"), default="given",
-                   help="start jobs in the order given, or the largest files first")
+    p.add_argument(
+        "--split",
+        choices=("file", "function"),
+        default="file",
+        help="one process per file (default) or per test function of each file",
+    )
+    p.add_argument(
+        "--keyword",
+        action="append",
+        default=[],
+        help="one process per -k EXPR of each file (repeatable; instead of --split)",
+    )
+    p.add_argument(
+        "--order",
+        choices=("given", "size"),
+        default="given",
+        help="start jobs in the order given, or the largest files first",
+    )
     p.add_argument("--parallel", "-P", type=int, default=min(6, os.cpu_count() or 1), help="jobs at a time")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
-    p.add_argument("--budget", type=float, default=0.0,
-                   help="seconds for everything, sanitizer reruns included (0: no limit); no job starts "
-                        f"with under {MIN_START_S:.0f} s left, and none runs past it")
-    p.add_argument("--sanitizer", default=os.environ.get("COMPUTE_SANITIZER", "compute-sanitizer"),
-                   help="compute-sanitizer to rerun first failures under ('' : none)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        help="seconds for everything, sanitizer reruns included (0: no limit); no job starts "
+        f"with under {MIN_START_S:.0f} s left, and none runs past it",
+    )
+    p.add_argument(
+        "--sanitizer",
+        default=os.environ.get("COMPUTE_SANITIZER", "compute-sanitizer"),
+        help="compute-sanitizer to rerun first failures under ('' : none)",
+    )
     p.add_argument("--sanitizer-timeout", type=float, default=120.0, help="seconds per sanitizer rerun")
     p.add_argument("--python", default=sys.executable or "python3", help="the interpreter of the jobs")
     args = p.parse_args(argv)
@@ -520,8 +615,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     runner = Runner(args, make_jobs(args.targets, args.split, args.keyword, args.order))
-    print(f"run_isolated: {len(runner.jobs)} job(s), {args.parallel} at a time, {args.timeout:.0f} s each"
-          + (f", budget {args.budget:.0f} s" if args.budget else ""), flush=True)
+    print(
+        f"run_isolated: {len(runner.jobs)} job(s), {args.parallel} at a time, {args.timeout:.0f} s each"
+        + (f", budget {args.budget:.0f} s" if args.budget else ""),
+        flush=True,
+    )
     old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         runner.save()
@@ -536,10 +634,12 @@ def main(argv=None) -> int:
             signal.signal(s, handler)
         runner.save()
     t = runner.report["totals"]
-    print(f"run_isolated: {t['pass']}/{t['jobs']} jobs passed"
-          + "".join(f", {t[s]} {s}" for s in STATUSES[1:] if t[s])
-          + f"; tests: {_counts_text(t['tests']) or 'none'}; {runner.report['seconds']} s; {runner.json_path}",
-          flush=True)
+    print(
+        f"run_isolated: {t['pass']}/{t['jobs']} jobs passed"
+        + "".join(f", {t[s]} {s}" for s in STATUSES[1:] if t[s])
+        + f"; tests: {_counts_text(t['tests']) or 'none'}; {runner.report['seconds']} s; {runner.json_path}",
+        flush=True,
+    )
     return 0 if t["pass"] == t["jobs"] else 1
 
 

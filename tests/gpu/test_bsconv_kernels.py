@@ -87,9 +87,9 @@ def test_bsconv_transpose_kernels(dtype):
     dtype = DTYPES[dtype]
     x, w, layout = _problem(16, (2, 3), (5, 4), (3, 3), dtype)
     with jbs.config.implementation("kernels"):
-        got = jax.jit(
-            lambda x, w: jbs.bsconv_transpose(x, w, layout, strides=2, padding="SAME", precision="highest")
-        )(x, w)
+        got = jax.jit(lambda x, w: jbs.bsconv_transpose(x, w, layout, strides=2, padding="SAME", precision="highest"))(
+            x, w
+        )
     want = jbs.bsconv_transpose_reference(
         x.astype(jnp.float32), w.astype(jnp.float32), layout, strides=2, padding="SAME"
     )

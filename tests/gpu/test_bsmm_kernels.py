@@ -86,7 +86,7 @@ def _rand(shape, dtype, seed):
 def _weights(layout, dtype, seed):
     """Random blocks; padding slots hold NaN, which must never reach any output."""
     w = np.random.default_rng(seed).standard_normal(layout.w_shape).astype(np.float32)
-    w[layout.nnz:] = np.nan
+    w[layout.nnz :] = np.nan
     return jnp.asarray(w, dtype)
 
 
@@ -231,7 +231,7 @@ def test_grad(bs):
     (gx, gw), (rx, rw) = _both(jax.grad(loss, argnums=(0, 1)), x, w)
     _check(gx, _f64(rx), jnp.float32, k)
     _check(gw[: layout.nnz], _f64(rw)[: layout.nnz], jnp.float32, 5 * 37)
-    assert not np.asarray(gw[layout.nnz:]).any(), "padding slots of dw must be zero"
+    assert not np.asarray(gw[layout.nnz :]).any(), "padding slots of dw must be zero"
 
 
 @pytest.mark.parametrize("bs", (16, 64))

@@ -153,9 +153,7 @@ def test_small_block_updat_rows_and_f32_output(bs, n):
         mask, layout = _layout(kind, bs)
         got, want, length = _run("updat", layout, mask, jnp.bfloat16, (n,), precision="highest")
         _check(got, want, jnp.bfloat16, length)
-        got, want, length = _run(
-            "updat", layout, mask, jnp.float16, (n,), out_dtype=jnp.float32, precision="highest"
-        )
+        got, want, length = _run("updat", layout, mask, jnp.float16, (n,), out_dtype=jnp.float32, precision="highest")
         assert got.dtype == jnp.float32
         _check(got, want, jnp.float16, length, out_dtype=jnp.float32)
 

@@ -76,12 +76,17 @@ def _command_buffer_problems(dtype, result) -> list[str]:
     problems = []
     for program, found in result["command_buffers"].items():
         if found["computations"] == 0:
-            warnings.warn(f"{result['model']} {dtype} {program}: the compiled HLO shows no command_buffer "
-                          "computation; cannot tell whether the kernels were captured", stacklevel=2)
+            warnings.warn(
+                f"{result['model']} {dtype} {program}: the compiled HLO shows no command_buffer "
+                "computation; cannot tell whether the kernels were captured",
+                stacklevel=2,
+            )
         elif found["jbs_calls_inside"] == 0:
-            problems.append(f"{result['model']} {dtype} {program}: XLA formed {found['computations']} command "
-                            "buffers but none holds a jbs custom call: the kernels were not captured (are the "
-                            "FFI handlers still registered with kCmdBufferCompatible?)")
+            problems.append(
+                f"{result['model']} {dtype} {program}: XLA formed {found['computations']} command "
+                "buffers but none holds a jbs custom call: the kernels were not captured (are the "
+                "FFI handlers still registered with kCmdBufferCompatible?)"
+            )
     return problems
 
 
@@ -101,11 +106,15 @@ def test_training_steps(setting, model):
         failures += result["errors"]
         if setting == "graphs":
             failures += _command_buffer_problems(dtype, result)
-        print(f"{where} {dtype}: step_grad_err={result['step_grad_err']:.3g} loss_err={result['loss_err']:.3g} "
-              f"param_err={result['param_err']:.3g} command_buffers={result['command_buffers']} "
-              f"seconds={result['seconds']}")
+        print(
+            f"{where} {dtype}: step_grad_err={result['step_grad_err']:.3g} loss_err={result['loss_err']:.3g} "
+            f"param_err={result['param_err']:.3g} command_buffers={result['command_buffers']} "
+            f"seconds={result['seconds']}"
+        )
     if failures:
         pytest.fail("\n".join(failures + reference_failures) + "\n" + child.describe(), pytrace=False)
     if reference_failures:
-        pytest.xfail("the pure-JAX reference failed under these XLA flags (an XLA problem, not the kernels): "
-                     + "; ".join(reference_failures))
+        pytest.xfail(
+            "the pure-JAX reference failed under these XLA flags (an XLA problem, not the kernels): "
+            + "; ".join(reference_failures)
+        )
