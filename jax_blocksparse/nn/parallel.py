@@ -58,8 +58,8 @@ class ColumnParallelDense(nn.Module):
         >>> layer = jbs.nn.ColumnParallelDense(128, mask, 16, mesh, "model", batch_axis="batch")
         >>> x = jnp.ones((4, 128))
         >>> abstract = jax.eval_shape(layer.init, jax.random.key(0), x)
-        >>> nn.get_partition_spec(abstract)["params"]["kernel"]
-        P('model', None, None, None)
+        >>> tuple(nn.get_partition_spec(abstract)["params"]["kernel"])
+        ('model', None, None, None)
         >>> init = jax.jit(layer.init, out_shardings=nn.get_sharding(abstract, mesh))
         >>> variables = init(jax.random.key(0), x)                # each device: its shard
         >>> kernel = nn.unbox(variables)["params"]["kernel"]

@@ -54,8 +54,8 @@ class ColumnParallelLinear(nnx.Module):
         >>> mask = jbs.layouts.barabasi_albert(8, 2, seed=0)     # [8, 8] blocks
         >>> layer = jbs.nnx.ColumnParallelLinear(128, 128, mask, 16, mesh, "model",
         ...                                      batch_axis="batch", rngs=nnx.Rngs(0))
-        >>> nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value()
-        P('model', None, None, None)
+        >>> tuple(nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value())
+        ('model', None, None, None)
         >>> layer.kernel.shape == (4, layer.shard_layouts.capacity, 16, 16)
         True
         >>> y = nnx.jit(lambda m, x: m(x))(layer, jnp.ones((4, 128)))   # [4, 128]
