@@ -9,12 +9,14 @@ comparison is a candidate path against a baseline run, as the check compares the
 kernels against the reference:
 
 * ``split_*`` (float32 and bfloat16, :data:`SPLITS`): the reference in another summation
-  order against the reference. Every block-sparse product's contraction is split in
+  order against the reference. Every block-sparse product's contraction (bsmm's three
+  and the convolution's two primitives) is split in
   parts (halves, even and odd indices, thirds, quarters, indices mod 4, eighths), each
   part accumulated in float32 by the reference's own code (the other parts' terms
   zeroed), and the parts added in float32 before the cast to the output dtype. The
   contraction runs over each block's rows of w (fprop), its columns (bprop) or the rows
-  N (updat). These are installed as the CPU lowering of the three primitives once every
+  N (updat); for the convolution, over w's input channels or the input's positions (the
+  weight gradient). These are installed as the CPU lowering of the primitives once every
   other path of the model is compiled, so each model runs in a process of its own.
 * ``cpu_kernels``: the native CPU kernels against the reference (float32 accumulation in
   the kernels' order): what tests/test_training_steps_cpu.py checks.
@@ -61,7 +63,7 @@ from jax.extend import core as jcore
 from jax.interpreters import mlir
 
 import jax_blocksparse as jbs
-from jax_blocksparse.ops import matmul
+from jax_blocksparse.ops import conv_primitives, matmul
 
 _BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(_BENCH))  # bench/_report.py
@@ -73,7 +75,6 @@ import training_steps as ts  # noqa: E402
 #: The quantities of :func:`training_steps.check`, and the layout update's (rigl).
 QUANTITIES = ("step_loss_err", "step_grad_err", "loss_err", "param_err", "update_param_diff")
 RESULT_MARKER = "JBS_TRAINING_NOISE "
-_PRIMITIVES = (matmul.bsmm_fprop_p, matmul.bsmm_bprop_p, matmul.bsmm_updat_p)
 _F32 = np.dtype(np.float32)
 _BF16 = np.dtype(jnp.bfloat16)
 
@@ -104,40 +105,58 @@ def _part_masks(n: int, parts: int, interleaved: bool):
     return [group == g for g in range(parts)]
 
 
-def _split_sum(reference, axis, parts, interleaved, a, b, *tables, out_dtype, **params):
-    """``reference(a, b)`` as the sum, in float32 and in part order, of ``parts`` products,
-    each with ``b`` (``axis`` 1 or 2 of w [capacity, bs, bs]) or, for updat (``axis``
-    None), ``a``'s rows zero outside one part: each part is the reference's own float32
-    accumulation of that part's terms (a zeroed term adds 0)."""
+def _split_sum(reference, operand, axes, parts, interleaved, *args, out_dtype, **params):
+    """``reference(*args)`` as the sum, in float32 and in part order, of ``parts`` products,
+    each with operand ``args[operand]`` zero outside one part of its (row-major flattened)
+    ``axes``: each part is the reference's own float32 accumulation of that part's terms
+    (a zeroed term adds 0). ``axes`` is a function of the primitive's params and the
+    operand's rank."""
     f = functools.partial(reference, out_dtype=_F32, **params)
-    if axis is None:  # updat: the rows N of x [..., C]
-        a = a.reshape(-1, a.shape[-1])
-        b = b.reshape(-1, b.shape[-1])
-        masks = [m[:, None] for m in _part_masks(a.shape[0], parts, interleaved)]
-        terms = [f(jnp.where(m, a, jnp.zeros((), a.dtype)), b, *tables) for m in masks]
-    else:
-        shape = [1, 1, 1]
-        shape[axis] = b.shape[axis]
-        masks = [m.reshape(shape) for m in _part_masks(b.shape[axis], parts, interleaved)]
-        terms = [f(a, jnp.where(m, b, jnp.zeros((), b.dtype)), *tables) for m in masks]
+    x = args[operand]
+    axes = [a % x.ndim for a in axes(params, x.ndim)]
+    n = math.prod(x.shape[a] for a in axes)
+    shape = [x.shape[a] if a in axes else 1 for a in range(x.ndim)]
+    terms = []
+    for m in _part_masks(n, parts, interleaved):
+        parted = list(args)
+        parted[operand] = jnp.where(m.reshape(shape), x, jnp.zeros((), x.dtype))
+        terms.append(f(*parted))
     total = terms[0]
     for term in terms[1:]:
         total = total + term
     return total.astype(out_dtype)
 
 
-#: primitive -> (its reference, the axis of w its contraction runs over; None: x's rows).
+def _leading(params, ndim):
+    return tuple(range(ndim - 1))
+
+
+#: primitive -> (its reference, the operand and the axes its contraction is split over).
+#: Every term of a contraction reads one element of that operand along those axes, so
+#: zeroing a part of them keeps exactly that part's terms.
 _CONTRACTIONS = {
-    matmul.bsmm_fprop_p: (matmul.bsmm_fprop_reference, 1),  # w's rows: C
-    matmul.bsmm_bprop_p: (matmul.bsmm_bprop_reference, 2),  # w's columns: K
-    matmul.bsmm_updat_p: (matmul.bsmm_updat_reference, None),  # the rows N
+    matmul.bsmm_fprop_p: (matmul.bsmm_fprop_reference, 1, lambda p, nd: (1,)),  # w's rows: C
+    matmul.bsmm_bprop_p: (matmul.bsmm_bprop_reference, 1, lambda p, nd: (2,)),  # w's columns: K
+    matmul.bsmm_updat_p: (matmul.bsmm_updat_reference, 0, _leading),  # x's rows N
+    # The convolution: w's input channels (its columns with the kernel channel-swapped) ...
+    conv_primitives.bsconv_p: (
+        conv_primitives.conv_reference,
+        1,
+        lambda p, nd: (-1 if p["spec"].transpose_kernel else -2,),
+    ),
+    # ... and, for the weight gradient, the input's batch and spatial positions.
+    conv_primitives.bsconv_wgrad_p: (conv_primitives.wgrad_reference, 0, _leading),
 }
+
+
+#: The product primitives: those the split orders and the excess-precision emulation reach.
+_PRIMITIVES = tuple(_CONTRACTIONS)
 
 
 def split_reference(prim, split: str):
     """The reference of ``prim`` in the summation order ``split`` (a key of :data:`SPLITS`)."""
-    reference, axis = _CONTRACTIONS[prim]
-    return functools.partial(_split_sum, reference, axis, *SPLITS[split])
+    reference, operand, axes = _CONTRACTIONS[prim]
+    return functools.partial(_split_sum, reference, operand, axes, *SPLITS[split])
 
 
 #: What :func:`install_split_references`' lowerings do: ``split`` names the order now in
@@ -146,7 +165,7 @@ SPLIT_STATE = {"split": None, "lowered": 0}
 
 
 def install_split_references() -> None:
-    """Makes the split references the CPU lowering of the three primitives, whatever their
+    """Makes the split references the CPU lowering of the product primitives, whatever their
     ``impl``, for the rest of this process (there is no public way back: call it after
     compiling everything else). Each lowering reads ``SPLIT_STATE["split"]``."""
     for prim in _CONTRACTIONS:

@@ -155,9 +155,9 @@ TOLERANCES = {
         },
         "conv": {
             "step_loss_err": 3.6e-7,  # 3 x eps (floor 0)
-            "step_grad_err": 2.7e-6,  # 3 x 8.93e-7
+            "step_grad_err": 3.1e-6,  # 3 x 1.01e-6
             "loss_err": 3.6e-7,  # 3 x eps (floor 0)
-            "param_err": 3.3e-5,  # 3 x 1.09e-5
+            "param_err": 4.1e-5,  # 3 x 1.35e-5
         },
         "rnn_cells": {
             "step_loss_err": 3.6e-7,  # 3 x eps (floor 9.92e-8)
@@ -193,14 +193,12 @@ TOLERANCES = {
             "param_err": 0.0055,  # 3 x 0.00181
         },
         "conv": {
-            # The CPU convolution kernels (implicit GEMM, a summation order of their own)
-            # measured 4.66e-6 here (tests/test_training_steps_cpu.py); the split orders of
-            # bench/training_noise.py re-order bsmm products only, not the convolution
-            # primitives, so this floor is that order's value until the script splits them.
-            "step_loss_err": 1.4e-5,  # 3 x 4.66e-6 (the bsmm orders' floor: 6.99e-7)
-            "step_grad_err": 0.017,  # 3 x 0.00535
-            "loss_err": 2.6e-5,  # 3 x 8.50e-6
-            "param_err": 0.035,  # 3 x 0.0114
+            "step_loss_err": 1.4e-6,  # 3 x 4.59e-7
+            "step_grad_err": 0.011,  # 3 x 0.00342
+            "loss_err": 2.8e-5,  # 3 x 9.15e-6
+            # The split orders of the convolution's weight gradient (quarters, mod 4) move
+            # the parameters after four bfloat16 steps this far; the kernels: 0.0032.
+            "param_err": 0.22,  # 3 x 0.0729
         },
         "rnn_cells": {
             "step_loss_err": 1.3e-4,  # 3 x 4.11e-5
