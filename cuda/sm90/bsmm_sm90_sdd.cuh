@@ -386,8 +386,8 @@ cudaError_t LaunchSddReduce(void (*reduce)(const float*, OutT*, const int32_t*, 
                             const SddParams& p, int splits, int bs, const Launch& launch) {
   const int64_t total4 = static_cast<int64_t>(p.cap) * bs * bs / 4;
   const int blocks = static_cast<int>(plan::Min64(plan::CeilDiv(total4, kReduceThreads), int64_t{launch.num_sms} * 8));
-  reduce < < < blocks > 0 ? blocks : 1, kReduceThreads, 0,
-      launch.stream >>> (ws, static_cast<OutT*>(p.dw), p.nnz, splits, p.cap, bs * bs);
+  const int grid = blocks > 0 ? blocks : 1;
+  reduce<<<grid, kReduceThreads, 0, launch.stream>>>(ws, static_cast<OutT*>(p.dw), p.nnz, splits, p.cap, bs * bs);
   return cudaGetLastError();
 }
 
