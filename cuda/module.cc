@@ -157,7 +157,7 @@ py::dict Sm90Facts() {
   tf32["fprop"] = IntTuple(sm90::kDsdTF32BlockSizes);
   tf32["bprop"] = IntTuple(sm90::kDsdTF32BlockSizes);
   tf32["updat"] = IntTuple(sm90::kSddTF32BlockSizes);
-  py::dict off;  // (op, block size) -> why TF32 is off there
+  py::dict off;  // op -> {block size -> why TF32 is off there}: plain keys, so the facts serialise as JSON
   const struct {
     const char* op;
     bool (*on)(int);
@@ -166,9 +166,11 @@ py::dict Sm90Facts() {
                   {"bprop", sm90::DsdTF32Block, sm90::kDsdTF32Off},
                   {"updat", sm90::SddTF32Block, sm90::kSddTF32Off}};
   for (const auto& product : products) {
+    py::dict why;
     for (int bs : jbs::kBlockSizes) {
-      if (!product.on(bs)) off[py::make_tuple(product.op, bs)] = product.why;
+      if (!product.on(bs)) why[py::int_(bs)] = product.why;
     }
+    if (py::len(why) > 0) off[product.op] = why;
   }
   py::dict d;
   d["plan_sms"] = sm90::kPlanSms;

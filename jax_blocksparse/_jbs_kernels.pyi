@@ -11,11 +11,11 @@ from typing_extensions import CapsuleType
 class _Sm90Facts(TypedDict):
     # what the Hopper kernels of these sources do (cuda/sm90/bsmm_sm90_plan.h and
     # bsmm_sm90_tf32.h), in every build: the SM count the updat workspace is sized for,
-    # op ("fprop", "bprop", "updat") -> block sizes with float32 on TF32, (op, block size)
-    # -> why TF32 is off there, and the rows a TF32 updat pads n to a multiple of
+    # op ("fprop", "bprop", "updat") -> block sizes with float32 on TF32, op -> {block
+    # size -> why TF32 is off there}, and the rows a TF32 updat pads n to a multiple of
     plan_sms: int
     tf32_block_sizes: dict[str, tuple[int, ...]]
-    tf32_off: dict[tuple[str, int], str]
+    tf32_off: dict[str, dict[int, str]]
     tf32_row_multiple: int
 
 class _BuildInfo(TypedDict, total=False):

@@ -97,10 +97,17 @@ def test_sm90_facts_fit_the_block_sizes(native):
     assert all(set(sizes) <= set(jbs.SUPPORTED_BLOCK_SIZES) for sizes in on.values())
     # tf32_off names exactly the block sizes each op leaves out, each with its reason.
     left_out = {(op, bs) for op in OPS for bs in jbs.SUPPORTED_BLOCK_SIZES if bs not in on[op]}
-    assert set(facts["tf32_off"]) == left_out
-    assert all(why.strip() for why in facts["tf32_off"].values())
+    assert {(op, bs) for op, by_bs in facts["tf32_off"].items() for bs in by_bs} == left_out
+    assert all(why.strip() for by_bs in facts["tf32_off"].values() for why in by_bs.values())
+    assert set(_sm90.tf32_off()) == left_out
     for op in OPS:
         assert _sm90.tf32_block_sizes(op) == tuple(on[op])
+
+
+def test_build_info_serialises_as_json(native):
+    # Benches and bug reports record it (bench/_report.py writes it into every JSON report).
+    info = jbs.extension_info()
+    assert json.loads(json.dumps(info))["sm90"]["tf32_off"]["fprop"]["8"] == info["sm90"]["tf32_off"]["fprop"][8]
 
 
 def test_tf32_is_off_for_fprop_and_bprop_at_block_8(native):
@@ -114,7 +121,7 @@ def test_sm90_helpers_follow_what_the_extension_reports(monkeypatch):
     facts = {
         "plan_sms": 7,
         "tf32_block_sizes": {"fprop": (8, 16, 32, 64, 128), "bprop": (16,), "updat": (64,)},
-        "tf32_off": {("bprop", 8): "a reason"},
+        "tf32_off": {"bprop": {8: "a reason"}},
         "tf32_row_multiple": 8,
     }
     monkeypatch.setattr(jbs._native, "extension_info", lambda: {"sm90": facts})

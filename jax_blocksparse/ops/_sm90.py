@@ -71,8 +71,8 @@ def _op(target: str) -> str:
 def facts() -> dict:
     """What the extension says about the sm_90 kernels (its ``build_info()["sm90"]``):
     ``plan_sms`` (the SM count the updat workspace is sized for), ``tf32_block_sizes``
-    (op -> the block sizes with TF32), ``tf32_off`` ((op, block size) -> why TF32 is off
-    there) and ``tf32_row_multiple`` (the rows a TF32 updat pads n to). Every build
+    (op -> the block sizes with TF32), ``tf32_off`` (op -> {block size -> why TF32 is off
+    there}) and ``tf32_row_multiple`` (the rows a TF32 updat pads n to). Every build
     reports them; empty without the extension, where no sm_90 target is ever picked."""
     return _native.extension_info().get("sm90") or {}
 
@@ -98,7 +98,7 @@ def tf32_block_sizes(target: str) -> tuple[int, ...]:
 def tf32_off() -> dict[tuple[str, int], str]:
     """(op, block size) -> why the sm_90 target of op does not run float32 on TF32 at that
     block size (cuda/sm90/bsmm_sm90_tf32.h, through the extension); empty without it."""
-    return dict(facts().get("tf32_off", {}))
+    return {(op, int(bs)): why for op, by_bs in facts().get("tf32_off", {}).items() for bs, why in by_bs.items()}
 
 
 def tf32_summary() -> str:
