@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bsmm_block_sizes.h"
 #include "bsmm_problem.h"
 #include "cpu/bsconv_cpu.h"
 #include "cpu/cpu_simd.h"  // 16-bit conversions, vector types, Splat, Buffer (needs JBS_CPU_ISA)
@@ -642,15 +643,7 @@ bool RunConv(DType in, bool out_f32, const ConvParams& p, const Parallel& par) {
   job.in = in;
   job.out = out_f32 ? DType::kF32 : in;
   job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
-  bool ok = false;
-  switch (p.bs) {
-    case 8: ok = RunConvBlock<8>(job, par); break;
-    case 16: ok = RunConvBlock<16>(job, par); break;
-    case 32: ok = RunConvBlock<32>(job, par); break;
-    case 64: ok = RunConvBlock<64>(job, par); break;
-    case 128: ok = RunConvBlock<128>(job, par); break;
-    default: break;
-  }
+  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunConvBlock<decltype(bs)::value>(job, par); });
   ReleaseCallBuffers();
   return ok;
 }
@@ -661,15 +654,7 @@ bool RunConvWgrad(DType in, bool out_f32, const ConvWgradParams& p, const Parall
   job.in = in;
   job.out = out_f32 ? DType::kF32 : in;
   job.nnz = Max(0, Min(*p.nnz, p.cap));
-  bool ok = false;
-  switch (p.bs) {
-    case 8: ok = RunWgradBlock<8>(job, par); break;
-    case 16: ok = RunWgradBlock<16>(job, par); break;
-    case 32: ok = RunWgradBlock<32>(job, par); break;
-    case 64: ok = RunWgradBlock<64>(job, par); break;
-    case 128: ok = RunWgradBlock<128>(job, par); break;
-    default: break;
-  }
+  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunWgradBlock<decltype(bs)::value>(job, par); });
   ReleaseCallBuffers();
   return ok;
 }

@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "bsmm_block_sizes.h"
 #include "bsmm_problem.h"
 #include "cpu/bsmm_cpu.h"
 #include "cpu/cpu_simd.h"  // 16-bit conversions, vector types, Splat, Buffer (needs JBS_CPU_ISA)
@@ -347,15 +348,7 @@ bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const 
   job.out = out_f32 ? DType::kF32 : in;
   job.transpose_w = transpose_w;
   job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
-  bool ok = false;
-  switch (p.bs) {
-    case 8: ok = RunDsdBlock<8>(job, par); break;
-    case 16: ok = RunDsdBlock<16>(job, par); break;
-    case 32: ok = RunDsdBlock<32>(job, par); break;
-    case 64: ok = RunDsdBlock<64>(job, par); break;
-    case 128: ok = RunDsdBlock<128>(job, par); break;
-    default: break;
-  }
+  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunDsdBlock<decltype(bs)::value>(job, par); });
   ReleaseLargeBuffers();
   return ok;
 }
@@ -366,15 +359,7 @@ bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
   job.in = in;
   job.out = out_f32 ? DType::kF32 : in;
   job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
-  bool ok = false;
-  switch (p.bs) {
-    case 8: ok = RunSddBlock<8>(job, par); break;
-    case 16: ok = RunSddBlock<16>(job, par); break;
-    case 32: ok = RunSddBlock<32>(job, par); break;
-    case 64: ok = RunSddBlock<64>(job, par); break;
-    case 128: ok = RunSddBlock<128>(job, par); break;
-    default: break;
-  }
+  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunSddBlock<decltype(bs)::value>(job, par); });
   ReleaseLargeBuffers();
   return ok;
 }
