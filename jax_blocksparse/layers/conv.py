@@ -53,6 +53,7 @@ __all__ = [
     "canonicalize_padding",
     "check_conv",
     "check_conv_inputs",
+    "apply_layer",
     "conv_apply",
     "conv_transpose_apply",
     "hashable",
@@ -341,6 +342,47 @@ def conv_transpose_apply(
     if padding == "CIRCULAR":
         y = _wrap_circular(y, inputs.shape[1:-1], strides, transpose_kernel)
     return _finish(y, bias, batch_shape)
+
+
+def apply_layer(layer, inputs, kernel, bias, layout):
+    """A conv layer's forward pass from its checked attributes.
+
+    ``layer`` is a linen or NNX layer (or any object with the same attributes):
+    ``kernel_size``, ``strides``, ``padding``, ``kernel_dilation``, ``dtype``,
+    ``float32_dw``, ``precision``, ``impl``, and ``transpose_kernel`` for a transposed
+    convolution (:func:`conv_transpose_apply`) or ``input_dilation`` for a plain one
+    (:func:`conv_apply`). ``inputs``, ``kernel``, ``bias`` and ``layout`` as those take them.
+    """
+    options = dict(precision=layer.precision, impl=layer.impl)
+    if hasattr(layer, "transpose_kernel"):
+        return conv_transpose_apply(
+            inputs,
+            kernel,
+            bias,
+            layout,
+            layer.kernel_size,
+            layer.strides,
+            layer.padding,
+            layer.kernel_dilation,
+            layer.transpose_kernel,
+            layer.dtype,
+            layer.float32_dw,
+            **options,
+        )
+    return conv_apply(
+        inputs,
+        kernel,
+        bias,
+        layout,
+        layer.kernel_size,
+        layer.strides,
+        layer.padding,
+        layer.input_dilation,
+        layer.kernel_dilation,
+        layer.dtype,
+        layer.float32_dw,
+        **options,
+    )
 
 
 def _wrap_circular(y, spatial, strides, transpose_kernel):

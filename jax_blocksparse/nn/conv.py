@@ -148,21 +148,7 @@ class BlockSparseConv(nn.Module):
             ),
         )
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
-        return _core.conv_apply(
-            inputs,
-            kernel,
-            bias,
-            layout,
-            self.kernel_size,
-            self.strides,
-            self.padding,
-            self.input_dilation,
-            self.kernel_dilation,
-            self.dtype,
-            self.float32_dw,
-            precision=self.precision,
-            impl=self.impl,
-        )
+        return _core.apply_layer(self, inputs, kernel, bias, layout)
 
 
 class BlockSparseConvTranspose(nn.Module):
@@ -276,18 +262,4 @@ class BlockSparseConvTranspose(nn.Module):
             ),
         )
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
-        return _core.conv_transpose_apply(
-            inputs,
-            kernel,
-            bias,
-            layout,
-            self.kernel_size,
-            self.strides,
-            self.padding,
-            self.kernel_dilation,
-            self.transpose_kernel,
-            self.dtype,
-            self.float32_dw,
-            precision=self.precision,
-            impl=self.impl,
-        )
+        return _core.apply_layer(self, inputs, kernel, bias, layout)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import SimpleNamespace
 
 import flax.linen as nn
 import jax
@@ -196,21 +197,8 @@ def _conv_call(module: nn.Conv, plan: _core.LayerSparsity, inputs, name, precisi
         lambda key: _conv.init_conv_kernel(None, key, layout, cfg.mask, cfg.kernel_size, module.param_dtype),
     )
     bias = module.param("bias", module.bias_init, (module.features,), module.param_dtype) if module.use_bias else None
-    return _conv.conv_apply(
-        inputs,
-        kernel,
-        bias,
-        layout,
-        cfg.kernel_size,
-        cfg.strides,
-        cfg.padding,
-        cfg.input_dilation,
-        cfg.kernel_dilation,
-        module.dtype,
-        False,
-        precision=precision,
-        impl=impl,
-    )
+    attributes = SimpleNamespace(**cfg._asdict(), dtype=module.dtype, precision=precision, impl=impl)
+    return _conv.apply_layer(attributes, inputs, kernel, bias, layout)
 
 
 def _record(module: nn.Module, variables, args, apply_kwargs) -> list[tuple[tuple[str, ...], nn.Module, tuple]]:

@@ -147,21 +147,7 @@ class BlockSparseConv(nnx.Module):
         layout = self.layout
         _core.check_conv_inputs(inputs, self.in_features, len(self.kernel_size), type(self).__name__, layout)
         bias = self.bias[...] if self.bias is not None else None
-        return _core.conv_apply(
-            inputs,
-            self.kernel[...],
-            bias,
-            layout,
-            self.kernel_size,
-            self.strides,
-            self.padding,
-            self.input_dilation,
-            self.kernel_dilation,
-            self.dtype,
-            self.float32_dw,
-            precision=self.precision,
-            impl=self.impl,
-        )
+        return _core.apply_layer(self, inputs, self.kernel[...], bias, layout)
 
 
 class BlockSparseConvTranspose(nnx.Module):
@@ -279,18 +265,4 @@ class BlockSparseConvTranspose(nnx.Module):
         layout = self.layout
         _core.check_conv_inputs(inputs, self.in_features, len(self.kernel_size), type(self).__name__, layout)
         bias = self.bias[...] if self.bias is not None else None
-        return _core.conv_transpose_apply(
-            inputs,
-            self.kernel[...],
-            bias,
-            layout,
-            self.kernel_size,
-            self.strides,
-            self.padding,
-            self.kernel_dilation,
-            self.transpose_kernel,
-            self.dtype,
-            self.float32_dw,
-            precision=self.precision,
-            impl=self.impl,
-        )
+        return _core.apply_layer(self, inputs, self.kernel[...], bias, layout)
