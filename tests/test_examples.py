@@ -46,7 +46,9 @@ def test_quickstart(capsys):
 
 
 def test_resnet(capsys):
-    results = load_script("examples/resnet.py").main(["--epochs", "1", "--width", "8", "--batch-size", "128"])
+    results = load_script("examples/resnet.py").main(
+        ["--epochs", "1", "--width", "8", "--block-size", "8", "--batch-size", "128"]
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert set(results) == {"dense", "sparse"}
     for name, line in zip(("dense", "sparse"), lines[-2:]):
