@@ -410,7 +410,7 @@ def line(row) -> str:
 def run(args) -> dict:
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     config = {
         name: getattr(args, name)
         for name in (

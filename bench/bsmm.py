@@ -515,7 +515,7 @@ def dense_impl_available() -> bool:
 
 def _header(args, device, device_kind, paths) -> dict:
     c, k, n = args.size
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return dict(
         device=str(device),
         device_kind=device_kind,

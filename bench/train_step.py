@@ -415,7 +415,7 @@ def _sizes(args) -> dict:
 
 
 def header(args, device) -> dict:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return dict(
         benchmark="train_step",
         device=str(device),
@@ -677,7 +677,7 @@ def parse_args(argv=None):
     if args.no_json:
         args.json = None
     elif args.json is None:
-        date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+        date = datetime.datetime.now(datetime.UTC).date().isoformat()
         args.json = Path(__file__).resolve().parent / "results" / f"train_step-{device_name(device)}-{date}.json"
     return args
 

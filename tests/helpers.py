@@ -245,9 +245,12 @@ def keeps_16bit_roundings() -> bool:
 
     With ``--xla_allow_excess_precision`` (XLA's default: true) a backend may drop
     such a round trip as excess precision and go on in float32: XLA:GPU does (its
-    simplify-fp-conversions pass), XLA:CPU does not. A library result that is an XLA
-    cast to 16 bits widened back to float32 (see docs/guide/mixed_precision.rst) is then
-    not rounded. Probed with one tiny jit under the caller's configuration, not
+    simplify-fp-conversions pass). XLA:CPU keeps this probe's round trip, but drops some
+    inside larger programs (seen in the bfloat16 conv model's training step), so a test
+    that needs every rounding of a whole step runs it in a child with the flag off
+    (:func:`rerun_keeping_16bit_roundings`) whatever this says. A library result that is
+    an XLA cast to 16 bits widened back to float32 (see docs/guide/mixed_precision.rst)
+    is then not rounded. Probed with one tiny jit under the caller's configuration, not
     guessed from the platform name.
     """
     x = np.float32(1 + 2**-12)  # neither a bfloat16 nor a float16 value

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
 import jax
-import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 

@@ -282,7 +282,7 @@ class Runner:
         self.sanitizing: list[tuple] = []  # job, process, start, limit, log, argv
         self.report = dict(
             runner="tests/gpu/run_isolated.py",
-            started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            started=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             cwd=os.getcwd(),
             parallel=args.parallel,
             timeout_s=args.timeout,
