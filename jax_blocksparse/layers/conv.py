@@ -50,10 +50,10 @@ from jax_blocksparse.ops.conv import bsconv, bsconv_transpose
 
 __all__ = [
     "ConvConfig",
+    "apply_layer",
     "canonicalize_padding",
     "check_conv",
     "check_conv_inputs",
-    "apply_layer",
     "conv_apply",
     "conv_transpose_apply",
     "hashable",
