@@ -6,8 +6,9 @@ process, and reports
 
     efficiency = dense_time * density / sparse_time      (1.0: blocks at dense speed)
     speedup    = dense_time / sparse_time                (= efficiency / density)
-    bound      = best speedup a perfect kernel could reach on this device (roofline),
-                 where the device's peak numbers are known (H100, H200), else "n/a"
+    bound      = best speedup a perfect kernel could reach on this device (roofline,
+                 from this run's own ceilings: the dense product's measured rate
+                 and the memory bandwidth measured at the start of the run)
 
 Kernel paths (one JSON row per path): on CUDA "ampere" (the portable targets
 ``jbs_bsmm_{fprop,bprop,updat}``) and, on an sm_90 GPU with an extension built for
@@ -52,7 +53,9 @@ The JSON (``--json``) holds the device, commit, date, the timing method and one 
 (product, path); it is rewritten (atomically: a temporary file, then a rename) after
 every row, so a run cut short, even killed, still leaves every finished row
 (``complete`` is false then). ``--deadline`` stops starting new products after that
-many seconds. A product that raises gets a row with ``error`` (and the exit status is
+many seconds; ``--resume`` keeps the rows already in ``--json`` and measures only the
+products missing there (bench/session.py runs a GPU session that way, one process per
+block size). A product that raises gets a row with ``error`` (and the exit status is
 1); an error that leaves the CUDA context unusable (a kernel fault) ends the run there
 (``stopped`` says why).
 
@@ -73,6 +76,7 @@ _T_START = time.perf_counter()  # --deadline counts from here: imports and devic
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import platform
 import re
@@ -133,6 +137,24 @@ PRESETS = {
         ops=list(OPS),
         reference=False,
     ),
+    # One block size of a GPU session (bench/session.py runs one process per block size,
+    # headline first): bf16 at the MLP's shape, densities in order of value, both kernel
+    # paths and XLA's dot; one compiled program per product and path (no call time, no
+    # impl="dense" path); torch's BSR only at density 0.1, after every kernel row.
+    "session": dict(
+        size=(8192, 8192, 8192),
+        block_sizes=[128, 64, 32, 16],
+        densities=[0.1, 0.05, 0.25, 1.0, 0.01, 0.5],
+        dtypes=["bfloat16"],
+        ops=list(OPS),
+        repeats=3,
+        min_time=0.01,
+        chain=10,
+        peers=["torch_bsr"],
+        peer_densities=[0.1],
+        call_time=False,
+        dense_path=False,
+    ),
     # Seconds on a CPU: tests/test_gpu_check.py checks the JSON with it.
     "quick": dict(
         size=(256, 256, 64),
@@ -149,15 +171,11 @@ PRESETS = {
 }
 
 # Where neither the command line nor the preset sets them. chain None: 10 on a GPU,
-# 1 on a CPU (no host-bound regime there: one product takes milliseconds).
-DEFAULTS = dict(repeats=5, min_time=0.05, chain=None, peers=list(PEERS))
-
-# Peak dense throughput (FLOP/s) by dtype and memory bandwidth (B/s), for the roofline.
-# float32 is TF32's peak: jnp.dot's (and bsmm's) default precision on these GPUs.
-DEVICE_PEAKS = {
-    "H100": dict(flops={"bfloat16": 990e12, "float16": 990e12, "float32": 495e12}, bandwidth=3.35e12),
-    "H200": dict(flops={"bfloat16": 990e12, "float16": 990e12, "float32": 495e12}, bandwidth=4.8e12),
-}
+# 1 on a CPU (no host-bound regime there: one product takes milliseconds). peer_densities
+# None: the peers at every density.
+DEFAULTS = dict(
+    repeats=5, min_time=0.05, chain=None, peers=list(PEERS), peer_densities=None, call_time=True, dense_path=True
+)
 
 
 # ---------------------------------------------------------------------------------
@@ -277,20 +295,43 @@ def _args(op, x, g, W, w, layout):
     return (x, g, layout), (x, g)
 
 
-def roofline_bound(op, c, k, n, density, dtype, device_kind):
-    """Best achievable sparse speedup over dense given compute and memory limits."""
-    peaks = next((p for name, p in DEVICE_PEAKS.items() if name in device_kind), None)
-    if peaks is None:
-        return None
+def problem_cost(op, c, k, n, density, dtype) -> tuple[float, float]:
+    """(FLOPs, bytes) of one product at ``density``: the multiply-adds of the present
+    blocks, and each operand read once and the result written once (the stored blocks
+    are ``density`` of the dense weight)."""
     item = np.dtype(dtype).itemsize
-    flops = 2.0 * n * c * k
-    weight = c * k * item
-    acts = {"fprop": (n * c + n * k), "bprop": (n * k + n * c), "updat": (n * c + n * k)}[op] * item
+    weight = c * k * item * density
+    acts = (n * c + n * k) * item  # fprop: x in, y out; bprop: dy in, dx out; updat: x, dy in
+    return 2.0 * n * c * k * density, acts + weight
 
-    def model(d):
-        return max(flops * d / peaks["flops"][dtype], (acts + weight * d) / peaks["bandwidth"])
 
-    return model(1.0) / model(density)
+def roofline(op, c, k, n, density, dtype, *, dense_s, bandwidth) -> dict:
+    """The floor of one product from this run's own ceilings: its FLOPs at the dense
+    product's measured rate (``2 N C K / dense_s``) and its bytes at the measured memory
+    bandwidth; the larger of the two times is the floor. Returns ``roofline_s`` (None
+    where a ceiling is missing) and ``roofline_speedup_bound`` (``dense_s / roofline_s``:
+    the best speedup over dense a perfect kernel could reach)."""
+    if not dense_s or not bandwidth:
+        return dict(roofline_s=None, roofline_speedup_bound=None)
+    flops, nbytes = problem_cost(op, c, k, n, density, dtype)
+    rate = 2.0 * n * c * k / dense_s
+    floor = max(flops / rate, nbytes / bandwidth)
+    return dict(roofline_s=floor, roofline_speedup_bound=dense_s / floor)
+
+
+def measure_bandwidth(device, *, nbytes: int = 1 << 30, repeats: int = 3) -> float | None:
+    """Device memory bandwidth in bytes/s (bytes read plus bytes written) of a large
+    elementwise update on ``device``, timed as the products are: a chained jitted program,
+    the median of back-to-back calls. None where it fails."""
+    try:
+        n = nbytes // 4
+        a = jax.device_put(jnp.zeros((n,), jnp.float32), device)
+        chain = 4
+        fn = jax.jit(chained(lambda v: v + 1.0, chain))
+        per_op = time_chain(fn, chain, a, repeats=repeats, min_time=0.02)
+        return 2.0 * n * 4 / per_op
+    except Exception:  # noqa: BLE001 - the roofline is optional
+        return None
 
 
 # ---------------------------------------------------------------------------------
@@ -541,6 +582,9 @@ def _header(args, device, device_kind, paths) -> dict:
             dtypes=args.dtypes,
             ops=args.ops,
             peers=args.peers,
+            peer_densities=args.peer_densities,
+            call_time=args.call_time,
+            dense_path=args.dense_path,
             seed=args.seed,
             preset=args.preset,
         ),
@@ -561,6 +605,9 @@ def _header(args, device, device_kind, paths) -> dict:
             dense_path="dense_path_s: impl='dense' (blocks scattered into a dense weight, then XLA's dot)",
             torch="torch_bsr_s: CUDA graph of chained calls, replayed, per call (torch_bsr_method); "
             "torch_bsr_call_s: back-to-back calls timed with CUDA events",
+            roofline="roofline_s: the larger of the product's FLOPs at the dense product's measured rate and its "
+            "bytes (operands read once, result written once) at bandwidth_Bps, the bandwidth of a large "
+            "elementwise update measured in the same run; roofline_speedup_bound = dense_s / roofline_s",
         ),
     )
 
@@ -610,32 +657,39 @@ class Bench:
         self.report = _header(args, device, self.device_kind, self.paths)
         self.report.update(results=[], complete=False, stopped=None)
         self.kernels = {path: Jitted(args.chain) for path in self.paths}
-        self.dense_impl = Jitted(args.chain, impl="dense") if dense_impl_available() else None
+        self.dense_impl = Jitted(args.chain, impl="dense") if args.dense_path and dense_impl_available() else None
+        self.report["dense_path"] = self.dense_impl is not None
         self.reference = Jitted(1, impl="reference") if args.reference else None
         self.dense_times: dict[tuple, tuple] = {}
         self.timing = dict(repeats=args.repeats, min_time=args.min_time)
+        # The memory ceiling of the roofline, measured once per run (the compute ceiling is
+        # the dense product's own rate, per dtype and op).
+        self.bandwidth = measure_bandwidth(device, nbytes=(1 << 30) if self.platform == "gpu" else (1 << 27))
+        self.report["bandwidth_Bps"] = self.bandwidth
 
-    def _shared(self, op, dtype, bs, mask, layout, s_args, d_args) -> dict:
-        """What every path's row of this product shares: the dense times and the peers."""
+    def _dense(self, op, dtype, d_args) -> tuple:
+        """(device s, call s or None) of XLA's dot for (dtype, op), measured once per run:
+        the dense product's shapes do not depend on the layout."""
         args, timing = self.args, self.timing
-        c, k, n = args.size
-        if (dtype, op) not in self.dense_times:  # the dense product's shapes do not depend on the layout
+        if (dtype, op) not in self.dense_times:
             _, dense1 = self.kernels[self.paths[0]].single[op]
             _, densek = self.kernels[self.paths[0]].chains[op]
             self.dense_times[(dtype, op)] = (
                 time_chain(densek, args.chain, *d_args, **timing),
-                time_calls(dense1, *d_args, **timing),
+                time_calls(dense1, *d_args, **timing) if args.call_time else None,
             )
-        dense_s, dense_call_s = self.dense_times[(dtype, op)]
-        out = dict(
-            dense_s=dense_s,
-            dense_call_s=dense_call_s,
-            dense_path_s=None,
-            roofline_speedup_bound=roofline_bound(op, c, k, n, layout.density, dtype, self.device_kind),
-        )
-        if self.dense_impl is not None:
-            sparse_dense, _ = self.dense_impl.chains[op]
-            out["dense_path_s"] = time_chain(sparse_dense, args.chain, *s_args, **timing)
+        return self.dense_times[(dtype, op)]
+
+    def peers_at(self, density: float) -> bool:
+        """Whether the peers are timed at this density (``--peer-densities``)."""
+        wanted = self.args.peer_densities
+        return wanted is None or any(abs(density - d) < 1e-9 for d in wanted)
+
+    def peers(self, op, dtype, bs, mask, layout, d_args) -> dict:
+        """The peers on this product (GPU only): torch's BSR and JAX's BCOO where asked for."""
+        args = self.args
+        c, k, n = args.size
+        out = {}
         if self.platform == "gpu" and "torch_bsr" in args.peers:
             out.update(
                 torch_bsr_peer(
@@ -655,37 +709,75 @@ class Bench:
             x, W = d_args
             W_masked = jbs.to_dense(jbs.from_dense(W, layout), layout)
             out["jax_bcoo_s"] = jax_bcoo_peer(x, W_masked, repeats=args.repeats, min_time=args.min_time)
+        return out
+
+    def _shared(self, op, dtype, bs, mask, layout, s_args, d_args, *, with_peers: bool) -> dict:
+        """What every path's row of this product shares: the dense times, the roofline and
+        (``with_peers``) the peers."""
+        args, timing = self.args, self.timing
+        c, k, n = args.size
+        dense_s, dense_call_s = self._dense(op, dtype, d_args)
+        out = dict(
+            dense_s=dense_s,
+            dense_call_s=dense_call_s,
+            dense_path_s=None,
+            **roofline(op, c, k, n, layout.density, dtype, dense_s=dense_s, bandwidth=self.bandwidth),
+        )
+        if self.dense_impl is not None:
+            sparse_dense, _ = self.dense_impl.chains[op]
+            out["dense_path_s"] = time_chain(sparse_dense, args.chain, *s_args, **timing)
+        if with_peers:
+            out.update(self.peers(op, dtype, bs, mask, layout, d_args))
         if self.reference is not None:
             reference1, _ = self.reference.single[op]
             out["reference_s"] = time_calls(reference1, *s_args, **timing)
         return out
 
     def _path(self, path, op, dtype, s_args) -> dict:
-        """One path's kernel on this product: target, mode and times of what was compiled."""
+        """One path's kernel on this product: target, mode and times of what was compiled
+        (the single-call time only with ``--call-time``: one more program to compile)."""
         args = self.args
-        sparse1, _ = self.kernels[path].single[op]
         sparsek, _ = self.kernels[path].chains[op]
         chain_exe, target, lowered = compile_checked(sparsek, s_args, path)
-        single_exe, single_target, _ = compile_checked(sparse1, s_args, path)
         out = dict(
             path=path_of(target, self.platform, path),
             requested_path=path,
             target=target,
             mode=arithmetic_mode(dtype, target, lowered, self.platform),
             sparse_s=time_chain(chain_exe, args.chain, *s_args, **self.timing),
-            sparse_call_s=time_calls(single_exe, *s_args, **self.timing),
+            sparse_call_s=None,
         )
-        if single_target != target:
-            out["call_target"] = single_target
+        if args.call_time:
+            sparse1, _ = self.kernels[path].single[op]
+            single_exe, single_target, _ = compile_checked(sparse1, s_args, path)
+            out["sparse_call_s"] = time_calls(single_exe, *s_args, **self.timing)
+            if single_target != target:
+                out["call_target"] = single_target
         return out
 
-    def product(self, op, dtype, bs, mask, layout, s_args, d_args) -> list[dict]:
+    def _save(self, row) -> None:
+        print(_line(row), flush=True)
+        if self.args.json:
+            write_json(self.args.json, self.report)
+
+    def product(
+        self, op, dtype, bs, mask, layout, s_args, d_args, *, with_peers: bool = True, requested: float | None = None
+    ) -> list[dict]:
         """The rows of one product, one per path, each appended (and saved) as soon as it
-        is measured. Returns them; sets ``report["stopped"]`` if the CUDA context died."""
-        base = dict(op=op, dtype=dtype, block_size=bs, density=layout.density, nnz=layout.nnz)
+        is measured. Returns them; sets ``report["stopped"]`` if the CUDA context died.
+        ``requested``: the density asked for (``density`` is the layout's own)."""
+        base = dict(
+            op=op,
+            dtype=dtype,
+            block_size=bs,
+            density=layout.density,
+            requested_density=layout.density if requested is None else requested,
+            nnz=layout.nnz,
+            size=list(self.args.size),
+        )
         rows, shared, shared_error = [], {}, None
         try:
-            shared = self._shared(op, dtype, bs, mask, layout, s_args, d_args)
+            shared = self._shared(op, dtype, bs, mask, layout, s_args, d_args, with_peers=with_peers)
         except Exception as err:  # noqa: BLE001 - recorded in the rows, the run goes on
             shared_error = err
         for path in self.paths:
@@ -703,12 +795,22 @@ class Bench:
             _ratios(row)
             rows.append(row)
             self.report["results"].append(row)
-            print(_line(row), flush=True)
-            if self.args.json:
-                write_json(self.args.json, self.report)
+            self._save(row)
             if self.report["stopped"]:
                 break
         return rows
+
+    def add_peers(self, rows, op, dtype, bs, mask, layout, d_args) -> None:
+        """The peers of a product whose kernel rows were measured first (``--peer-densities``
+        with deferred peers): timed now, written into those rows, saved."""
+        try:
+            found = self.peers(op, dtype, bs, mask, layout, d_args)
+        except Exception as err:  # noqa: BLE001
+            found = dict(peer_error=f"{type(err).__name__}: {str(err)[:300]}")
+        for row in rows:
+            row.update(found)
+            _ratios(row)
+            self._save(row)
 
 
 def _ratios(row) -> None:
@@ -723,12 +825,42 @@ def _ratios(row) -> None:
         row["speedup_vs_torch_bsr"] = row["torch_bsr_s"] / sparse
 
 
+def _product_key(op, dtype, bs, density, size) -> tuple:
+    return (op, dtype, int(bs), round(float(density), 6), tuple(int(v) for v in size))
+
+
+def resumed_rows(args, device_kind: str) -> list[dict]:
+    """The rows of an earlier run of the same problem on the same kind of device in
+    ``args.json`` (``--resume``), to keep; [] where there is none or it measured something
+    else. A product with any row there (an error row too: it may have been a fault) is not
+    measured again."""
+    path = args.json
+    if not (args.resume and path and Path(path).exists()):
+        return []
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    if old.get("device_kind") != device_kind:
+        return []
+    return [r for r in old.get("results", []) if "requested_density" in r and "size" in r]
+
+
 def run(args) -> dict:
     t_start = _T_START
     c, k, n = args.size
     bench = Bench(args, jax.devices()[0])
     report = bench.report
-    print(f"paths: {', '.join(bench.paths)}; dense path (impl='dense'): {bench.dense_impl is not None}")
+    kept = resumed_rows(args, bench.device_kind)
+    report["results"].extend(kept)
+    report["resumed_rows"] = len(kept)
+    done = {_product_key(r["op"], r["dtype"], r["block_size"], r["requested_density"], r["size"]) for r in kept}
+    deferred_peers = bench.platform == "gpu" and args.peer_densities is not None and bool(args.peers)
+    print(
+        f"paths: {', '.join(bench.paths)}; dense path (impl='dense'): {bench.dense_impl is not None}; "
+        f"memory bandwidth {bench.bandwidth / 1e9 if bench.bandwidth else float('nan'):.0f} GB/s"
+        + (f"; {len(kept)} rows kept from {args.json}" if kept else "")
+    )
     print(HEADER)
     print("-" * len(HEADER), flush=True)
     key = jax.random.key(args.seed)
@@ -741,19 +873,35 @@ def run(args) -> dict:
                     print(f"skip bs={bs}: {c}x{k} not divisible")
                     continue
                 for density in args.densities:
+                    todo = [op for op in args.ops if _product_key(op, dtype, bs, density, args.size) not in done]
+                    if not todo:
+                        continue
                     mask = jbs.layouts.random((c // bs, k // bs), density, seed=args.seed)
                     layout = jbs.Layout.from_mask(mask, bs)
                     w = _blocks(layout, dtype, jax.random.fold_in(key, 2))
-                    for op in args.ops:
+                    for op in todo:
                         yield (op, dtype, bs, density, mask, layout, *_args(op, x, g, W, w, layout))
 
-    for op, dtype, bs, density, mask, layout, s_args, d_args in products():
+    def out_of_time(what: str) -> bool:
         if args.deadline is not None and time.perf_counter() - t_start > args.deadline:
-            report["stopped"] = f"deadline of {args.deadline} s reached before {op} {dtype} bs={bs} density={density}"
+            report["stopped"] = f"deadline of {args.deadline} s reached before {what}"
+            return True
+        return False
+
+    later = []  # (rows, product) whose peers are timed after every kernel row
+    for op, dtype, bs, density, mask, layout, s_args, d_args in products():
+        if out_of_time(f"{op} {dtype} bs={bs} density={density}"):
             break
-        bench.product(op, dtype, bs, mask, layout, s_args, d_args)
+        with_peers = not deferred_peers and bench.peers_at(density)
+        rows = bench.product(op, dtype, bs, mask, layout, s_args, d_args, with_peers=with_peers, requested=density)
         if report["stopped"]:
             break
+        if deferred_peers and bench.peers_at(density):
+            later.append((rows, (op, dtype, bs, mask, layout, d_args)))
+    for rows, (op, dtype, bs, mask, layout, d_args) in later:
+        if report["stopped"] or out_of_time(f"the peers of {op} {dtype} bs={bs} density={layout.density:.3f}"):
+            break
+        bench.add_peers(rows, op, dtype, bs, mask, layout, d_args)
     report["complete"] = report["stopped"] is None
     report["elapsed_s"] = time.perf_counter() - t_start
     if report["stopped"]:
@@ -776,6 +924,29 @@ def parse_args(argv=None):
     p.add_argument("--chain", type=int, help="ops per jitted call for the device time; default 10 on a GPU, 1 on CPU")
     p.add_argument("--peers", nargs="*", choices=list(PEERS), help="peers to time beside (GPU only); default all")
     p.add_argument("--no-peers", dest="peers", action="store_const", const=[], help="no peers")
+    p.add_argument(
+        "--peer-densities",
+        type=float,
+        nargs="+",
+        help="time the peers only at these densities, after every kernel row (default: beside each row, every density)",
+    )
+    p.add_argument(
+        "--call-time",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time back-to-back single calls (one more program per product and path; default on)",
+    )
+    p.add_argument(
+        "--dense-path",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time impl='dense' (the blocks scattered into a dense weight, then XLA's dot; default on)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the rows of the same problem already in --json and measure only the products missing there",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--reference",

@@ -177,6 +177,7 @@ py::dict Sm90Facts() {
   d["tf32_block_sizes"] = tf32;
   d["tf32_off"] = off;
   d["tf32_row_multiple"] = sm90::kSddTF32RowMultiple;
+  d["tf32_dsd_block8_switch"] = sm90::kDsdTF32Block8Switch;
   return d;
 }
 

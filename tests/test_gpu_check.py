@@ -79,7 +79,37 @@ def test_scripts_parse(script):
         assert out.returncode == 0, out.stdout
 
 
-STEPS = ("build", "env", "bench", "crossover", "gpu-tests", "training", "sanitizer", "suite", "ncu", "ncu-summary")
+# Every step, in check.sh's order; a session runs all but training and suite by default.
+STEPS = (
+    "preflight",
+    "build",
+    "env",
+    "bench",
+    "crossover",
+    "gpu-tests",
+    "training",
+    "sanitizer",
+    "suite",
+    "ncu",
+    "ncu-summary",
+)
+SESSION_STEPS = tuple(s for s in STEPS if s not in ("training", "suite"))
+
+
+def _dry_steps(text):
+    return [line[2:] for line in text.splitlines() if line[2:] in STEPS]
+
+
+def test_dry_run_lists_the_session_steps_by_default(tmp_path):
+    res = _check("--dry-run", str(tmp_path / "out"), env={"CHECK_CUDA_ARCH": "sm_90a"})
+    assert res.returncode == 0, res.stderr
+    assert _dry_steps(res.stdout) == list(SESSION_STEPS)
+    assert "# budget 420s; steps: " + " ".join(SESSION_STEPS) in res.stdout
+    # The switched-off TF32 kernel at block 8 is built (and so tested and timed) on sm_90a;
+    # CHECK_TF32_BLOCK8=0 builds what users get.
+    assert "python3 build.py --cuda-arch sm_90a --sm90-tf32-block8 -j " in res.stdout
+    plain = _check("--dry-run", str(tmp_path / "out"), env={"CHECK_CUDA_ARCH": "sm_90a", "CHECK_TF32_BLOCK8": "0"})
+    assert "python3 build.py --cuda-arch sm_90a -j " in plain.stdout
 
 
 def test_dry_run_prints_every_step_in_order_and_runs_nothing(tmp_path):
@@ -87,25 +117,32 @@ def test_dry_run_prints_every_step_in_order_and_runs_nothing(tmp_path):
     res = _check(
         "--dry-run",
         str(out),
-        env={"CHECK_CUDA_ARCH": "sm_90a", "XLA_FLAGS": "--xla_dump_to=/tmp/x", "JAX_BLOCKSPARSE_HOPPER": "1"},
+        env={
+            "CHECK_CUDA_ARCH": "sm_90a",
+            "XLA_FLAGS": "--xla_dump_to=/tmp/x",
+            "JAX_BLOCKSPARSE_HOPPER": "1",
+            "CHECK_STEPS": " ".join(STEPS),
+        },
     )
     assert res.returncode == 0, res.stderr
     assert not out.exists(), "a dry run creates nothing"
     text = res.stdout
     # Measure first, then test: the steps in this order, each under its own limit.
-    assert [line[2:] for line in text.splitlines() if line[2:] in STEPS] == list(STEPS)
+    assert _dry_steps(text) == list(STEPS)
     expected = [
         "unset XLA_FLAGS JAX_PLATFORMS JAX_BLOCKSPARSE_IMPL JAX_BLOCKSPARSE_HOPPER",
         "PYTHONPATH=",
         "XLA_PYTHON_CLIENT_PREALLOCATE=false",
         "PYTHONUNBUFFERED=1",
-        "python3 build.py --cuda-arch sm_90a -j ",
+        f"python3 tests/gpu/preflight.py --out {out} --arch sm_90a",
+        "python3 build.py --cuda-arch sm_90a --sm90-tf32-block8 -j ",
         "nvidia-smi >>",
         "python3 -m jax_blocksparse >",
-        "env JAX_BLOCKSPARSE_IMPL=kernels python3 bench/bsmm.py --preset check --deadline ",
+        f"env JAX_BLOCKSPARSE_IMPL=kernels python3 bench/session.py --out {out}/bench --json {out}/bench.json "
+        "--budget ",
         f"python3 bench/crossover.py {out}/bench.json --out {out}/crossovers.json",
         f"python3 tests/gpu/run_isolated.py --out {out}/gpu-tests --json {out}/gpu-tests.json --parallel 8 ",
-        "--split function ",
+        "--split function --resume 2 ",
         "tests/gpu/test_bsmm_kernels.py tests/gpu/test_bsmm_sm90.py tests/gpu/test_bsconv_kernels.py",
         f"python3 tests/gpu/run_isolated.py --out {out}/training --json {out}/training.json --parallel 8 ",
         "--keyword 'rnn_cells]' ",
@@ -142,8 +179,9 @@ def test_dry_run_prints_every_step_in_order_and_runs_nothing(tmp_path):
 
 
 def test_default_run_fits_the_budget():
-    """The limits of the steps before the suite leave the suite some of the 540 s budget,
-    and the header's table states the limits the script uses."""
+    """The session's steps up to the sanitizer fit its 420 s budget (ncu gets the rest), the
+    default step list is the session's, and the header's table states the limits the
+    script uses."""
     text = CHECK.read_text()
     header = {}
     for line in text.splitlines():
@@ -154,12 +192,13 @@ def test_default_run_fits_the_budget():
     limits = {}
     for step in STEPS:
         call = re.search(rf"(?:run_step|isolated) {re.escape(step)} \"\$\(limit_for (\d+)\)\"", text)
-        bench = re.search(r'limit="\$\(limit_for (\d+)\)"\n\s+deadline=', text)
+        bench = re.search(r'limit="\$\(limit_for (\d+)\)"\n\s+run_step bench', text)
         limits[step] = int(call.group(1)) if call else int(bench.group(1))
     assert {s: lim for s, (_, lim) in header.items()} == limits
-    assert 'BUDGET="${CHECK_BUDGET_S:-540}"' in text
-    expected_before_suite = sum(header[s][0] for s in STEPS[: STEPS.index("suite")])
-    assert expected_before_suite < 540 - 60, expected_before_suite
+    assert 'BUDGET="${CHECK_BUDGET_S:-420}"' in text
+    assert f'SESSION_STEPS="{" ".join(SESSION_STEPS)}"' in text
+    expected = sum(header[s][0] for s in SESSION_STEPS[: SESSION_STEPS.index("sanitizer") + 1])
+    assert expected <= 420 - 10, expected
 
 
 def test_training_models_are_those_of_the_tests():
@@ -185,7 +224,8 @@ def test_arch_from_nvidia_smi(tmp_path, cap, arch):
     fake.chmod(0o755)
     res = _check("--dry-run", str(tmp_path / "out"), env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
     assert res.returncode == 0, res.stderr
-    assert f"python3 build.py --cuda-arch {arch} -j " in res.stdout
+    switch = " --sm90-tf32-block8" if arch == "sm_90a" else ""  # the TF32 block-8 kernel, Hopper only
+    assert f"python3 build.py --cuda-arch {arch}{switch} -j " in res.stdout
 
 
 def test_usage_errors():

@@ -90,9 +90,11 @@ def test_the_handlers_take_exactly_the_supported_dtypes(native, dtype):
 def test_sm90_facts_fit_the_block_sizes(native):
     facts = native.build_info()["sm90"]
     assert facts == _sm90.facts()
-    assert set(facts) == {"plan_sms", "tf32_block_sizes", "tf32_off", "tf32_row_multiple"}
+    assert set(facts) == {"plan_sms", "tf32_block_sizes", "tf32_off", "tf32_row_multiple", "tf32_dsd_block8_switch"}
     assert facts["plan_sms"] > 0 and facts["tf32_row_multiple"] > 0
     on = facts["tf32_block_sizes"]
+    # The build switch for fprop/bprop on TF32 at block 8 (off in a default build).
+    assert (8 in on["fprop"]) == (8 in on["bprop"]) == facts["tf32_dsd_block8_switch"]
     assert set(on) == set(OPS)
     assert all(set(sizes) <= set(jbs.SUPPORTED_BLOCK_SIZES) for sizes in on.values())
     # tf32_off names exactly the block sizes each op leaves out, each with its reason.
@@ -112,6 +114,8 @@ def test_build_info_serialises_as_json(native):
 
 def test_tf32_is_off_for_fprop_and_bprop_at_block_8(native):
     # Until a GPU has run the fixed TF32 kernel of DSD at block 8 clean.
+    if _sm90.facts()["tf32_dsd_block8_switch"]:
+        pytest.skip("built with JBS_SM90_TF32_DSD_BLOCK8 (a GPU check's build)")
     assert set(_sm90.tf32_off()) == {("fprop", 8), ("bprop", 8)}
     assert "faulted on an H100" in _sm90.tf32_off()[("fprop", 8)]
     assert _sm90.tf32_summary().startswith("exact float32 instead for fprop/bprop at block 8: ")

@@ -11,6 +11,10 @@
 // and checked at compile time (bsmm_sm90_dsd_packed.cuh, CheckTmaBox), but no GPU has run
 // the fixed kernel yet; until one does, float32 at block 8 runs the exact kernels. The
 // FFI targets refuse tf32=true there (the lowering never asks for it).
+//
+// JBS_SM90_TF32_DSD_BLOCK8 (CMake option of that name, build.py --sm90-tf32-block8)
+// switches it on, so that a GPU check can build, test and time it before it is on for
+// everyone; build_info()["sm90"]["tf32_dsd_block8_switch"] says whether a build has it.
 #ifndef JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_TF32_H_
 #define JAX_BLOCKSPARSE_CUDA_SM90_BSMM_SM90_TF32_H_
 
@@ -20,7 +24,13 @@ namespace jbs {
 namespace sm90 {
 
 // DSD (fprop, bprop: bsmm_sm90_dsd_packed.cuh below 64, bsmm_sm90_dsd.cuh at 64/128).
+#if defined(JBS_SM90_TF32_DSD_BLOCK8) && JBS_SM90_TF32_DSD_BLOCK8
+constexpr bool kDsdTF32Block8Switch = true;
+constexpr int kDsdTF32BlockSizes[] = {8, 16, 32, 64, 128};
+#else
+constexpr bool kDsdTF32Block8Switch = false;
 constexpr int kDsdTF32BlockSizes[] = {16, 32, 64, 128};
+#endif
 // SDD (updat: bsmm_sm90_sdd_small.cuh below 64, bsmm_sm90_sdd.cuh at 64/128).
 constexpr int kSddTF32BlockSizes[] = {8, 16, 32, 64, 128};
 
@@ -35,9 +45,13 @@ constexpr bool DsdTF32Block(int bs) { return BlockSizeIn(kDsdTF32BlockSizes, bs)
 constexpr bool SddTF32Block(int bs) { return BlockSizeIn(kSddTF32BlockSizes, bs); }
 
 // Why TF32 is off at the supported block sizes a table leaves out ("" where none is).
+#if defined(JBS_SM90_TF32_DSD_BLOCK8) && JBS_SM90_TF32_DSD_BLOCK8
+constexpr char kDsdTF32Off[] = "";
+#else
 constexpr char kDsdTF32Off[] =
     "its TF32 kernel faulted on an H100 (misaligned shared address: each 8 x 8 float32 w block went out as four "
     "unswizzled TMA boxes 64 bytes apart); fixed and checked at compile time, not yet run on a GPU";
+#endif
 constexpr char kSddTF32Off[] = "";
 
 template <int N>

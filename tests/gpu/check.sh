@@ -3,61 +3,73 @@
 # within one device call: measure first, then test; a crash ends only its own process.
 #
 # Usage
-#   bash tests/gpu/check.sh OUTDIR               # every step; logs, JUnit XML and JSON go in OUTDIR
+#   bash tests/gpu/check.sh OUTDIR               # a session's steps; logs, JUnit XML and JSON go in OUTDIR
 #   bash tests/gpu/check.sh --dry-run OUTDIR     # print the exact commands; run (and create) nothing
 #   CHECK_STEPS="build suite ncu ncu-summary" bash tests/gpu/check.sh OUTDIR   # only these steps
 #
 # Needs, on the GPU machine: python3 with jax[cuda], torch, pytest; nvidia-cutlass (the
-# CuTe headers of the sm_90a kernels, a build requirement: a wheel in .whl/ is unpacked
-# where it is not installed); nvcc, nvidia-smi, ncu and compute-sanitizer on the PATH.
-# Nothing is downloaded or installed: it builds the extension in place (build.py) and
-# runs from the tree (PYTHONPATH=$PWD).
+# CuTe headers of the sm_90a kernels: a wheel in .whl/ is unpacked where it is not
+# installed; without it the portable kernels alone are built and checked); nvcc and
+# nvidia-smi on the PATH; ncu and compute-sanitizer where they work (probed first).
+# Nothing is downloaded: it builds the extension in place (build.py) and runs from the
+# tree (PYTHONPATH=$PWD).
 #
-# Steps, in order. A failing (or timed out) step never stops the ones after it.
+# Steps, in order (a session's default: every step but training and suite, which run
+# only when CHECK_STEPS names them). A failing (or timed out) step never stops the ones
+# after it; one whose tool does not work on this machine is "unavailable", not failed.
 #   step         what                                                   H100 s   limit s
+#   preflight    tests/gpu/preflight.py: the GPU, the CUTLASS headers        8        40
+#                (a carried wheel unpacked, pip's output logged; missing:
+#                said at once, portable kernels for sm_90), compute-
+#                sanitizer and ncu probed on a ten-line CUDA program
 #   build        python3 build.py --cuda-arch <arch> -j $(nproc)            85       150
-#                (arch from nvidia-smi's compute_cap: 9.0 -> sm_90a, 8.x -> sm_8x)
+#                (arch: preflight's; without it nvidia-smi's compute_cap:
+#                9.0 -> sm_90a, 8.x -> sm_8x), with --sm90-tf32-block8
+#                where CHECK_TF32_BLOCK8=1 (default) and the arch is sm_90a
 #   env          python3 -m jax_blocksparse; nvidia-smi, git commit, date,    3        30
 #                tool versions into OUTDIR (meta.txt, nvidia-smi.txt)
-#   bench        bench/bsmm.py --preset check: the Ampere and Hopper       125       150
-#                kernels side by side in one process, against XLA's dot,
-#                impl="dense" and torch BSR; bf16 first (blocks 32-128,
-#                densities 1-0.05, fprop/bprop/updat), then f16 and f32
-#                until 25 s before its limit; every row saved as measured
+#   bench        bench/session.py: bf16 at W 8192 x 8192, N = 8192, blocks  150       170
+#                128/64/32/16 one process each (densities 0.1 first; the
+#                Hopper and Ampere kernels and XLA's dot; torch BSR at 0.1),
+#                then 4096^3 block 8, f16, f32 (TF32) as time allows; every
+#                row saved as measured, a rerun resumes
 #   crossover    bench/crossover.py: this device's crossover table          2        20
 #   gpu-tests    tests/gpu/run_isolated.py: each test function of the      100       150
-#                kernel tests in its own process, CHECK_PARALLEL at a time;
+#                kernel tests in its own process, CHECK_PARALLEL at a time,
+#                going on past a failure in a new process (twice at most);
 #                memcheck on each function's first failure
 #   training     tests/gpu/run_isolated.py: test_training_steps.py, one     80       120
-#                process per model
+#                process per model (only when named)
 #   sanitizer    tests/gpu/run_sanitizer.sh: memcheck + racecheck           45        60
 #   suite        JAX_BLOCKSPARSE_IMPL=kernels, tests/test_*.py one file    200       240
-#                per process (largest first), CHECK_SUITE_PARALLEL at a time
+#                per process (largest first), CHECK_SUITE_PARALLEL at a
+#                time (only when named)
 #   ncu          ncu around bench/ncu_driver.py: each jbs kernel family     45        90
 #                x dtype x block at density 0.1, once
 #   ncu-summary  bench/ncu_summary.py: JSON + table (duration, occupancy,     1        20
 #                tensor pipe, DRAM, registers)
 # Each step runs under `timeout` with its limit, cut to what is left of CHECK_BUDGET_S
-# (default 540 s: 9 minutes, 10 s of it kept for the summary), so the whole run ends
-# within the budget; a step with under 5 s left is skipped (and fails). The steps up to
-# the sanitizer take about 440 s on an H100; the suite gets what is left (the files it
-# could not start are listed as not-run) and ncu usually none: run them in a second
-# call, CHECK_STEPS="build suite ncu ncu-summary".
+# (default 420 s: 7 minutes, 10 s of it kept for the summary), so the whole run ends
+# within the budget; a step with under 5 s left is skipped. The default steps up to the
+# sanitizer take about 400 s on an H100; ncu gets what is left.
 # At the end bench/check_summary.py prints one table (each step's status, counts and
 # seconds; every failing test with its first error line; the bf16 efficiency and speedup
 # per op and block size at density 0.1, Ampere and Hopper) and writes OUTDIR/summary.json.
-# Exit status: 0 if every step passed, else 1 (2: usage).
+# Exit status: 0 if every step passed (or was unavailable), else 1 (2: usage).
 #
-# OUTDIR after a run: steps.tsv, meta.txt, nvidia-smi.txt, env_report.txt, build.log,
-# bench.{log,json}, crossover.log, crossovers.json, {gpu-tests,training,suite}.{log,json}
-# and {gpu-tests,training,suite}/ (a log, JUnit XML and memcheck log per job),
+# OUTDIR after a run: steps.tsv, meta.txt, nvidia-smi.txt, preflight.{log,json,env},
+# env_report.txt, build.log, bench.{log,json} and bench/ (one JSON per bench item),
+# crossover.log, crossovers.json, {gpu-tests,training,suite}.{log,json} and
+# {gpu-tests,training,suite}/ (a log, JUnit XML and memcheck log per job),
 # sanitizer.log, sanitizer_{memcheck,racecheck}.log, ncu.log, ncu_raw.csv,
 # ncu_problems.json, ncu_summary.{txt,json}, summary.json.
 #
 # Environment
-#   CHECK_STEPS           steps to run, space-separated (default: all, in the order above)
-#   CHECK_BUDGET_S        seconds for the whole run (default 540; 0: only the per-step limits)
-#   CHECK_CUDA_ARCH       build for this arch instead of the one nvidia-smi reports
+#   CHECK_STEPS           steps to run, space-separated (default: the session's, in the order above)
+#   CHECK_BUDGET_S        seconds for the whole run (default 420; 0: only the per-step limits)
+#   CHECK_CUDA_ARCH       build for this arch instead of the one preflight (or nvidia-smi) gives
+#   CHECK_TF32_BLOCK8     1 (default): build sm_90a with fprop/bprop on TF32 at block 8 (the
+#                         switched-off kernel, tested and timed here); 0: as users get it
 #   CHECK_PARALLEL        processes at a time for gpu-tests and training (default 8)
 #   CHECK_SUITE_PARALLEL  ... for the suite (default 8)
 #   CHECK_TAIL            lines of each step's log echoed to the console (default 6)
@@ -98,12 +110,14 @@ OUT="${OUT%/}"
 REPO="$(cd "$(dirname "$0")/../.." && pwd)" || exit 2
 cd "$REPO" || exit 2
 
-BUDGET="${CHECK_BUDGET_S:-540}"
+BUDGET="${CHECK_BUDGET_S:-420}"
 RESERVE=10  # seconds of the budget kept for the summary
 TAIL="${CHECK_TAIL:-6}"
 PARALLEL="${CHECK_PARALLEL:-8}"
 SUITE_PARALLEL="${CHECK_SUITE_PARALLEL:-8}"
-STEPS="${CHECK_STEPS:-build env bench crossover gpu-tests training sanitizer suite ncu ncu-summary}"
+SESSION_STEPS="preflight build env bench crossover gpu-tests sanitizer ncu ncu-summary"
+STEPS="${CHECK_STEPS:-$SESSION_STEPS}"
+TF32_BLOCK8="${CHECK_TF32_BLOCK8:-1}"
 NCU_METRICS="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread"
 # The kernel tests, one process per test function (the sm90 file opens the Hopper gate itself).
 GPU_TEST_FILES=(tests/gpu/test_bsmm_kernels.py tests/gpu/test_bsmm_sm90.py tests/gpu/test_bsconv_kernels.py)
@@ -124,15 +138,9 @@ PREV_ENV="XLA_FLAGS=${XLA_FLAGS-<unset>} JAX_PLATFORMS=${JAX_PLATFORMS-<unset>} 
 unset XLA_FLAGS JAX_PLATFORMS JAX_BLOCKSPARSE_IMPL JAX_BLOCKSPARSE_HOPPER
 export PYTHONPATH="$REPO"
 # The sm_90a kernels compile against nvidia-cutlass's CuTe headers. The GPU machine has
-# no network: a wheel carried in .whl/ (the device tool's `carry`) is unpacked, without
-# its dependencies (the headers need none), beside the tree.
-if ! python3 -c "import cutlass_library" >/dev/null 2>&1; then
-    CUTLASS_WHEEL="$(ls "$REPO"/.whl/nvidia_cutlass-*.whl 2>/dev/null | head -n 1)"
-    if [ -n "$CUTLASS_WHEEL" ] && [ "$DRY" != 1 ]; then
-        python3 -m pip install -q --no-deps --target "$REPO/.whl/site" "$CUTLASS_WHEEL" >/dev/null 2>&1 || true
-    fi
-    export PYTHONPATH="$REPO:$REPO/.whl/site"
-fi
+# no network: the preflight step unpacks a wheel carried in .whl/ (the device tool's
+# `carry`) into .whl/site, which every step then finds.
+export PYTHONPATH="$REPO:$REPO/.whl/site"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONUNBUFFERED=1
 
@@ -251,6 +259,23 @@ run_step() {
     record "$name" "$status" "$rc" "$secs" "$limit" "$log"
 }
 
+# unavailable NAME WHY: a step whose tool does not work on this machine (preflight's probe):
+# recorded as "unavailable", which is not a failure.
+unavailable() {
+    if [ "$DRY" -eq 1 ]; then
+        printf '# %s: runs only where preflight found its tool available\n' "$1"
+        return 0
+    fi
+    echo "== [$1] unavailable: $2"
+    record "$1" unavailable "" 0 0 ""
+}
+
+# tool_ok STATUS: whether a step may use a tool preflight reported as STATUS (anything but
+# "unavailable" or "absent": a step whose tool was not probed runs and speaks for itself).
+tool_ok() {
+    case "$1" in unavailable | absent) return 1 ;; *) return 0 ;; esac
+}
+
 # meta FILE COMMAND...: a fact about the machine into OUTDIR (never fails the run).
 meta() {
     local file="$1"
@@ -291,11 +316,12 @@ if [ "$DRY" -eq 1 ]; then
     printf 'export %s XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 %s\n' \
         "$(quoted "PYTHONPATH=$PYTHONPATH")" "$(quoted "JBS_COMMIT=$JBS_COMMIT")"
     printf 'mkdir -p %s\n' "$(quoted "$OUT")"
-    if [ -z "$ARCH" ]; then ARCH="<sm_XY from nvidia-smi --query-gpu=compute_cap>"; fi
+    if [ -z "$ARCH" ]; then ARCH="<sm_XY from preflight, or nvidia-smi --query-gpu=compute_cap>"; fi
 else
     mkdir -p "$OUT" || { echo "check.sh: cannot create $OUT" >&2; exit 2; }
     # Outputs of an earlier run in the same OUTDIR would be read as this run's.
-    (cd "$OUT" && rm -rf steps.tsv meta.txt nvidia-smi.txt env_report.txt build.log bench.log bench.json \
+    (cd "$OUT" && rm -rf steps.tsv meta.txt nvidia-smi.txt preflight.log preflight.json preflight.env \
+        preflight_pip.log tool_probe tool_probe.cu env_report.txt build.log bench.log bench.json \
         crossover.log crossovers.json gpu-tests gpu-tests.log gpu-tests.json training training.log training.json \
         sanitizer.log sanitizer_memcheck.log sanitizer_racecheck.log suite suite.log suite.json ncu.log \
         ncu_raw.csv ncu_problems.json ncu_summary.txt ncu_summary.json summary.json)
@@ -322,12 +348,34 @@ else
     printf '# meta.txt: date -u, commit (%s), git rev-parse HEAD, hostname, nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total, arch, nproc\n' "$JBS_COMMIT"
 fi
 
+# 0. Preflight: the GPU, the CUTLASS headers (a carried wheel unpacked), the tools probed.
+PREFLIGHT_SANITIZER=unprobed
+PREFLIGHT_NCU=unprobed
+if wanted preflight; then
+    preflight_args=()
+    if [ -n "${CHECK_CUDA_ARCH:-}" ]; then preflight_args=(--arch "$CHECK_CUDA_ARCH"); fi
+    run_step preflight "$(limit_for 40)" "$OUT/preflight.log" -- \
+        python3 tests/gpu/preflight.py --out "$OUT" "${preflight_args[@]}"
+    if [ "$DRY" -eq 0 ]; then
+        cat "$OUT/preflight.log"
+        if [ -f "$OUT/preflight.env" ]; then
+            # shellcheck disable=SC1091  # written by preflight.py
+            . "$OUT/preflight.env"
+            if [ -z "${CHECK_CUDA_ARCH:-}" ] && [ -n "${PREFLIGHT_ARCH:-}" ]; then ARCH="$PREFLIGHT_ARCH"; fi
+        fi
+    fi
+fi
+
 # 1. Build in place for this GPU, and record the environment.
 if wanted build; then
-    arch_args=()
-    if [ -n "$ARCH" ]; then arch_args=(--cuda-arch "$ARCH"); fi
+    build_args=()
+    if [ -n "$ARCH" ]; then build_args=(--cuda-arch "$ARCH"); fi
+    # The switched-off TF32 kernel at block 8 (cuda/sm90/bsmm_sm90_tf32.h), built to be checked.
+    if [ "$TF32_BLOCK8" = 1 ] && { [ "$ARCH" = sm_90a ] || [[ "$ARCH" == "<"* ]]; }; then
+        build_args+=(--sm90-tf32-block8)
+    fi
     run_step build "$(limit_for 150)" "$OUT/build.log" -- \
-        python3 build.py "${arch_args[@]}" -j "$(nproc)"
+        python3 build.py "${build_args[@]}" -j "$(nproc)"
 fi
 if wanted env; then
     meta "$OUT/nvidia-smi.txt" nvidia-smi
@@ -342,10 +390,9 @@ fi
 # 2. Measure first: the benchmark (it starts no product 25 s before its limit, and every
 #    row is in bench.json as soon as it is measured), then this device's crossover table.
 if wanted bench; then
-    limit="$(limit_for 150)"
-    deadline=$((limit > 50 ? limit - 25 : limit / 2))
+    limit="$(limit_for 170)"
     run_step bench "$limit" "$OUT/bench.log" JAX_BLOCKSPARSE_IMPL=kernels -- \
-        python3 bench/bsmm.py --preset check --deadline "$deadline" --json "$OUT/bench.json"
+        python3 bench/session.py --out "$OUT/bench" --json "$OUT/bench.json" --budget "$((limit > 20 ? limit - 5 : limit))"
 fi
 if wanted crossover; then
     run_step crossover "$(limit_for 20)" "$OUT/crossover.log" -- \
@@ -353,9 +400,12 @@ if wanted crossover; then
 fi
 
 # 3. Correctness, each test function in its own process (a kernel fault ends only its own).
+# The memcheck reruns of first failures, where compute-sanitizer works here.
+memcheck_args=()
+if ! tool_ok "$PREFLIGHT_SANITIZER"; then memcheck_args=(--sanitizer ""); fi
 if wanted gpu-tests; then
     isolated gpu-tests "$(limit_for 150)" "$PARALLEL" JBS_REQUIRE_KERNELS=1 -- \
-        --split function --timeout 120 --sanitizer-timeout 60 "${GPU_TEST_FILES[@]}"
+        --split function --resume 2 --timeout 120 --sanitizer-timeout 60 "${memcheck_args[@]}" "${GPU_TEST_FILES[@]}"
 fi
 
 # 4. Whole training steps (CUDA graphs), one process per model (each runs its own children).
@@ -370,25 +420,33 @@ fi
 
 # 5. compute-sanitizer: memcheck and racecheck on the kernel tests' sanitizer subset.
 if wanted sanitizer; then
-    run_step sanitizer "$(limit_for 60)" "$OUT/sanitizer.log" -- \
-        bash tests/gpu/run_sanitizer.sh --log-dir "$OUT"
+    if tool_ok "$PREFLIGHT_SANITIZER"; then
+        run_step sanitizer "$(limit_for 60)" "$OUT/sanitizer.log" -- \
+            bash tests/gpu/run_sanitizer.sh --log-dir "$OUT"
+    else
+        unavailable sanitizer "compute-sanitizer: $PREFLIGHT_SANITIZER on this machine (preflight.json)"
+    fi
 fi
 
 # 6. The whole suite through the kernels, XLA's default settings, one file per process.
 if wanted suite; then
     suite_files=(tests/test_*.py)
     isolated suite "$(limit_for 240)" "$SUITE_PARALLEL" JAX_BLOCKSPARSE_IMPL=kernels JBS_REQUIRE_KERNELS=1 -- \
-        --order size --timeout 200 --sanitizer-timeout 60 "${suite_files[@]}"
+        --order size --timeout 200 --sanitizer-timeout 60 "${memcheck_args[@]}" "${suite_files[@]}"
 fi
 
 # 7. Nsight Compute: one launch per kernel family x dtype x block size at density 0.1.
-if wanted ncu; then
+if wanted ncu && ! tool_ok "$PREFLIGHT_NCU"; then
+    unavailable ncu "ncu: $PREFLIGHT_NCU on this machine (preflight.json)"
+elif wanted ncu; then
     run_step ncu "$(limit_for 90)" "$OUT/ncu.log" JAX_BLOCKSPARSE_IMPL=kernels -- \
         ncu --clock-control none --kernel-name-base demangled --kernel-name regex:jbs --csv --page raw \
         --metrics "$NCU_METRICS" --log-file "$OUT/ncu_raw.csv" \
         python3 bench/ncu_driver.py --density 0.1 --problems "$OUT/ncu_problems.json"
 fi
-if wanted ncu-summary; then
+if wanted ncu-summary && ! tool_ok "$PREFLIGHT_NCU"; then
+    unavailable ncu-summary "ncu: $PREFLIGHT_NCU on this machine (preflight.json)"
+elif wanted ncu-summary; then
     run_step ncu-summary "$(limit_for 20)" "$OUT/ncu_summary.txt" -- \
         python3 bench/ncu_summary.py "$OUT/ncu_raw.csv" "$OUT/ncu.log" --problems "$OUT/ncu_problems.json" \
         --json "$OUT/ncu_summary.json" --min-rows 1
@@ -413,7 +471,7 @@ fi
 echo "total: $(awk -v us="$(($(now_us) - T0))" 'BEGIN { printf "%.1f", us / 1e6 }')s; outputs in $OUT"
 failed=0
 for i in "${!NAMES[@]}"; do
-    if [ "${STATUSES[$i]}" != pass ]; then failed=1; fi
+    case "${STATUSES[$i]}" in pass | unavailable) ;; *) failed=1 ;; esac
 done
 if [ "${#NAMES[@]}" -eq 0 ]; then
     echo "check.sh: no step ran (CHECK_STEPS=$STEPS)" >&2

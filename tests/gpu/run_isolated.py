@@ -12,6 +12,12 @@ training steps' child processes, with it). A job whose process dies (a signal, a
 segfault, ``os._exit``, its time limit, a dead CUDA context) is that job's failure
 alone; the other jobs still run.
 
+With ``--resume N``, a job that failed or died goes on in a new process (its id with
+`` (resumed 1)`` and so on, at most N times): the same selection with every test the
+failed process already ran, and the one it died in, deselected. So a fault early in a
+parametrized function (``-x`` stops a job at its first failure) does not leave the
+function's other cases unrun.
+
 Then the first failing test of each failing job runs once more, alone, under
 ``compute-sanitizer --tool memcheck`` (where compute-sanitizer is found), and its first
 report is kept.
@@ -44,8 +50,9 @@ JUnit XML), ``first_failure`` (``test``: its node id, ``error``: its first error
 Exit status: 0 if every job passed, 1 otherwise, 2 for bad arguments.
 
 This module is also the pytest plugin each job loads (``-p run_isolated``): its one
-hook writes the node id of the test starting to the file named by ``$JBS_ISOLATED_CURRENT``,
-which is how a job that dies names the test it died in.
+hook appends the node id of each test starting to the file named by ``$JBS_ISOLATED_CURRENT``,
+which is how a job that dies names the test it died in (the last line) and how a resumed
+job knows what already ran.
 """
 
 from __future__ import annotations
@@ -88,11 +95,21 @@ _SANITIZER_BORING = (
 
 
 def pytest_runtest_logstart(nodeid, location):
-    """Writes the node id of the test starting now where the runner looks should the process die."""
+    """Appends the node id of the test starting now to the file the runner reads should the
+    process die: its last line is the test that was running, the lines before it the
+    tests that ran (``--resume`` skips them all)."""
     path = os.environ.get(CURRENT_ENV)
     if path:
-        with open(path, "w") as f:
-            f.write(nodeid)
+        with open(path, "a") as f:
+            f.write(nodeid + "\n")
+
+
+def started_tests(path: Path) -> list[str]:
+    """The node ids a job's process started, in order (its ``.current`` file)."""
+    try:
+        return [line for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
 
 
 # ---------------------------------------------------------------------------------
@@ -202,6 +219,20 @@ def read_junit(path: Path, file: str):
     return counts, None
 
 
+def junit_cases(path: Path, file: str) -> list[tuple[str, str]]:
+    """(node id, outcome) of every testcase of a JUnit XML file, in order; outcome is
+    "passed", "failed", "error" or "skipped"; [] where the file is missing or unreadable."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    out = []
+    for case in root.iter("testcase"):
+        outcome = next((tag for tag in ("failure", "error", "skipped") if case.find(tag) is not None), "passed")
+        out.append((_node_id(case, file), {"failure": "failed"}.get(outcome, outcome)))
+    return out
+
+
 def cuda_error_line(log: Path) -> str | None:
     """The first line of a log that reports a CUDA error."""
     if not log.exists():
@@ -279,6 +310,7 @@ class Runner:
         self.json_path = Path(args.json) if args.json else self.out / "isolated.json"
         self.t0 = time.monotonic()
         self.running: list[tuple[dict, subprocess.Popen, float, float]] = []  # job, process, start, limit
+        self.pending: list[dict] = list(jobs)
         self.sanitizing: list[tuple] = []  # job, process, start, limit, log, argv
         self.report = dict(
             runner="tests/gpu/run_isolated.py",
@@ -292,18 +324,23 @@ class Runner:
             jobs=jobs,
         )
         for job in jobs:
-            job.update(
-                status="not-run",
-                rc=None,
-                signal=None,
-                seconds=None,
-                counts=None,
-                first_failure=None,
-                cuda_error=None,
-                log=f"{job['slug']}.log",
-                junit=f"{job['slug']}.xml",
-                sanitizer=None,
-            )
+            self._blank(job)
+
+    @staticmethod
+    def _blank(job) -> None:
+        """A job's fields before it runs."""
+        job.update(
+            status="not-run",
+            rc=None,
+            signal=None,
+            seconds=None,
+            counts=None,
+            first_failure=None,
+            cuda_error=None,
+            log=f"{job['slug']}.log",
+            junit=f"{job['slug']}.xml",
+            sanitizer=None,
+        )
 
     def pytest_args(self) -> list[str]:
         return ["-x", "-q", "-p", PLUGIN, *self.args.pytest_args]
@@ -366,8 +403,8 @@ class Runner:
             cuda_error=cuda_error_line(log),
         )
         if status in ("died", "timeout"):
-            current = self.out / f"{job['slug']}.current"
-            test = current.read_text().strip() if current.exists() else ""
+            started = started_tests(self.out / f"{job['slug']}.current")
+            test = started[-1] if started else ""
             if status == "timeout":
                 why = f"timed out after {job['seconds']} s"
             elif job["signal"]:
@@ -387,6 +424,38 @@ class Runner:
         )
         if first and status != "pass":
             print(f"      first failure: {first.get('test') or '?'}: {first.get('error')}", flush=True)
+        if status in ("fail", "died"):
+            self.resume(job, first)
+
+    def resume(self, job, first) -> None:
+        """Queues the rest of a failed job's selection in a new process (``--resume``): the
+        tests its process ran, and the one it died in, deselected."""
+        rounds = job.get("resumed", 0) + 1
+        if rounds > self.args.resume:
+            return
+        ran = [node for node, _ in junit_cases(self.out / job["junit"], job["file"])]
+        ran += [node for node in started_tests(self.out / f"{job['slug']}.current") if node not in ran]
+        if first and first.get("test") and first["test"] not in ran:
+            ran.append(first["test"])
+        if not ran:  # nothing known to skip: a new process would fail the same way
+            return
+        deselect = [*job.get("deselect", []), *ran]
+        base, base_slug = job.get("base_id", job["id"]), job.get("base_slug", job["slug"])
+        rest = dict(
+            id=f"{base} (resumed {rounds})",
+            base_id=base,
+            base_slug=base_slug,
+            file=job["file"],
+            selection=[*job["selection"][: job.get("n_selection", len(job["selection"]))]],
+            n_selection=job.get("n_selection", len(job["selection"])),
+            deselect=deselect,
+            resumed=rounds,
+            slug=f"{base_slug}.r{rounds}",
+        )
+        rest["selection"] += [arg for node in deselect for arg in ("--deselect", node)]
+        self._blank(rest)
+        self.jobs.append(rest)
+        self.pending.append(rest)
 
     def reap(self) -> None:
         still = []
@@ -403,7 +472,7 @@ class Runner:
         self.running = still
 
     def run_jobs(self) -> None:
-        pending = list(self.jobs)
+        pending = self.pending  # resume() appends to it while jobs end
         while pending or self.running:
             while pending and len(self.running) < self.args.parallel and self.left() >= MIN_START_S:
                 self.start(pending.pop(0))
@@ -590,11 +659,17 @@ def parse_args(argv=None):
         help="compute-sanitizer to rerun first failures under ('' : none)",
     )
     p.add_argument("--sanitizer-timeout", type=float, default=120.0, help="seconds per sanitizer rerun")
+    p.add_argument(
+        "--resume",
+        type=int,
+        default=0,
+        help="go on with a failed job's remaining tests in a new process, at most this many times per job (default 0)",
+    )
     p.add_argument("--python", default=sys.executable or "python3", help="the interpreter of the jobs")
     args = p.parse_args(argv)
     args.pytest_args = extra
-    if args.parallel < 1 or args.timeout <= 0 or args.budget < 0 or args.sanitizer_timeout <= 0:
-        p.error("--parallel, --timeout and --sanitizer-timeout must be positive, --budget >= 0")
+    if args.parallel < 1 or args.timeout <= 0 or args.budget < 0 or args.sanitizer_timeout <= 0 or args.resume < 0:
+        p.error("--parallel, --timeout and --sanitizer-timeout must be positive, --budget and --resume >= 0")
     if args.keyword and args.split == "function":
         p.error("--keyword and --split function exclude each other")
     for target in args.targets:
