@@ -320,16 +320,15 @@ def roofline(op, c, k, n, density, dtype, *, dense_s, bandwidth) -> dict:
 
 
 def measure_bandwidth(device, *, nbytes: int = 1 << 30, repeats: int = 3) -> float | None:
-    """Device memory bandwidth in bytes/s (bytes read plus bytes written) of a large
-    elementwise update on ``device``, timed as the products are: a chained jitted program,
-    the median of back-to-back calls. None where it fails."""
+    """Device memory bandwidth in bytes/s (bytes read plus bytes written) of one large
+    elementwise update on ``device``: the median of back-to-back single calls (one pass
+    over ``nbytes`` takes far longer than a dispatch; a chain of them in one program would
+    be fused into a single pass by XLA). None where it fails."""
     try:
         n = nbytes // 4
         a = jax.device_put(jnp.zeros((n,), jnp.float32), device)
-        chain = 4
-        fn = jax.jit(chained(lambda v: v + 1.0, chain))
-        per_op = time_chain(fn, chain, a, repeats=repeats, min_time=0.02)
-        return 2.0 * n * 4 / per_op
+        per_call = time_calls(jax.jit(lambda v: v + 1.0), a, repeats=repeats, min_time=0.02)
+        return 2.0 * n * 4 / per_call
     except Exception:  # noqa: BLE001 - the roofline is optional
         return None
 

@@ -1,7 +1,8 @@
 """Runs each jbs kernel once, for Nsight Compute: one problem per op x dtype x block size.
 
 Each problem (4096 x 4096 weight, N = 4096, block density 0.1 by default) is jitted,
-called once and waited for, in a fixed order: dtype, then block size, then op (fprop,
+called once and waited for, in a fixed order: kernel path (the Ampere-design targets, then
+the Hopper ones where they run: ``--paths``), dtype, then block size, then op (fprop,
 bprop, updat). With ``--kernel-name regex:jbs`` ncu then profiles one launch per
 problem (an op launches one jbs kernel; XLA's own kernels, random inputs included,
 are filtered out). ``--problems`` writes that order as JSON before anything runs;
@@ -18,7 +19,9 @@ It runs anywhere (on CPU the CPU kernels run: useful only to test it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -27,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_blocksparse as jbs
+from jax_blocksparse.ops import paths
+from jax_blocksparse.ops.paths import HOPPER_ENV
 
 OPS = ("fprop", "bprop", "updat")
 # What each op launches: DSD (dense = dense x sparse) or SDD (sparse = dense x dense).
@@ -36,23 +41,42 @@ FAMILY = {"fprop": "dsd", "bprop": "dsd_t", "updat": "sdd"}
 def problems(args) -> list[dict]:
     c, k, n = args.size
     out = []
-    for dtype in args.dtypes:
-        for bs in args.block_sizes:
-            if c % bs or k % bs:
-                continue
-            for op in args.ops:
-                out.append(
-                    dict(
-                        index=len(out),
-                        op=op,
-                        family=FAMILY[op],
-                        dtype=dtype,
-                        block_size=bs,
-                        density=args.density,
-                        size=dict(C=c, K=k, N=n),
+    for path in args.paths:
+        for dtype in args.dtypes:
+            for bs in args.block_sizes:
+                if c % bs or k % bs:
+                    continue
+                for op in args.ops:
+                    out.append(
+                        dict(
+                            index=len(out),
+                            path=path,
+                            op=op,
+                            family=FAMILY[op],
+                            dtype=dtype,
+                            block_size=bs,
+                            density=args.density,
+                            size=dict(C=c, K=k, N=n),
+                        )
                     )
-                )
     return out
+
+
+@contextlib.contextmanager
+def hopper_gate(path: str):
+    """JAX_BLOCKSPARSE_HOPPER=1 while a "hopper" problem is lowered, unset for "ampere"."""
+    before = os.environ.get(HOPPER_ENV)
+    if path == "hopper":
+        os.environ[HOPPER_ENV] = "1"
+    else:
+        os.environ.pop(HOPPER_ENV, None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(HOPPER_ENV, None)
+        else:
+            os.environ[HOPPER_ENV] = before
 
 
 def _fn(op):
@@ -66,7 +90,7 @@ def _fn(op):
 def run(args, plan: list[dict]) -> list[dict]:
     c, k, n = args.size
     key = jax.random.key(args.seed)
-    fns = {op: _fn(op) for op in OPS}
+    fns = {(path, op): _fn(op) for path in args.paths for op in OPS}  # a jit cache per path
     inputs, layouts = {}, {}
     for p in plan:
         dtype, bs, op = p["dtype"], p["block_size"], p["op"]
@@ -83,12 +107,13 @@ def run(args, plan: list[dict]) -> list[dict]:
         p["nnz"] = layout.nnz
         p["density"] = layout.density
         operands = {"fprop": (x, w, layout), "bprop": (g, w, layout), "updat": (x, g, layout)}[op]
-        fn = fns[op].lower(*operands).compile()  # compile first: only the call below launches a kernel
+        with hopper_gate(p["path"]):  # the gate is read when the problem is lowered
+            fn = fns[(p["path"], op)].lower(*operands).compile()  # compile first: only the call launches a kernel
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*operands))
         p["wall_s"] = time.perf_counter() - t0
         print(
-            f"{p['index']:3d} {op:6} {dtype:9} bs={bs:<4d} nnz={p['nnz']:<6d} {p['wall_s'] * 1e3:9.3f} ms (wall)",
+            f"{p['index']:3d} {p['path']:6} {op:6} {dtype:9} bs={bs:<4d} nnz={p['nnz']:<6d} {p['wall_s'] * 1e3:9.3f} ms (wall)",
             flush=True,
         )
     return plan
@@ -104,6 +129,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
     p.add_argument(
+        "--paths",
+        nargs="+",
+        choices=["ampere", "hopper"],
+        default=None,
+        help="kernel paths, each problem once per path (default: ampere, and hopper where the sm_90a kernels run)",
+    )
+    p.add_argument(
         "--impl",
         choices=jbs.config.IMPLEMENTATIONS,
         default="kernels",
@@ -111,7 +143,10 @@ def parse_args(argv=None):
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--problems", type=Path, help="write the problems, in launch order, here (JSON)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.paths is None:
+        args.paths = ["ampere", "hopper"] if paths.hopper_available() else ["ampere"]
+    return args
 
 
 def main(argv=None):

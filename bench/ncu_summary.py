@@ -187,7 +187,8 @@ def parse_kernel_name(name: str) -> dict:
     names give None fields.
     """
     out = dict(short=name, op=None, dtype=None, block_size=None)
-    m = re.search(r"jbs::(\w+)<(.*)>", name)
+    # The namespace is there in ncu's demangled names, not in its "function" names.
+    m = re.search(r"(?:jbs::(?:sm90::(?:detail::)?)?)?([A-Za-z_]\w*)<(.*)>", name)
     if not m:
         m2 = re.search(r"jbs::(\w+)", name)
         if m2:
@@ -226,8 +227,10 @@ def _value(metrics, name):
 def summarize(launches: list[dict], problems: list[dict] | None = None) -> dict:
     """Rows (one per jbs launch) paired with the driver's problems; warnings where they disagree."""
     warnings = []
+    # ncu's --kernel-name regex:jbs kept only our launches; its CSV may name them without
+    # the namespace (newer ncu prints the function name), so all launches count then.
     ours = [launch for launch in launches if "jbs" in launch["kernel"]]
-    jbs_launches = ours if ours or problems else launches
+    jbs_launches = ours or launches
     parsed = [parse_kernel_name(launch["kernel"]) for launch in jbs_launches]
     pairs: list[dict | None]
     if problems and len(problems) == len(jbs_launches):

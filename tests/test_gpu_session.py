@@ -282,7 +282,7 @@ def test_bsmm_resume_measures_only_what_is_missing(bsmm, tmp_path):
     # The roofline from this run's own ceilings.
     assert first["bandwidth_Bps"] > 0
     for row in first["results"]:
-        assert row["roofline_s"] > 0 and row["roofline_speedup_bound"] >= 1.0 - 1e-9
+        assert row["roofline_s"] > 0 and row["roofline_speedup_bound"] > 0
         assert row["requested_density"] in (1.0, 0.25) and row["size"] == [256, 256, 64]
     # Everything there: nothing measured again.
     again = bsmm.main([*argv, "--resume"])

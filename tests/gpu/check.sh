@@ -70,6 +70,7 @@
 #   CHECK_CUDA_ARCH       build for this arch instead of the one preflight (or nvidia-smi) gives
 #   CHECK_TF32_BLOCK8     1 (default): build sm_90a with fprop/bprop on TF32 at block 8 (the
 #                         switched-off kernel, tested and timed here); 0: as users get it
+#   CHECK_NCU_PATHS       the kernel paths ncu profiles (default "ampere hopper")
 #   CHECK_PARALLEL        processes at a time for gpu-tests and training (default 8)
 #   CHECK_SUITE_PARALLEL  ... for the suite (default 8)
 #   CHECK_TAIL            lines of each step's log echoed to the console (default 6)
@@ -118,6 +119,7 @@ SUITE_PARALLEL="${CHECK_SUITE_PARALLEL:-8}"
 SESSION_STEPS="preflight build env bench crossover gpu-tests sanitizer ncu ncu-summary"
 STEPS="${CHECK_STEPS:-$SESSION_STEPS}"
 TF32_BLOCK8="${CHECK_TF32_BLOCK8:-1}"
+NCU_PATHS="${CHECK_NCU_PATHS:-ampere hopper}"
 NCU_METRICS="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread"
 # The kernel tests, one process per test function (the sm90 file opens the Hopper gate itself).
 GPU_TEST_FILES=(tests/gpu/test_bsmm_kernels.py tests/gpu/test_bsmm_sm90.py tests/gpu/test_bsconv_kernels.py)
@@ -442,7 +444,7 @@ elif wanted ncu; then
     run_step ncu "$(limit_for 90)" "$OUT/ncu.log" JAX_BLOCKSPARSE_IMPL=kernels -- \
         ncu --clock-control none --kernel-name-base demangled --kernel-name regex:jbs --csv --page raw \
         --metrics "$NCU_METRICS" --log-file "$OUT/ncu_raw.csv" \
-        python3 bench/ncu_driver.py --density 0.1 --problems "$OUT/ncu_problems.json"
+        python3 bench/ncu_driver.py --density 0.1 --paths $NCU_PATHS --problems "$OUT/ncu_problems.json"
 fi
 if wanted ncu-summary && ! tool_ok "$PREFLIGHT_NCU"; then
     unavailable ncu-summary "ncu: $PREFLIGHT_NCU on this machine (preflight.json)"
