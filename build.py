@@ -108,12 +108,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--nvcc", default=None, help="nvcc to use (default: $CUDACXX, $CUDA_HOME/bin/nvcc, PATH)")
     parser.add_argument("--cxx", default=None, help="host C++ compiler (default: CMake's choice: $CXX, c++)")
     parser.add_argument("--force", action="store_true", help="rebuild every object even if up to date")
-    parser.add_argument(
-        "--sm90-tf32-block8",
-        action="store_true",
-        help="let the Hopper fprop/bprop targets run float32 on TF32 at block 8 too (off until a GPU has run "
-        "that kernel clean; for GPU checks)",
-    )
     return parser.parse_args(argv)
 
 
@@ -131,7 +125,6 @@ def configure_command(args, cmake: str, ninja: str | None, build_dir: Path) -> l
         cmd += ["-DJBS_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cmake_architectures(archs)}"]
     else:
         cmd += ["-DJBS_CUDA=ON" if args.nvcc else "-DJBS_CUDA=AUTO", "-UCMAKE_CUDA_ARCHITECTURES"]
-    cmd.append(f"-DJBS_SM90_TF32_DSD_BLOCK8={'ON' if args.sm90_tf32_block8 else 'OFF'}")
     if args.nvcc:
         cmd.append(f"-DCMAKE_CUDA_COMPILER={args.nvcc}")
     if args.cxx:

@@ -90,6 +90,7 @@ import numpy as np
 import jax_blocksparse as jbs
 from jax_blocksparse import targets
 from jax_blocksparse.ops import paths
+from jax_blocksparse.tune import median_call_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
 from _report import git_commit, write_json  # noqa: E402
@@ -128,9 +129,10 @@ PRESETS = {
         peers=["torch_bsr"],
     ),
     # The CPU crossovers of "auto" (bench/crossover.py): the native kernels against the dense
-    # product at every block size, float32 and bfloat16, on a 2048 x 2048 weight, N = 512.
+    # product at every block size, float32 and bfloat16, at tune's shape: a 1024 x 1024 weight,
+    # N = 1024 (the committed AVX2 file of 2026-11-25 was measured at 2048 x 2048, N = 512).
     "crossover-cpu": dict(
-        size=(2048, 2048, 512),
+        size=(1024, 1024, 1024),
         block_sizes=[8, 16, 32, 64, 128],
         densities=[1.0, 0.5, 0.25, 0.1, 0.05],
         dtypes=["float32", "bfloat16"],
@@ -184,25 +186,13 @@ DEFAULTS = dict(
 
 
 def time_calls(fn, *args, repeats: int, min_time: float = 0.05, max_inner: int = 1000) -> float:
-    """Median seconds per call of ``fn(*args)``: calls dispatched back to back, then blocked on.
+    """Median seconds per call of ``fn(*args)``: calls dispatched back to back, then blocked on
+    (:func:`jax_blocksparse.tune.median_call_time`, what ``tune`` times with).
 
     This is device time only while a call's host work is shorter than its device work;
     otherwise it is host time (see :func:`time_chain`).
     """
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = max(time.perf_counter() - t0, 1e-7)
-    inner = int(min(max(1, min_time / one), max_inner))
-    samples = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / inner)
-    return float(np.median(samples))
+    return median_call_time(fn, *args, repeats=repeats, min_time=min_time, max_inner=max_inner)
 
 
 def time_fn(fn, *args, repeats: int, min_time: float = 0.2) -> float:
@@ -352,13 +342,11 @@ def kernel_paths(device) -> list[str]:
 @contextlib.contextmanager
 def hopper_gate(path: str):
     """The Hopper gate as ``path`` needs it while its functions are lowered:
-    ``JAX_BLOCKSPARSE_HOPPER=1`` for "hopper", unset for the others; restored after."""
+    ``JAX_BLOCKSPARSE_HOPPER=1`` for "hopper", ``=0`` for the others (the portable kernels,
+    also where the gate verified the Hopper ones); restored after."""
     name = paths.HOPPER_ENV
     before = os.environ.get(name)
-    if path == "hopper":
-        os.environ[name] = "1"
-    else:
-        os.environ.pop(name, None)
+    os.environ[name] = "1" if path == "hopper" else "0"  # "0": the portable kernels, verified Hopper ones or not
     try:
         yield
     finally:
@@ -573,6 +561,8 @@ def _header(args, device, device_kind, paths) -> dict:
         date=now.date().isoformat(),
         datetime=now.isoformat(timespec="seconds"),
         host=platform.node(),
+        cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        compute_capability=str(getattr(device, "compute_capability", "") or "") or None,
         python=sys.version.split()[0],
         size=dict(C=c, K=k, N=n),
         config=dict(
@@ -655,7 +645,8 @@ class Bench:
         self.paths = kernel_paths(device)
         self.report = _header(args, device, self.device_kind, self.paths)
         self.report.update(results=[], complete=False, stopped=None)
-        self.kernels = {path: Jitted(args.chain) for path in self.paths}
+        # impl="kernels": a kernel row times the kernel, wherever "auto" would go dense.
+        self.kernels = {path: Jitted(args.chain, impl="kernels") for path in self.paths}
         self.dense_impl = Jitted(args.chain, impl="dense") if args.dense_path and dense_impl_available() else None
         self.report["dense_path"] = self.dense_impl is not None
         self.reference = Jitted(1, impl="reference") if args.reference else None

@@ -1,6 +1,7 @@
 """The summary of tests/gpu/check.sh: each step's status, counts and seconds, every
-failing test with its first error line, and this run's headline bench numbers (bf16
-efficiency and speedup per op and block size at density 0.1, per kernel path).
+failing test with its first error line, this run's headline bench numbers (bf16
+efficiency and speedup per op and block size at density 0.1, per kernel path) and, last,
+pass or fail per kernel target, mode and block size (what the gate would say: bench/_gate.py).
 
     python3 bench/check_summary.py OUTDIR      # reads OUTDIR/steps.tsv and the steps' outputs
 
@@ -18,6 +19,9 @@ import json
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_gate.py, also when loaded by path
+import _gate  # noqa: E402
 
 HEADLINE_DTYPE = "bfloat16"
 HEADLINE_DENSITY = 0.1
@@ -266,8 +270,51 @@ def _headline_table(heads: list[dict]) -> list[str]:
     return lines
 
 
+def gate_keys(out: Path) -> tuple[dict, dict] | None:
+    """(passed: target -> mode -> block sizes, failed: key -> why) of this run's GPU tests
+    (bench/_gate.py: the keys each test exercises, from pytest's collection); None where
+    the run has no gpu-tests results or they cannot be read."""
+    folder = out / "gpu-tests"
+    if not folder.is_dir():
+        return None
+    try:
+        params = _gate.collect_params()
+        outcomes = _gate.junit_outcomes(folder)
+        outcomes.update({k: f"died ({v[:80]})" for k, v in _gate.died_tests(out / "gpu-tests.json").items()})
+        tests = {nodeid: dict(outcome=o, params=params.get(nodeid, {})) for nodeid, o in outcomes.items()}
+        status = {s["name"]: s["status"] for s in read_steps(out)}.get("sanitizer")
+        return _gate.key_results(
+            tests, sanitizer_ok=status in ("pass", "unavailable"), sanitizer_why=f"sanitizer {status}"
+        )
+    except Exception as err:  # noqa: BLE001 - the summary must print whatever else it has
+        print(f"check_summary: the per-key results could not be computed: {err}", file=sys.stderr)
+        return None
+
+
+def _gate_table(keys: tuple[dict, dict]) -> list[str]:
+    passed, failed = keys
+    lines = ["tests per target, dtype (mode) and block size: passed / failed"]
+    modes: dict[tuple, dict] = {}
+    for target, by_mode in passed.items():
+        for mode, sizes in by_mode.items():
+            modes.setdefault((target, mode), {}).update({bs: "pass" for bs in sizes})
+    for target, mode, bs in failed:
+        modes.setdefault((target, mode), {})[bs] = "FAIL"
+    for (target, mode), by_bs in sorted(modes.items()):
+        cells = "  ".join(f"{bs}:{by_bs[bs]}" for bs in sorted(by_bs))
+        lines.append(f"  {target:22} {mode:9} {cells}")
+    lines += [f"  FAILED {t} {m} block {bs}: {why}" for (t, m, bs), why in sorted(failed.items())]
+    return lines
+
+
 def render(
-    out: Path, steps: list[dict], heads: list[dict], meta: str, failed_tests: list[dict], left: dict[str, list[str]]
+    out: Path,
+    steps: list[dict],
+    heads: list[dict],
+    meta: str,
+    failed_tests: list[dict],
+    left: dict[str, list[str]],
+    keys: tuple[dict, dict] | None = None,
 ) -> str:
     lines = []
     if meta:
@@ -298,6 +345,8 @@ def render(
         )
     if heads:
         lines += [""] + _headline_table(heads)
+    if keys is not None:
+        lines += [""] + _gate_table(keys)
     failed = [s["name"] for s in steps if s["status"] not in PASSING]
     lines += ["", f"FAILED steps: {', '.join(failed)}" if failed else ("all steps passed" if steps else "no step ran")]
     return "\n".join(lines)
@@ -314,12 +363,18 @@ def main(argv=None) -> int:
     failed_tests = failures(out)
     left = not_run(out)
     meta = (out / "meta.txt").read_text(errors="replace") if (out / "meta.txt").exists() else ""
-    print(render(out, steps, heads, meta, failed_tests, left))
+    keys = gate_keys(out)
+    print(render(out, steps, heads, meta, failed_tests, left, keys))
     summary = dict(
         steps=[dict(s, counts=COUNTS.get(s["name"], lambda _: None)(out)) for s in steps],
         failures=failed_tests,
         not_run=left,
         headline=dict(dtype=HEADLINE_DTYPE, density=HEADLINE_DENSITY, rows=heads),
+        keys=None
+        if keys is None
+        else dict(
+            passed=keys[0], failed=[dict(target=t, mode=m, block_size=b, why=w) for (t, m, b), w in keys[1].items()]
+        ),
         passed=bool(steps) and all(s["status"] in PASSING for s in steps),
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -7,11 +7,10 @@ crossover table that :mod:`jax_blocksparse.crossover` reads: for each (platform,
 kind, FFI target, arithmetic mode, block size), the block density at which the kernel's
 time meets the dense product's.
 
-The crossover of one kernel, from its rows sorted by density (ratio = dense time /
-kernel time, >= 1 where the kernel wins): 1.0 where it wins at every measured density;
-0.0 where it loses already at the lowest; else the density where the ratio crosses 1,
-interpolated linearly between the last winning density and the first losing one (a loss
-below a win counts: "auto" must never be slower than dense where it was measured).
+The crossover of one kernel comes from its rows sorted by density (ratio = dense time /
+kernel time; the kernel wins where it is at least 1 + ``WIN_MARGIN``, 3%), by the
+package's own rule (:func:`jax_blocksparse.crossover.crossover_density`, which ``tune``
+uses too).
 
 Usage::
 
@@ -24,10 +23,18 @@ below is read; where several files measured the same kernel on the same device, 
 newest (its ``datetime``) wins. The package's table is therefore written from committed
 results only, never by hand (tests/test_crossover.py checks it).
 
-Fields read: the file's ``platform`` ("gpu" means "cuda"), ``device_kind`` and
-``datetime``; each row's ``op``, ``dtype``, ``block_size``, ``density``, ``target``,
-``mode``, ``sparse_s`` and ``dense_path_s`` (``dense_s``, XLA's dot on a ready dense
-weight, where the dense path was not timed).
+Only complete sweeps count: a kernel (target, mode, block size) gets an entry where its
+rows cover every density its run asked for (the run's ``config``, or for a GPU session
+the ``configs`` of its items) and none of them failed. A sweep cut short by a deadline or
+a fault leaves no entry, so ``"auto"`` falls back to its rule for unmeasured kernels
+rather than to half a measurement.
+
+Fields read: the file's ``platform`` ("gpu" means "cuda"), ``device_kind``,
+``datetime``, ``compute_capability`` (CUDA), ``extension.cpu_isa`` and ``cpu_cores``
+(CPU: the entry's device kind is ``cpu:<isa>:<cores>``, its family the instruction set);
+each row's ``op``, ``dtype``, ``block_size``, ``density`` (and ``requested_density``),
+``target``, ``mode``, ``sparse_s`` and ``dense_path_s`` (``dense_s``, XLA's dot on a ready
+dense weight, where the dense path was not timed).
 """
 
 from __future__ import annotations
@@ -45,32 +52,26 @@ ABOUT = (
     "Written by bench/crossover.py from the results under bench/results/: do not edit. "
     "crossover: the block density above which the dense product beats the kernel."
 )
-DIGITS = 3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
 from _report import write_json  # noqa: E402
 
-
-def crossover_density(points) -> float:
-    """The crossover of one kernel from ``(density, dense_s / kernel_s)`` points (see the
-    module docstring)."""
-    points = sorted(points)
-    if not points:
-        raise ValueError("crossover_density: no points")
-    prev = None
-    for density, ratio in points:
-        if ratio < 1.0:
-            if prev is None:
-                return 0.0
-            d0, r0 = prev
-            t = (r0 - 1.0) / (r0 - ratio)
-            return round(d0 + t * (density - d0), DIGITS)
-        prev = (density, ratio)
-    return 1.0
+from jax_blocksparse.crossover import WIN_MARGIN, crossover_density  # noqa: E402  (the rule tune uses too)
 
 
 def _platform(report) -> str:
     return {"gpu": "cuda"}.get(report.get("platform"), report.get("platform"))
+
+
+def device_of(report) -> tuple[str, str]:
+    """(device kind, family) of a report's entries: on CPU ``cpu:<isa>:<cores>`` and the
+    instruction set; on CUDA JAX's device kind and the compute capability."""
+    if _platform(report) == "cpu":
+        isa = (report.get("extension") or {}).get("cpu_isa") or "unknown"
+        cores = report.get("cpu_cores")
+        kind = f"cpu:{isa}:{cores}" if cores else f"cpu:{isa}"
+        return kind, isa
+    return report["device_kind"], str(report.get("compute_capability") or "")
 
 
 def crossover_rows(report) -> list[dict]:
@@ -82,25 +83,57 @@ def crossover_rows(report) -> list[dict]:
     ]
 
 
+def _asked(report, row) -> set[float] | None:
+    """The densities the run of ``row`` asked for (None where the report does not say)."""
+    config = (report.get("configs") or {}).get(row.get("item")) or report.get("config") or {}
+    densities = config.get("densities")
+    return {round(float(d), 6) for d in densities} if densities else None
+
+
+def _covers(measured: set[float], asked: set[float]) -> bool:
+    """Whether every asked density was measured (a row that does not record the density it
+    asked for has its layout's own, which random masks put within a block or two)."""
+    return all(any(abs(m - a) <= max(0.01, 0.05 * a) for m in measured) for a in asked)
+
+
+def _requested(row) -> float:
+    return round(float(row.get("requested_density", row["density"])), 6)
+
+
 def entries_of(report, source: str) -> list[dict]:
-    """The table entries one bench report gives, in the form of ``Crossover``'s fields."""
+    """The table entries one bench report gives, in the form of ``Crossover``'s fields:
+    one per kernel whose sweep is complete (see the module docstring)."""
+    kind, family = device_of(report)
     groups: dict[tuple, list] = {}
     for r in crossover_rows(report):
         dense = r.get("dense_path_s") or r["dense_s"]
-        key = (_platform(report), report["device_kind"], r["target"], r["mode"], int(r["block_size"]))
-        groups.setdefault(key, []).append((float(r["density"]), dense / r["sparse_s"]))
-    return [
-        dict(
-            platform=p,
-            device_kind=kind,
-            target=t,
-            mode=m,
-            block_size=bs,
-            crossover=crossover_density(points),
-            source=source,
+        key = (_platform(report), kind, r["target"], r["mode"], int(r["block_size"]))
+        groups.setdefault(key, []).append(
+            (float(r["density"]), dense / r["sparse_s"], _requested(r), _asked(report, r))
         )
-        for (p, kind, t, m, bs), points in sorted(groups.items())
-    ]
+    failed = {
+        (r.get("target"), r.get("mode"), r.get("block_size"))
+        for r in report.get("results", [])
+        if r.get("error") and r.get("target")
+    }
+    out = []
+    for (p, kind_, t, m, bs), points in sorted(groups.items()):
+        asked = points[0][3]
+        if (t, m, bs) in failed or (asked is not None and not _covers({q for _, _, q, _ in points}, asked)):
+            continue  # an incomplete sweep: no entry
+        out.append(
+            dict(
+                platform=p,
+                device_kind=kind_,
+                target=t,
+                mode=m,
+                block_size=bs,
+                crossover=crossover_density([(d, ratio) for d, ratio, _, _ in points], WIN_MARGIN),
+                source=source,
+                family=family,
+            )
+        )
+    return out
 
 
 def table_of(reports: list[tuple[str, dict]]) -> dict:

@@ -64,12 +64,9 @@ def problems(args) -> list[dict]:
 
 @contextlib.contextmanager
 def hopper_gate(path: str):
-    """JAX_BLOCKSPARSE_HOPPER=1 while a "hopper" problem is lowered, unset for "ampere"."""
+    """JAX_BLOCKSPARSE_HOPPER=1 while a "hopper" problem is lowered, =0 for "ampere"."""
     before = os.environ.get(HOPPER_ENV)
-    if path == "hopper":
-        os.environ[HOPPER_ENV] = "1"
-    else:
-        os.environ.pop(HOPPER_ENV, None)
+    os.environ[HOPPER_ENV] = "1" if path == "hopper" else "0"  # "0": the portable kernels only
     try:
         yield
     finally:
@@ -113,7 +110,8 @@ def run(args, plan: list[dict]) -> list[dict]:
         jax.block_until_ready(fn(*operands))
         p["wall_s"] = time.perf_counter() - t0
         print(
-            f"{p['index']:3d} {p['path']:6} {op:6} {dtype:9} bs={bs:<4d} nnz={p['nnz']:<6d} {p['wall_s'] * 1e3:9.3f} ms (wall)",
+            f"{p['index']:3d} {p['path']:6} {op:6} {dtype:9} bs={bs:<4d} nnz={p['nnz']:<6d} "
+            f"{p['wall_s'] * 1e3:9.3f} ms (wall)",
             flush=True,
         )
     return plan

@@ -233,8 +233,16 @@ def summarize(launches: list[dict], problems: list[dict] | None = None) -> dict:
     jbs_launches = ours or launches
     parsed = [parse_kernel_name(launch["kernel"]) for launch in jbs_launches]
     pairs: list[dict | None]
+    # A problem may launch a helper after its product (updat's split-N reduction,
+    # SddReduce): it belongs to the problem before it.
+    helper = [bool(re.match(r"\w*Reduce", info["short"])) for info in parsed]
     if problems and len(problems) == len(jbs_launches):
         matched_by, pairs = "order", list(problems)
+    elif problems and len(problems) == helper.count(False) and not (helper and helper[0]):
+        matched_by, pairs, at = "order (helpers with their product)", [], -1
+        for is_helper in helper:
+            at += 0 if is_helper else 1
+            pairs.append(problems[at])
     else:
         matched_by, pairs = "name", []
         if problems:

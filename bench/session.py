@@ -16,8 +16,10 @@ headline item may run until its fair share of what is left of the budget (the re
 the headline items not yet run); the later items take what is left. An item's process
 stops starting products at its deadline (``--deadline``) and is killed 20 s after it.
 Every item writes its own JSON (``bench-<item>.json``) row by row, and ``bench.json``
-merges them after every item: the rows, each with its ``item``, and ``session`` (per
-item: status, exit code, seconds, rows, whether complete, why it stopped). Run again on
+merges them after every item: the rows, each with its ``item``, each item's ``config`` (in
+``configs``: bench/crossover.py reads the densities a sweep asked for there) and
+``session`` (per item: status, exit code, seconds, rows, whether complete, why it
+stopped). Run again on
 the same OUTDIR, a session skips the items that completed and resumes the others
 (``--resume``: the products already measured are not measured again).
 
@@ -130,15 +132,18 @@ def merge(out: Path, plan: Sequence[Item], session: list[dict], merged_path: Pat
     and ``session``; ``complete`` when every item completed."""
     merged: dict = {}
     rows: list[dict] = []
+    configs: dict[str, dict] = {}
     for item in plan:
         report = _read(item_json(out, item))
         if report is None:
             continue
         if not merged:
             merged = {k: v for k, v in report.items() if k not in ("results", "complete", "stopped", "config")}
+        configs[item.name] = report.get("config") or {}
         rows.extend(dict(row, item=item.name) for row in report.get("results", []))
     merged.update(
         results=rows,
+        configs=configs,
         session=session,
         plan=[dict(name=it.name, argv=list(it.argv), headline=it.headline) for it in plan],
         complete=bool(session) and all(s["complete"] for s in session) and len(session) == len(plan),

@@ -29,6 +29,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmUpdatCpu);
 // convolution runs as bsmm products (jax_blocksparse/ops/conv_primitives.py).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsconvCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsconvWgradCpu);
+// The dense path's conversions between blocks and the dense matrix (cpu/bsmm_cpu_dense.cc):
+// CPU only; on CUDA XLA's own scatter and gather run them.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBlocksToDenseCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsDenseToBlocksCpu);
 #ifdef JBS_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmFpropCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmBpropCuda);
@@ -62,6 +66,8 @@ constexpr char kBpropV1[] = "jax_blocksparse_bsmm_bprop_v1";
 constexpr char kUpdatV1[] = "jax_blocksparse_bsmm_updat_v1";
 constexpr char kBsconvV1[] = "jax_blocksparse_bsconv_v1";
 constexpr char kBsconvWgradV1[] = "jax_blocksparse_bsconv_wgrad_v1";
+constexpr char kBlocksToDenseV1[] = "jax_blocksparse_blocks_to_dense_v1";
+constexpr char kDenseToBlocksV1[] = "jax_blocksparse_dense_to_blocks_v1";
 #ifdef JBS_WITH_SM90
 constexpr char kFpropSm90V1[] = "jax_blocksparse_bsmm_fprop_sm90_v1";
 constexpr char kBpropSm90V1[] = "jax_blocksparse_bsmm_bprop_sm90_v1";
@@ -177,7 +183,6 @@ py::dict Sm90Facts() {
   d["tf32_block_sizes"] = tf32;
   d["tf32_off"] = off;
   d["tf32_row_multiple"] = sm90::kSddTF32RowMultiple;
-  d["tf32_dsd_block8_switch"] = sm90::kDsdTF32Block8Switch;
   return d;
 }
 
@@ -226,6 +231,8 @@ PYBIND11_MODULE(_jbs_kernels, m) {
         cpu[kUpdatV1] = Capsule(JbsBsmmUpdatCpu);
         cpu[kBsconvV1] = Capsule(JbsBsconvCpu);
         cpu[kBsconvWgradV1] = Capsule(JbsBsconvWgradCpu);
+        cpu[kBlocksToDenseV1] = Capsule(JbsBlocksToDenseCpu);
+        cpu[kDenseToBlocksV1] = Capsule(JbsDenseToBlocksCpu);
         py::dict by_platform;
         by_platform["cpu"] = cpu;
 #ifdef JBS_WITH_CUDA

@@ -12,13 +12,11 @@ class _Sm90Facts(TypedDict):
     # what the Hopper kernels of these sources do (cuda/sm90/bsmm_sm90_plan.h and
     # bsmm_sm90_tf32.h), in every build: the SM count the updat workspace is sized for,
     # op ("fprop", "bprop", "updat") -> block sizes with float32 on TF32, op -> {block
-    # size -> why TF32 is off there}, the rows a TF32 updat pads n to a multiple of, and
-    # whether the build switched fprop/bprop on TF32 at block 8 on (JBS_SM90_TF32_DSD_BLOCK8)
+    # size -> why TF32 is off there}, and the rows a TF32 updat pads n to a multiple of
     plan_sms: int
     tf32_block_sizes: dict[str, tuple[int, ...]]
     tf32_off: dict[str, dict[int, str]]
     tf32_row_multiple: int
-    tf32_dsd_block8_switch: bool
 
 class _BuildInfo(TypedDict, total=False):
     cpu_isa: Literal["baseline", "avx2", "avx512"]

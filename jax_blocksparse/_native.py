@@ -14,6 +14,8 @@ A missing or broken extension leaves the package importable: the reference runs.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import jax
 
@@ -118,3 +120,18 @@ def extension_info() -> dict:
     """
     module = _load()[0]
     return dict(module.build_info()) if module is not None else {}
+
+
+def ptxas_report() -> list[dict] | None:
+    """The ptxas report the build kept beside the module (``_jbs_kernels.ptxas.json``,
+    written by cmake/ptxas_report.py): per CUDA kernel and architecture its registers,
+    shared memory, stack frame and spills. None for a build without CUDA kernels (or
+    without the report)."""
+    module = _load()[0]
+    if module is None or not getattr(module, "__file__", None):
+        return None
+    path = Path(module.__file__).with_name("_jbs_kernels.ptxas.json")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

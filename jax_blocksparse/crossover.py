@@ -9,37 +9,61 @@ updat), when a call is lowered:
 * the kernels where they are built and verified for the platform and the layout's
   *block capacity* (``capacity / (C/bs * K/bs)``, static, an upper bound on its density)
   is at most the crossover density of that kernel on that device;
-* the dense product above it;
-* the kernels wherever the table has no entry (nothing measured: nothing to decide on).
+* the dense product above it.
 
 The decision reads only what is static (capacity, grid, dtype, precision and the device),
 so a layout that changes within its capacity (dynamic sparse training) keeps its
 compiled program. ``impl="kernels"`` always runs the kernels, ``impl="dense"`` always the
 dense product.
 
-The table is data: ``crossovers.json`` in this package, one entry per (platform, device
-kind, FFI target, arithmetic mode, block size). It is written by ``bench/crossover.py``
-from the benchmark results committed under ``bench/results/`` (never by hand): for each
-entry, the density at which the kernel's measured time meets the dense product's,
-interpolated between the measured densities (1.0: the kernel won everywhere measured;
-0.0: it lost everywhere). The mode is the kernel's arithmetic: the dtype's name, or
-``"tf32"`` where float32 runs on TF32 tensor cores.
+The table is data, one entry per (platform, device kind, FFI target, arithmetic mode,
+block size), each with its ``family``: what decides the kernels' speed beside the device
+itself. A kernel's speed depends on the machine, so the device kind says which machine:
 
-Another table (for example one measured on your own GPU by ``bench/bsmm.py`` and
-``bench/crossover.py``) is put in force with :func:`use_table`; like
-:func:`jax_blocksparse.config.implementation` its value is part of ``jax.jit``'s cache
-key, so nothing is recompiled behind your back and nothing stale is reused::
+* CPU: ``"cpu:<isa>:<cores>"`` (:func:`cpu_device_kind`: the instruction set the CPU
+  kernels dispatch to, ``avx512``, ``avx2`` or ``baseline``, and the cores this process may
+  use); its family is the instruction set;
+* CUDA: JAX's ``device_kind`` ("NVIDIA H100 80GB HBM3"); its family the compute
+  capability ("9.0").
+
+Where this device has no entry (:func:`crossover_for`), the closest of its family is used:
+on CPU the entry of the same instruction set whose core count is nearest, on CUDA one of
+the same compute capability (an H200 uses an H100's: same chip). Where the family has none
+either, :data:`UNMEASURED` decides: on CPU the kernels below density 0.5 and the dense
+product above; on a verified GPU the dense product (nothing measured there, the safe
+choice).
+
+Three sources, the first found wins for each key:
+
+1. a table put in force with :func:`use_table`;
+2. this machine's own measurements: ``python -m jax_blocksparse tune`` writes them to the
+   user cache (:func:`cache_path`: ``$JAX_BLOCKSPARSE_CACHE_DIR``, else the XDG cache
+   folder);
+3. the table shipped in this package, ``crossovers.json``, written by
+   ``bench/crossover.py`` from the benchmark results committed under ``bench/results/``
+   (never by hand): for each entry, the density at which the kernel's measured time meets
+   the dense product's, interpolated between the measured densities of a complete sweep
+   (1.0: the kernel won everywhere measured; 0.0: it lost everywhere). The mode is the
+   kernel's arithmetic: the dtype's name, or ``"tf32"`` where float32 runs on TF32 tensor
+   cores.
+
+:func:`use_table`, like :func:`jax_blocksparse.config.implementation`, is part of
+``jax.jit``'s cache key, so nothing is recompiled behind your back and nothing stale is
+reused::
 
     >>> import jax_blocksparse as jbs
     >>> table = jbs.crossover.CrossoverTable.from_entries(
-    ...     [dict(platform="cpu", device_kind="cpu", target="jbs_bsmm_fprop", mode="float32",
-    ...           block_size=32, crossover=0.4)])
-    >>> table.lookup("cpu", "cpu", "jbs_bsmm_fprop", "float32", 32)
+    ...     [dict(platform="cpu", device_kind="cpu:avx2:2", target="jbs_bsmm_fprop", mode="float32",
+    ...           block_size=32, crossover=0.4, family="avx2")])
+    >>> table.lookup("cpu", "cpu:avx2:2", "jbs_bsmm_fprop", "float32", 32)
+    0.4
+    >>> jbs.crossover.crossover_for("cpu", "cpu:avx2:8", "jbs_bsmm_fprop", "float32", 32,
+    ...                             family="avx2", table=table)   # the nearest core count
     0.4
     >>> with jbs.crossover.use_table(table):
     ...     jbs.crossover.table_in_force() is table
     True
-    >>> with jbs.crossover.use_table(jbs.crossover.CrossoverTable()):   # never dense
+    >>> with jbs.crossover.use_table(jbs.crossover.CrossoverTable()):   # nothing measured
     ...     len(jbs.crossover.table_in_force().entries)
     0
 """
@@ -52,23 +76,44 @@ import functools
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import jax
 
+from jax_blocksparse import _native
+
 TABLE_PATH = Path(__file__).resolve().with_name("crossovers.json")
+CACHE_ENV = "JAX_BLOCKSPARSE_CACHE_DIR"
+CACHE_FILE = "crossovers.json"
 FORMAT = 1
 MODES = ("float32", "tf32", "bfloat16", "float16")
+#: The crossover where a device and its family have no entry: on CPU the kernels below
+#: density 0.5 (until ``tune`` has measured this machine); on a verified GPU the dense
+#: product (nothing measured: the safe choice).
+UNMEASURED = {"cpu": 0.5, "cuda": 0.0}
+DIGITS = 3  # a crossover's decimals
+#: How much faster than the dense product a kernel must measure to count as winning, in
+#: the tables (tune's and the shipped one): closer than that, timing noise decides, and
+#: the dense product is what the user would otherwise run.
+WIN_MARGIN = 0.03
 
 __all__ = [
     "Crossover",
     "CrossoverTable",
     "TABLE_PATH",
+    "UNMEASURED",
+    "WIN_MARGIN",
+    "cache_path",
+    "cpu_device_kind",
+    "crossover_density",
+    "crossover_for",
     "default_table",
     "load_table",
     "prefers_dense",
     "table_in_force",
+    "table_sources",
     "use_table",
 ]
 
@@ -79,13 +124,16 @@ class Crossover:
 
     Attributes:
       platform: the lowering platform, "cpu" or "cuda".
-      device_kind: ``jax.Device.device_kind`` of the device it was measured on ("cpu",
-        "NVIDIA H100 80GB HBM3").
+      device_kind: the device it was measured on: ``"cpu:<isa>:<cores>"`` on CPU
+        (:func:`cpu_device_kind`), JAX's ``device_kind`` on CUDA ("NVIDIA H100 80GB HBM3").
       target: the FFI target of the kernel ("jbs_bsmm_fprop", "jbs_bsmm_updat_sm90", ...).
       mode: the kernel's arithmetic: "float32", "tf32", "bfloat16" or "float16".
       block_size: 8, 16, 32, 64 or 128.
       crossover: a density in [0, 1]: the kernel runs for block capacities up to it.
-      source: the benchmark result it was computed from (a path under bench/results/).
+      source: the benchmark result it was computed from (a path under bench/results/, or
+        where ``tune`` measured it).
+      family: what the device shares with others of its speed: the CPU's instruction set,
+        the GPU's compute capability ("" where unknown).
     """
 
     platform: str
@@ -95,9 +143,10 @@ class Crossover:
     block_size: int
     crossover: float
     source: str = ""
+    family: str = ""
 
     def __post_init__(self):
-        for name in ("platform", "device_kind", "target", "mode", "source"):
+        for name in ("platform", "device_kind", "target", "mode", "source", "family"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"Crossover: {name} must be a str, got {getattr(self, name)!r}")
         if self.mode not in MODES:
@@ -174,12 +223,138 @@ def load_table(path: str | os.PathLike) -> CrossoverTable:
         return CrossoverTable.from_json(json.load(f))
 
 
+def crossover_density(points: Iterable[tuple[float, float]], margin: float = 0.0) -> float:
+    """The crossover of one kernel from ``(density, dense time / kernel time)`` points:
+    the kernel wins where the ratio is at least ``1 + margin``. 1.0 where it wins at every
+    measured density, 0.0 where it loses already at the lowest, else the density where
+    the ratio crosses ``1 + margin``, interpolated linearly between the last win and the
+    first loss above it (a loss below a win counts: "auto" must never be slower than
+    dense where it was measured). The tables use :data:`WIN_MARGIN`.
+
+    >>> crossover_density([(0.1, 3.0), (0.25, 1.5), (0.5, 0.5), (1.0, 0.2)])
+    0.375
+    """
+    points = sorted(points)
+    if not points:
+        raise ValueError("crossover_density: no points")
+    bar = 1.0 + margin
+    prev = None
+    for density, ratio in points:
+        if ratio < bar:
+            if prev is None:
+                return 0.0
+            d0, r0 = prev
+            t = (r0 - bar) / (r0 - ratio)
+            return round(d0 + t * (density - d0), DIGITS)
+        prev = (density, ratio)
+    return 1.0
+
+
+def cache_path() -> Path:
+    """Where ``python -m jax_blocksparse tune`` writes this machine's crossovers:
+    ``$JAX_BLOCKSPARSE_CACHE_DIR/crossovers.json``, else ``$XDG_CACHE_HOME`` (default
+    ``~/.cache``) ``/jax_blocksparse/crossovers.json``."""
+    folder = os.environ.get(CACHE_ENV)
+    if not folder:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        folder = os.path.join(base, "jax_blocksparse")
+    return Path(folder) / CACHE_FILE
+
+
+def merged(preferred: CrossoverTable, rest: CrossoverTable) -> CrossoverTable:
+    """The entries of ``preferred``, and those of ``rest`` whose key it lacks."""
+    keys = {e.key for e in preferred.entries}
+    return CrossoverTable(preferred.entries + tuple(e for e in rest.entries if e.key not in keys))
+
+
 @functools.cache
+def _default_table(cache_file: str) -> CrossoverTable:
+    shipped = load_table(TABLE_PATH) if TABLE_PATH.exists() else CrossoverTable()
+    if not os.path.exists(cache_file):
+        return shipped
+    try:
+        return merged(load_table(cache_file), shipped)
+    except (OSError, ValueError, TypeError) as err:
+        warnings.warn(f"jax_blocksparse: ignoring the crossover cache {cache_file}: {err}", stacklevel=3)
+        return shipped
+
+
 def default_table() -> CrossoverTable:
-    """The table shipped with the package (``crossovers.json``); empty if it is missing."""
-    if not TABLE_PATH.exists():
-        return CrossoverTable()
-    return load_table(TABLE_PATH)
+    """This machine's measurements from the user cache (:func:`cache_path`), where there
+    are any, over the table shipped with the package (``crossovers.json``); empty where
+    both are missing. Read once per cache path and process (``tune`` resets it)."""
+    return _default_table(str(cache_path()))
+
+
+def reset_default_table() -> None:
+    """Forgets the tables read by :func:`default_table` (after ``tune`` wrote the cache)."""
+    _default_table.cache_clear()
+
+
+def table_sources() -> list[str]:
+    """Where the table in force comes from, one line each (for the environment report)."""
+    value = None if _context is None else _context.value
+    if value is not None:
+        return [f"a table put in force with use_table ({len(value.entries)} entries)"]
+    lines = []
+    cache = cache_path()
+    if cache.exists():
+        try:
+            lines.append(f"this machine's measurements (tune): {cache} ({len(load_table(cache).entries)} entries)")
+        except (OSError, ValueError, TypeError) as err:
+            lines.append(f"the cache {cache} is unreadable and ignored: {err}")
+    else:
+        lines.append(f"no measurements of this machine yet ({cache}: run `python -m jax_blocksparse tune`)")
+    shipped = len(load_table(TABLE_PATH).entries) if TABLE_PATH.exists() else 0
+    lines.append(f"the table shipped with the package: {TABLE_PATH} ({shipped} entries)")
+    return lines
+
+
+def cpu_device_kind(isa: str | None = None, cores: int | None = None) -> str:
+    """This machine's CPU as the crossover table names it: ``"cpu:<isa>:<cores>"``, the
+    instruction set the CPU kernels dispatch to (the extension's ``cpu_isa``; "unknown"
+    without it) and the cores this process may run on."""
+    if isa is None:
+        isa = _native.extension_info().get("cpu_isa") or "unknown"
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return f"cpu:{isa}:{cores}"
+
+
+def _cores(device_kind: str) -> int | None:
+    parts = device_kind.split(":")
+    return int(parts[2]) if len(parts) == 3 and parts[0] == "cpu" and parts[2].isdigit() else None
+
+
+def crossover_for(
+    platform: str,
+    device_kind: str | None,
+    target: str,
+    mode: str,
+    block_size: int,
+    *,
+    family: str | None = None,
+    table: CrossoverTable | None = None,
+) -> float | None:
+    """The crossover of a kernel on a device: its own entry, else the nearest of its family
+    (CPU: same instruction set, nearest core count, the lower crossover on a tie; CUDA:
+    same compute capability, the lowest crossover: the safe one); None where neither has
+    one (:data:`UNMEASURED` then decides)."""
+    table = table_in_force() if table is None else table
+    own = table.lookup(platform, device_kind, target, mode, block_size)
+    if own is not None or not family:
+        return own
+    kin = [
+        e
+        for e in table.entries
+        if (e.platform, e.family, e.target, e.mode, e.block_size) == (platform, family, target, mode, block_size)
+    ]
+    if not kin:
+        return None
+    if platform == "cpu":
+        cores = _cores(device_kind or "") or 0
+        return min(kin, key=lambda e: (abs((_cores(e.device_kind) or 0) - cores), e.crossover)).crossover
+    return min(e.crossover for e in kin)
 
 
 # The table set by use_table: a jax user context, so its value is part of jit's cache keys
@@ -217,12 +392,15 @@ def prefers_dense(
     block_size: int,
     block_fraction: float,
     table: CrossoverTable | None = None,
+    *,
+    family: str | None = None,
 ) -> bool:
     """Whether ``"auto"`` computes a product densely instead of with ``target``.
 
-    True where the table in force (or ``table``) has an entry for the kernel on that
-    device and ``block_fraction`` (the layout's capacity over its grid) exceeds it.
-    """
-    table = table_in_force() if table is None else table
-    crossover = table.lookup(platform, device_kind, target, mode, block_size)
-    return crossover is not None and block_fraction > crossover
+    True where the layout's ``block_fraction`` (its capacity over its grid) exceeds the
+    kernel's crossover on that device (:func:`crossover_for`; :data:`UNMEASURED` where
+    the table has none for the device or its family)."""
+    crossover = crossover_for(platform, device_kind, target, mode, block_size, family=family, table=table)
+    if crossover is None:
+        crossover = UNMEASURED.get(platform, 1.0)
+    return block_fraction > crossover

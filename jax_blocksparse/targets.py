@@ -1,8 +1,9 @@
 """The XLA FFI targets of the native extension: their names, versions and platforms.
 
 Inside the library a kernel has a short name, ``jbs_bsmm_{fprop,bprop,updat}``, the
-Hopper variants ``jbs_bsmm_{fprop,bprop,updat}_sm90`` and the CPU convolution kernels
-``jbs_bsconv`` / ``jbs_bsconv_wgrad`` (the lowering, the crossover table
+Hopper variants ``jbs_bsmm_{fprop,bprop,updat}_sm90``, the CPU convolution kernels
+``jbs_bsconv`` / ``jbs_bsconv_wgrad`` and the CPU dense path's conversions
+``jbs_blocks_to_dense`` / ``jbs_dense_to_blocks`` (the lowering, the crossover table
 and the benchmarks' rows use these). A compiled program calls each kernel through an FFI
 target whose name spells out the package and a version::
 
@@ -57,10 +58,13 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "jbs_bsmm_updat_sm90": (1,),
     "jbs_bsconv": (1,),
     "jbs_bsconv_wgrad": (1,),
+    "jbs_blocks_to_dense": (1,),
+    "jbs_dense_to_blocks": (1,),
 }
 
-#: Kernels with a CPU handler only (on CUDA the convolution runs as bsmm products).
-_CPU_ONLY = frozenset({"jbs_bsconv", "jbs_bsconv_wgrad"})
+#: Kernels with a CPU handler only: on CUDA the convolution runs as bsmm products, and the
+#: dense path's conversions between blocks and a dense matrix are XLA's scatter and gather.
+_CPU_ONLY = frozenset({"jbs_bsconv", "jbs_bsconv_wgrad", "jbs_blocks_to_dense", "jbs_dense_to_blocks"})
 
 #: kernel -> the JAX platforms whose handlers the extension holds: the portable kernels
 #: on "cpu" and "cuda" (the latter when built with nvcc), the Hopper ones on "cuda" in a

@@ -126,12 +126,12 @@ def test_reference_lowers_without_custom_calls(name):
     assert _calls(text) == set()
 
 
-def test_auto_uses_only_verified_targets():
-    from jax_blocksparse.ops import _lowering
-
-    fun, expected = CASES["grad_w"]
+def test_auto_without_a_cuda_device_takes_the_reference():
+    # Cross-lowering: no GPU here, so no compute capability the gate verified anything on
+    # (tests/test_gate.py checks the choice on a verified one).
+    fun, _ = CASES["grad_w"]
     text = _lower(fun, *_args(jnp.float32), impl="auto")
-    assert _calls(text) == expected & set(_lowering.VERIFIED_CUDA_TARGETS)
+    assert _calls(text) == set()
 
 
 def test_order_operand_and_out_dtype_cast():

@@ -90,11 +90,9 @@ def test_the_handlers_take_exactly_the_supported_dtypes(native, dtype):
 def test_sm90_facts_fit_the_block_sizes(native):
     facts = native.build_info()["sm90"]
     assert facts == _sm90.facts()
-    assert set(facts) == {"plan_sms", "tf32_block_sizes", "tf32_off", "tf32_row_multiple", "tf32_dsd_block8_switch"}
+    assert set(facts) == {"plan_sms", "tf32_block_sizes", "tf32_off", "tf32_row_multiple"}
     assert facts["plan_sms"] > 0 and facts["tf32_row_multiple"] > 0
     on = facts["tf32_block_sizes"]
-    # The build switch for fprop/bprop on TF32 at block 8 (off in a default build).
-    assert (8 in on["fprop"]) == (8 in on["bprop"]) == facts["tf32_dsd_block8_switch"]
     assert set(on) == set(OPS)
     assert all(set(sizes) <= set(jbs.SUPPORTED_BLOCK_SIZES) for sizes in on.values())
     # tf32_off names exactly the block sizes each op leaves out, each with its reason.
@@ -106,19 +104,19 @@ def test_sm90_facts_fit_the_block_sizes(native):
         assert _sm90.tf32_block_sizes(op) == tuple(on[op])
 
 
-def test_build_info_serialises_as_json(native):
-    # Benches and bug reports record it (bench/_report.py writes it into every JSON report).
+def test_build_info_serialises_as_json(native, monkeypatch):
+    # Benches and bug reports record it (bench/_report.py writes it into every JSON report),
+    # tf32_off's block-size keys included (op -> {block size -> why}).
     info = jbs.extension_info()
-    assert json.loads(json.dumps(info))["sm90"]["tf32_off"]["fprop"]["8"] == info["sm90"]["tf32_off"]["fprop"][8]
+    assert json.loads(json.dumps(info))["sm90"] == json.loads(json.dumps(info["sm90"]))
+    assert json.loads(json.dumps({"tf32_off": {"fprop": {8: "why"}}}))["tf32_off"]["fprop"]["8"] == "why"
 
 
-def test_tf32_is_off_for_fprop_and_bprop_at_block_8(native):
-    # Until a GPU has run the fixed TF32 kernel of DSD at block 8 clean.
-    if _sm90.facts()["tf32_dsd_block8_switch"]:
-        pytest.skip("built with JBS_SM90_TF32_DSD_BLOCK8 (a GPU check's build)")
-    assert set(_sm90.tf32_off()) == {("fprop", 8), ("bprop", 8)}
-    assert "faulted on an H100" in _sm90.tf32_off()[("fprop", 8)]
-    assert _sm90.tf32_summary().startswith("exact float32 instead for fprop/bprop at block 8: ")
+def test_tf32_is_on_for_every_product_and_block_size(native):
+    # The TF32 DSD kernel at block 8 ran clean on an H100 (2026-11-26): nothing is off.
+    assert _sm90.tf32_off() == {}
+    assert all(_sm90.tf32_block_sizes(op) == jbs.SUPPORTED_BLOCK_SIZES for op in OPS)
+    assert _sm90.tf32_summary() == "on for every op and block size below HIGHEST"
 
 
 def test_sm90_helpers_follow_what_the_extension_reports(monkeypatch):
@@ -163,8 +161,8 @@ def test_use_tf32_rule(native):
         op = _sm90.BASE_TARGETS.get(target, target).removeprefix("jbs_bsmm_")
         for prec in (None, lax.Precision.DEFAULT, lax.Precision.HIGH):
             for bs in jbs.SUPPORTED_BLOCK_SIZES:
-                # TF32 everywhere but fprop/bprop at block 8 (the switched-off kernel).
-                assert _sm90.use_tf32(target, f32, bs, prec) == (op == "updat" or bs != 8), (target, bs)
+                # TF32 at every block size below HIGHEST.
+                assert _sm90.use_tf32(target, f32, bs, prec), (target, bs)
                 assert _sm90.use_tf32(op, f32, bs, prec) == _sm90.use_tf32(target, f32, bs, prec)
                 assert not _sm90.use_tf32(target, bf16, bs, prec)
             assert not _sm90.use_tf32(target, f32, 4, prec)  # no kernel at other block sizes

@@ -8,8 +8,9 @@ gate closed, the portable targets only, the workspace sized by the extension
 (tests/test_native_facts.py checks that size against the work plan on any machine).
 Float32 at DEFAULT/HIGH precision calls the sm_90 targets with ``tf32 = true`` and the
 K-major operands TF32 wgmma needs (fprop: w's blocks transposed; updat: x^T, dy^T);
-HIGHEST, and fprop/bprop at block 8 where TF32 is off (``_sm90.tf32_off()``), with
-``tf32 = false`` and the operands as they are.
+HIGHEST with ``tf32 = false`` and the operands as they are. Where the gate
+(:mod:`jax_blocksparse.verified`) verified a key on compute capability 9.0, the lowering
+picks the Hopper target for it without the environment variable.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import pytest
 
 import jax_blocksparse as jbs
 from helpers import kernel_calls, require_cuda_extension
-from jax_blocksparse.ops import _lowering, _sm90
+from jax_blocksparse import verified
+from jax_blocksparse.ops import _sm90
 
 BASE = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
 SM90 = tuple(_sm90.SM90_TARGETS[t] for t in BASE)
@@ -40,7 +42,7 @@ def _need_sm90(monkeypatch):
         pytest.skip("the extension was built without sm_90a (no Hopper targets)")
     monkeypatch.delenv(_sm90.HOPPER_ENV, raising=False)
     # Cross-lowering: no CUDA device, whatever the machine has.
-    monkeypatch.setattr(_sm90, "_cuda_compute_capability", lambda: None)
+    monkeypatch.setattr(_sm90, "cuda_compute_capability", lambda: None)
 
 
 def _layout():
@@ -81,11 +83,6 @@ def test_targets_registered_with_initialize_stage():
     assert _sm90.built_targets() == set(SM90)
 
 
-def test_nothing_verified_on_hardware():
-    # The gate stays closed for "auto" until tests/gpu/test_bsmm_sm90.py passes on an H100.
-    assert not (_lowering.VERIFIED_CUDA_TARGETS & set(SM90))
-
-
 @pytest.mark.parametrize("op", ["fprop", "bprop", "updat"])
 def test_gate_closed_lowers_to_portable_targets(op):
     text = _lower(op)
@@ -120,35 +117,57 @@ def test_gate_open_updat_has_workspace(monkeypatch, dtype):
 
 def test_gate_requires_sm90_device(monkeypatch):
     monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
-    monkeypatch.setattr(_sm90, "_cuda_compute_capability", lambda: "8.0")
+    monkeypatch.setattr(_sm90, "cuda_compute_capability", lambda: "8.0")
     assert "_sm90" not in _lower("fprop")
-    monkeypatch.setattr(_sm90, "_cuda_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(_sm90, "cuda_compute_capability", lambda: "9.0")
     assert _at("jbs_bsmm_fprop_sm90") in _lower("fprop")
 
 
-def test_verified_target_opens_gate_only_on_sm90(monkeypatch):
-    monkeypatch.setattr(_lowering, "VERIFIED_CUDA_TARGETS", frozenset({"jbs_bsmm_fprop_sm90"}))
+def _gate_with(monkeypatch, target, mode="bfloat16", block_size=BLOCK, cc="9.0"):
+    """The gate in force verifies one key on one compute capability."""
+    gate = verified.Gate((verified.Device(cc, passed={target: {mode: (block_size,)}}),))
+    monkeypatch.setattr(verified, "default_gate", lambda: gate)
+
+
+def test_verified_key_opens_gate_only_on_sm90(monkeypatch):
+    _gate_with(monkeypatch, "jbs_bsmm_fprop_sm90")
     assert "_sm90" not in _lower("fprop")  # cross-lowering: only the env var counts
-    monkeypatch.setattr(_sm90, "_cuda_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(_sm90, "cuda_compute_capability", lambda: "9.0")
     assert _at("jbs_bsmm_fprop_sm90") in _lower("fprop")
     assert "_sm90" not in _lower("bprop")  # not verified
+    assert "_sm90" not in _lower("fprop", jnp.float16)  # another mode: not verified
 
 
 def test_auto_uses_a_verified_hopper_target_on_sm90(monkeypatch):
     lay, _ = _layout()
     x = jnp.zeros((N, C), jnp.bfloat16)
     w = jnp.zeros((lay.capacity, BLOCK, BLOCK), jnp.bfloat16)
+    # A table in force where the Hopper kernel wins up to density 1 (nothing is dense).
+    table = jbs.crossover.CrossoverTable.from_entries(
+        [
+            dict(
+                platform="cuda",
+                device_kind="any",
+                target="jbs_bsmm_fprop_sm90",
+                mode="bfloat16",
+                block_size=BLOCK,
+                crossover=1.0,
+                family="9.0",
+            )
+        ]
+    )
 
     def lower():
-        with jbs.config.implementation("auto"):
+        with jbs.config.implementation("auto"), jbs.crossover.use_table(table):
             return jax.jit(lambda x, w: jbs.bsmm(x, w, lay)).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
 
-    assert not kernel_calls(lower())  # nothing verified: the reference
-    monkeypatch.setattr(_lowering, "VERIFIED_CUDA_TARGETS", frozenset({"jbs_bsmm_fprop_sm90"}))
+    _gate_with(monkeypatch, "jbs_bsmm_fprop_sm90", cc="7.0")
+    assert not kernel_calls(lower())  # nothing verified for this GPU: the reference
+    _gate_with(monkeypatch, "jbs_bsmm_fprop_sm90")
     assert not kernel_calls(lower())  # no sm_90 device at lowering: still the reference
-    monkeypatch.setattr(_sm90, "_cuda_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(_sm90, "cuda_compute_capability", lambda: "9.0")
     assert _at("jbs_bsmm_fprop_sm90") in lower()
-    monkeypatch.setattr(_sm90, "_cuda_compute_capability", lambda: "8.0")
+    monkeypatch.setattr(_sm90, "cuda_compute_capability", lambda: "8.0")
     assert not kernel_calls(lower())
 
 
@@ -288,8 +307,7 @@ def test_16bit_never_tf32(monkeypatch, op, dtype):
 def test_f32_small_blocks_tf32_below_highest(monkeypatch, op, bs, precision):
     # Blocks 8/16/32 in float32 run the packed TF32 kernels at DEFAULT, with the K-major
     # operands of blocks 64/128 (fprop: w blocks transposed; updat: x^T, dy^T padded to 4
-    # rows, and the 16-bit plan's workspace over them); HIGHEST keeps the exact kernels,
-    # and so does DEFAULT for fprop/bprop at block 8, where TF32 is off.
+    # rows, and the 16-bit plan's workspace over them); HIGHEST keeps the exact kernels.
     monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
     n = 42  # not a multiple of 4: updat pads x^T / dy^T to 44 rows
     lay = jbs.Layout.from_mask(np.eye(4, 6, dtype=bool), bs)
@@ -305,7 +323,7 @@ def test_f32_small_blocks_tf32_below_highest(monkeypatch, op, bs, precision):
     target = f"jbs_bsmm_{op}_sm90"
     line = _call_line(text, target)
     a_arg, b_arg = (v.strip() for v in _operands(text, target)[0][:2])
-    if precision == "highest" or (op != "updat" and bs == 8):
+    if precision == "highest":
         assert not _tf32_attr(line)
         assert "stablehlo.transpose" not in text and "stablehlo.pad" not in text
         assert a_arg.startswith("%arg") and b_arg.startswith("%arg"), line

@@ -82,6 +82,7 @@ def _check_sdist(sdist: Path):
         "cuda/cpu/bsmm_cpu_kernels.cc",
         "cuda/sm90/bsmm_sm90_dsd_bf16.cu",
         "jax_blocksparse/crossovers.json",
+        "jax_blocksparse/verified_gpu.json",
         "jax_blocksparse/block_sizes.json",
         "tests/test_build.py",
     } <= names
@@ -95,7 +96,14 @@ def _check_wheel(wheel: Path):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
     assert f"jax_blocksparse/_jbs_kernels{sysconfig.get_config_var('EXT_SUFFIX')}" in names
-    package = {"crossovers.json", "block_sizes.json", "_jbs_kernels.pyi", "__init__.py", "ops/__init__.py"}
+    package = {
+        "crossovers.json",
+        "verified_gpu.json",
+        "block_sizes.json",
+        "_jbs_kernels.pyi",
+        "__init__.py",
+        "ops/__init__.py",
+    }
     assert {f"jax_blocksparse/{name}" for name in package} <= names
 
 

@@ -11,13 +11,14 @@ native extension, which registers the same target names for both platforms
   primitive's ``dense`` function): the same values, at dense cost.
 * ``"kernels"``: always the kernels; a clear ``RuntimeError`` at lowering time when the
   extension has no kernels for that platform.
-* ``"auto"``: the kernels when they are built for the platform *and* the op's target
-  is listed as verified for it (:data:`VERIFIED_TARGETS`: checked against the
-  reference on that hardware), else the reference. A kernel that gives a wrong answer
-  is worse than none. Where the kernels are chosen, the crossover table in force
-  (:mod:`jax_blocksparse.crossover`) may send the product to the dense path instead:
-  when the layout's block capacity exceeds the density at which that kernel stops
-  beating the dense product on this device (:func:`dense_instead`).
+* ``"auto"``: a native kernel when the extension has the platform's kernels and the
+  kernel is verified there (:mod:`jax_blocksparse.verified`: every CPU target; on CUDA the
+  gate's keys for the GPU's compute capability, the product's arithmetic mode and block
+  size), else the reference. A kernel that gives a wrong answer is worse than none. Among
+  the verified kernels of a product (on an sm_90 GPU the Hopper target and the portable
+  one) the crossover table in force (:mod:`jax_blocksparse.crossover`) picks the one that
+  beats the dense product up to the highest density, and the dense product where the
+  layout's block capacity exceeds that density (:func:`auto_choice`).
 
 The kernel lowering is itself ``mlir.lower_fun`` of a small jnp function
 (:func:`_kernel_call`): it picks the operands a target takes (see
@@ -46,27 +47,16 @@ import jax
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_blocksparse import _native, crossover, targets
+from jax_blocksparse import _native, crossover, targets, verified
 from jax_blocksparse.layout import LayoutTables
 from jax_blocksparse.ops import _sm90
 from jax_blocksparse.ops._partitioning import partitioned
 
 KERNEL_PLATFORMS = ("cpu", "cuda")
 
-# FFI targets whose kernels have been checked against the reference on real hardware,
-# per platform; only these are used by implementation "auto".
-# CPU: the whole test suite runs on the CPU kernels in CI (tests/test_matmul.py runs
-# every case on both paths, tests/test_conv_kernels.py the convolution's).
 BSMM_TARGETS = frozenset({"jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat"})
 CONV_TARGETS = frozenset({"jbs_bsconv", "jbs_bsconv_wgrad"})  # CPU only (ops/conv_primitives.py)
-VERIFIED_CPU_TARGETS: frozenset[str] = BSMM_TARGETS | CONV_TARGETS
-# CUDA: tests/gpu/test_bsmm_kernels.py and tests/gpu/run_sanitizer.sh on a GPU. Empty
-# until someone runs those tests on GPU hardware.
-VERIFIED_CUDA_TARGETS: frozenset[str] = frozenset()
-
-
-def verified_targets(platform: str) -> frozenset[str]:
-    return {"cpu": VERIFIED_CPU_TARGETS, "cuda": VERIFIED_CUDA_TARGETS}.get(platform, frozenset())
+DENSE = "dense"  # auto_choice's answer where the dense product is the faster
 
 
 def _reference_rule(reference: Callable):
@@ -91,10 +81,19 @@ def kernels_selected(platform: str, impl: str, target: str | None = None) -> boo
         )
     if not (_native.has_kernels(platform) and target is not None):
         return False
-    if target in verified_targets(platform):
-        return True
-    # A verified Hopper variant counts where the lowering would pick it (ops/_sm90.py).
-    return platform == "cuda" and _sm90.select_target(target, VERIFIED_CUDA_TARGETS) in VERIFIED_CUDA_TARGETS
+    if platform == "cpu":
+        return target in verified.CPU_TARGETS
+    if platform != "cuda":
+        return False
+    # On CUDA, where the gate verified some key of the target (or of its Hopper variant,
+    # which the environment variable may also open) on this GPU: auto_choice then decides
+    # per product.
+    cc = _sm90.cuda_compute_capability()
+    gate = verified.default_gate()
+    sm90 = _sm90.hopper_variant(target)
+    return target in gate.verified_targets(cc) or (
+        sm90 is not None and (sm90 in gate.verified_targets(cc) or _sm90.hopper_env())
+    )
 
 
 # ---------------------------------------------------------------------------------
@@ -146,11 +145,11 @@ def _kernel_call(target: str, out_shape, out_dtype, *operands, precision=None):
     return jax.ffi.ffi_call(ffi_target, result)(*args, tf32=np.bool_(tf32)).astype(out_dtype)
 
 
-def _kernel_rule(target: str):
-    def rule(ctx, *operands, platform: str = "cpu", precision=None):
+def _kernel_rule(name: str):
+    """The lowering rule of a call into the kernel target ``name`` (portable or sm_90)."""
+
+    def rule(ctx, *operands, precision=None):
         (aval_out,) = ctx.avals_out
-        # On "cuda", the Hopper variant of the target when its gate is open (ops/_sm90.py).
-        name = _sm90.select_target(target, VERIFIED_CUDA_TARGETS) if platform == "cuda" else target
         fun = functools.partial(_kernel_call, name, aval_out.shape, aval_out.dtype, precision=precision)
         return mlir.lower_fun(fun, multiple_results=False)(ctx, *operands)
 
@@ -163,13 +162,19 @@ def _kernel_rule(target: str):
 
 
 def device_kind(platform: str) -> str | None:
-    """``device_kind`` of the first device of ``platform``, or None where it has none here
+    """The device as the crossover table names it: on CPU this machine's signature
+    (:func:`jax_blocksparse.crossover.cpu_device_kind`: instruction set and cores), on CUDA
+    the first device's ``device_kind``; None where the platform has no device here
     (cross-lowering for "cuda" on a machine without a GPU)."""
     try:
         devices = jax.devices(platform)
     except (RuntimeError, ValueError):
         return None
-    return getattr(devices[0], "device_kind", platform) if devices else None
+    if not devices:
+        return None
+    if platform == "cpu":
+        return crossover.cpu_device_kind()
+    return getattr(devices[0], "device_kind", platform)
 
 
 def kernel_mode(target: str, dtype, block_size: int, precision) -> str:
@@ -187,20 +192,78 @@ def block_fraction(table_avals) -> float:
     return block_rows.shape[-1] / grid if grid else 0.0
 
 
-def dense_instead(platform: str, target: str, ctx, *, block_size: int, precision) -> bool:
-    """Whether "auto" computes this product densely although ``target``'s kernels are chosen:
-    the crossover table in force has an entry for the kernel that runs (the Hopper variant
-    where the gate opens it) on this device, and the layout's block capacity exceeds it."""
-    name = _sm90.select_target(target, VERIFIED_CUDA_TARGETS) if platform == "cuda" else target
+def kernels_target(platform: str, target: str, dtype, block_size: int, precision) -> str:
+    """The kernel ``impl="kernels"`` runs for ``target``: on CUDA its Hopper variant where that
+    can run and the Hopper gate is open for this product (the environment variable, or the
+    gate's key), else ``target``."""
+    if platform != "cuda":
+        return target
+    sm90 = _sm90.hopper_variant(target)
+    if sm90 is None:
+        return target
+    mode = kernel_mode(sm90, dtype, block_size, precision)
+    allowed = verified.default_gate().allows(_sm90.cuda_compute_capability(), sm90, mode, block_size)
+    return _sm90.select_target(target, verified=allowed)
+
+
+def auto_choice(platform: str, target: str, ctx, *, block_size: int, precision) -> str | None:
+    """What ``impl="auto"`` runs for one product whose platform has ``target``'s kernels
+    (:func:`kernels_selected`): a kernel target's name, :data:`DENSE`, or None for the
+    reference (no kernel verified for this product's mode and block size).
+
+    The candidates are the verified kernels of the product: on CPU ``target``; on CUDA the
+    portable ``target`` and, on an sm_90 GPU, its Hopper variant (also where
+    ``JAX_BLOCKSPARSE_HOPPER=1`` opens it). Each has a crossover density from the table in
+    force (:func:`jax_blocksparse.crossover.crossover_for`; where nothing was measured: 0.5
+    on CPU, 0 on a verified GPU, that is the dense product, and 1 for a Hopper kernel the
+    environment variable forces). The candidate with the highest crossover runs (the
+    Hopper one on a tie), unless the layout's block capacity exceeds it: then the dense
+    product."""
     dtype = ctx.avals_in[0].dtype
-    return crossover.prefers_dense(
-        platform,
-        device_kind(platform),
-        name,
-        kernel_mode(name, dtype, block_size, precision),
-        block_size,
-        block_fraction(ctx.avals_in[2:]),
-    )
+    fraction = block_fraction(ctx.avals_in[2:])
+    kind = device_kind(platform)
+    if platform == "cpu":
+        candidates = [(target, None)]
+    else:
+        cc = _sm90.cuda_compute_capability()
+        gate = verified.default_gate()
+        candidates = []
+        sm90 = _sm90.hopper_variant(target)
+        for name in filter(None, (sm90, target)):
+            mode = kernel_mode(name, dtype, block_size, precision)
+            if gate.allows(cc, name, mode, block_size):
+                candidates.append((name, None))
+            elif name == sm90 and _sm90.hopper_env():
+                candidates.append((name, 1.0))  # asked for by name: runs unless the table says otherwise
+    if not candidates:
+        return None
+    best, best_crossover = None, -1.0
+    for name, unmeasured in candidates:
+        mode = kernel_mode(name, dtype, block_size, precision)
+        found = crossover.crossover_for(platform, kind, name, mode, block_size, family=device_family(platform))
+        if found is None:
+            found = crossover.UNMEASURED[platform] if unmeasured is None else unmeasured
+        if found > best_crossover:
+            best, best_crossover = name, found
+    return DENSE if fraction > best_crossover else best
+
+
+def device_family(platform: str) -> str | None:
+    """What decides a kernel's speed beside the device kind: the compute capability of the
+    first CUDA device, the instruction set the CPU kernels run (the crossover table's
+    ``family``)."""
+    if platform == "cuda":
+        return _sm90.cuda_compute_capability()
+    if platform == "cpu":
+        return _native.extension_info().get("cpu_isa")
+    return None
+
+
+def native_conversions(platform: str) -> bool:
+    """Whether the extension converts between blocks and a dense matrix on ``platform``
+    (the CPU dense path's ``jbs_blocks_to_dense`` / ``jbs_dense_to_blocks``)."""
+    names = {targets.target_name("jbs_blocks_to_dense"), targets.target_name("jbs_dense_to_blocks")}
+    return _native.has_kernels(platform) and names <= _native.registered_targets(platform)
 
 
 def register_lowerings(
@@ -210,6 +273,7 @@ def register_lowerings(
     target: str,
     dense: Callable,
     cpu_reference: Callable | None = None,
+    cpu_dense: Callable | None = None,
 ) -> None:
     """Registers the reference and dense lowerings everywhere and the kernel seam on 'cpu'
     and 'cuda'.
@@ -223,9 +287,13 @@ def register_lowerings(
       dense: pure-JAX function ``(*operands, **params) -> out``: the product through a
         dense weight and XLA's dot (``impl="dense"``, and "auto" above the crossover).
       cpu_reference: an optional CPU-tuned variant of ``reference``.
+      cpu_dense: an optional variant of ``dense`` for CPU, whose conversions between the
+        blocks and the dense matrix the extension runs (where it has them:
+        :func:`native_conversions`).
     """
     reference_rule = _reference_rule(reference)
     dense_rule = _reference_rule(dense)
+    cpu_dense_rule = _reference_rule(cpu_dense) if cpu_dense is not None else None
 
     def portable_rule(ctx, *operands, impl, **params):
         rule = dense_rule if impl == "dense" else reference_rule
@@ -234,21 +302,26 @@ def register_lowerings(
     # Every rule is wrapped by the sharding rule (ops/_partitioning.py), so that jit with
     # sharded inputs splits the op over the devices instead of gathering its operands.
     mlir.register_lowering(primitive, partitioned(primitive, portable_rule))
-    kernel_rule = _kernel_rule(target)
     for platform in KERNEL_PLATFORMS:
         fallback = _reference_rule(cpu_reference) if platform == "cpu" and cpu_reference else reference_rule
 
         def rule(ctx, *operands, impl, _platform=platform, _fallback=fallback, **params):
+            dense_here = dense_rule
+            if _platform == "cpu" and cpu_dense_rule is not None and native_conversions("cpu"):
+                dense_here = cpu_dense_rule
             if impl == "dense":
-                return dense_rule(ctx, *operands, impl=impl, **params)
+                return dense_here(ctx, *operands, impl=impl, **params)
             if kernels_selected(_platform, impl, target):
-                precision = params.get("precision")
-                if impl == "auto" and dense_instead(
-                    _platform, target, ctx, block_size=params["block_size"], precision=precision
-                ):
-                    return dense_rule(ctx, *operands, impl=impl, **params)
                 # precision: the Hopper targets run float32 on TF32 below HIGHEST (ops/_sm90.py).
-                return kernel_rule(ctx, *operands, platform=_platform, precision=precision)
+                precision, bs = params.get("precision"), params["block_size"]
+                if impl == "kernels":
+                    name = kernels_target(_platform, target, ctx.avals_in[0].dtype, bs, precision)
+                else:
+                    name = auto_choice(_platform, target, ctx, block_size=bs, precision=precision)
+                if name == DENSE:
+                    return dense_here(ctx, *operands, impl=impl, **params)
+                if name is not None:
+                    return _kernel_rule(name)(ctx, *operands, precision=precision)
             return _fallback(ctx, *operands, impl=impl, **params)
 
         mlir.register_lowering(primitive, partitioned(primitive, rule), platform=platform)
@@ -270,13 +343,16 @@ def describe_path(platform: str, impl: str) -> str:
         return kind if built else f"error at lowering: kernels requested but {_native.load_error(platform)}"
     if not built:
         return f"pure-JAX reference ({kind} not available: {_native.load_error(platform)})"
-    verified = sorted(verified_targets(platform))
-    if verified_targets(platform) >= BSMM_TARGETS:
-        isa = _native.extension_info().get("cpu_isa") if platform == "cpu" else None
+    if platform == "cpu":
+        isa = _native.extension_info().get("cpu_isa")
         return kind + (f" ({isa})" if isa else "")
-    if verified:
-        return f"{kind} for {', '.join(verified)}; reference for the rest"
+    cc = _sm90.cuda_compute_capability()
+    device = verified.default_gate().device(cc)
+    if device is not None and device.passed:
+        dense_note = "the crossover table picks the kernel, or the dense product above its density"
+        return f"{kind} verified on compute capability {cc} ({device.source or 'the gate'}); {dense_note}"
+    where = f"compute capability {cc}" if cc else "this machine (no CUDA device to check)"
     return (
-        f"pure-JAX reference: the {kind} are built but not yet verified on this hardware "
+        f"pure-JAX reference: the {kind} are built but not verified on {where} "
         "(set JAX_BLOCKSPARSE_IMPL=kernels to use them)"
     )

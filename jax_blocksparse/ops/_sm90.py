@@ -5,7 +5,7 @@ The extension built for sm_90a registers, for CUDA, ``jbs_bsmm_{fprop,bprop,upda
 kernels with TMA loads, wgmma and TMA stores, for 16-bit inputs (fprop, bprop and updat
 at every block size: at blocks 8/16/32 fprop/bprop pack 64 / bs outputs per tile and updat
 stacks 64 / bs slots along wgmma's M) and for float32 inputs on TF32 tensor cores (see
-below; not fprop/bprop at block 8). The other problems (exact float32) run the portable
+below). The other problems (exact float32) run the portable
 kernels from inside the same targets. They take the operands of the portable targets;
 ``jbs_bsmm_updat_sm90`` returns a second result, a uint8 workspace for the float32
 partial sums of a split N reduction, sized by the extension (:func:`updat_workspace_bytes`:
@@ -18,11 +18,12 @@ nothing here restates a C++ constant.
 Float32 precision (:func:`use_tf32`): every sm_90 target takes a bool attribute
 ``tf32``. It is true for float32 inputs when the primitive's ``precision`` is None,
 DEFAULT or HIGH, at the block sizes where the target's TF32 kernel is on
-(:func:`tf32_block_sizes`): the products then run on TF32 tensor cores (10-bit mantissa
-inputs, float32 accumulation), as ``jnp.dot`` does on the GPU. HIGHEST, and the block
-sizes where TF32 is off (:func:`tf32_off`: fprop and bprop at block 8, whose TF32 kernel
-faulted on an H100), give false: the exact float32 kernels, which also satisfy
-DEFAULT/HIGH. The targets refuse ``tf32=true`` where TF32 is off. TF32 wgmma reads both operands K-major only, so
+(:func:`tf32_block_sizes`: every block size of every product since the DSD kernel at
+block 8, which once faulted, ran clean on an H100): the products then run on TF32 tensor
+cores (10-bit mantissa inputs, float32 accumulation), as ``jnp.dot`` does on the GPU.
+HIGHEST, and a block size a table leaves out (:func:`tf32_off`, empty today), give
+false: the exact float32 kernels, which also satisfy DEFAULT/HIGH. The targets refuse
+``tf32=true`` where TF32 is off. TF32 wgmma reads both operands K-major only, so
 with ``tf32`` the lowering passes some operands transposed (:func:`tf32_operands`):
 fprop's w as ``jnp.swapaxes(w, -1, -2)`` (each block transposed), updat's x and dy as
 x^T [C, n] and dy^T [K, n] with n padded by zero rows to a multiple of 4
@@ -31,12 +32,15 @@ nothing to the sum over n). bprop's operands
 are K-major as they are. The updat workspace of a TF32 updat is that of the 16-bit
 kernel over the padded n (same plan).
 
-The Hopper gate (:func:`select_target`): the lowering for "cuda" picks the sm_90 target
-only when the extension has it, the gate is open, and the target GPU is sm_90:
+The Hopper gate: the lowering for "cuda" picks the sm_90 target only when the extension
+has it, the target GPU is sm_90 (:func:`hopper_variant`) and the gate is open:
 
-* open: the environment variable ``JAX_BLOCKSPARSE_HOPPER=1``, or the sm_90 target listed
-  among the verified CUDA targets (``_lowering.VERIFIED_CUDA_TARGETS``, empty until the
-  kernels pass tests/gpu on an H100);
+* closed whatever the gate says: ``JAX_BLOCKSPARSE_HOPPER=0`` (the portable kernels only,
+  to time or compare them on an sm_90 GPU);
+* open: the environment variable ``JAX_BLOCKSPARSE_HOPPER=1``, or the sm_90 target
+  verified for the product's arithmetic mode and block size on this compute capability
+  (:mod:`jax_blocksparse.verified`; under ``impl="auto"`` the crossover table then picks
+  between it, the portable target and the dense product: ops/_lowering.py);
 * sm_90: the first CUDA device's compute capability is 9.x; with no CUDA device at
   lowering time (cross-lowering), the environment variable alone decides.
 """
@@ -120,7 +124,7 @@ def use_tf32(target: str, dtype, bs: int, precision) -> bool:
     "bprop" / "updat") runs a product of ``dtype`` inputs at block size ``bs`` on TF32
     tensor cores: float32 at ``precision`` None, DEFAULT or HIGH (a
     :class:`jax.lax.Precision` or None, as the primitives carry it), at the block sizes of
-    :func:`tf32_block_sizes` (not fprop/bprop at block 8: :func:`tf32_off`)."""
+    :func:`tf32_block_sizes` (where a block size is left out: :func:`tf32_off`)."""
     from jax import lax  # noqa: PLC0415
 
     return (
@@ -158,6 +162,12 @@ def hopper_env() -> bool:
     return os.environ.get(HOPPER_ENV, "").strip() == "1"
 
 
+def hopper_closed() -> bool:
+    """Whether ``JAX_BLOCKSPARSE_HOPPER=0`` keeps the Hopper targets out, verified or not
+    (to run, time or compare the portable kernels on an sm_90 GPU)."""
+    return os.environ.get(HOPPER_ENV, "").strip() == "0"
+
+
 def built_targets() -> frozenset[str]:
     """The Hopper kernels (``jbs_bsmm_*_sm90``) whose current FFI targets this extension
     registered (empty unless built for sm_90a)."""
@@ -167,7 +177,7 @@ def built_targets() -> frozenset[str]:
     return frozenset(k for k in SM90_TARGETS.values() if targets.target_name(k) in registered)
 
 
-def _cuda_compute_capability() -> str | None:
+def cuda_compute_capability() -> str | None:
     """The first CUDA device's compute capability ("9.0"), or None without a CUDA device."""
     import jax  # noqa: PLC0415
 
@@ -179,19 +189,27 @@ def _cuda_compute_capability() -> str | None:
     return str(cc) if cc is not None else None
 
 
-def select_target(target: str, verified: frozenset[str]) -> str:
-    """The FFI target the "cuda" lowering calls for ``target``: its sm_90 variant when the
-    Hopper gate is open (see the module docstring), else ``target`` itself."""
+def hopper_variant(target: str) -> str | None:
+    """The sm_90 variant of ``target`` where it can run: the extension has it and the first
+    CUDA device is compute 9.x; with no CUDA device at lowering time (cross-lowering), only
+    where ``JAX_BLOCKSPARSE_HOPPER=1`` asks for it. None otherwise, and always under
+    ``JAX_BLOCKSPARSE_HOPPER=0``."""
     sm90 = SM90_TARGETS.get(target)
-    if sm90 is None or sm90 not in built_targets():
-        return target
-    env = hopper_env()
-    if not (env or sm90 in verified):
-        return target
-    cc = _cuda_compute_capability()
-    if cc is None:  # cross-lowering without a GPU: only the explicit request counts
-        return sm90 if env else target
-    return sm90 if cc.split(".")[0] == "9" else target
+    if sm90 is None or sm90 not in built_targets() or hopper_closed():
+        return None
+    cc = cuda_compute_capability()
+    if cc is None:
+        return sm90 if hopper_env() else None
+    return sm90 if cc.split(".")[0] == "9" else None
+
+
+def select_target(target: str, *, verified: bool = False) -> str:
+    """The FFI target the "cuda" lowering calls for ``target`` where no table chooses:
+    its sm_90 variant where that can run (:func:`hopper_variant`) and the Hopper gate is
+    open (``JAX_BLOCKSPARSE_HOPPER=1``, or ``verified``: the gate verified the sm_90
+    variant for this product), else ``target`` itself."""
+    sm90 = hopper_variant(target)
+    return sm90 if sm90 is not None and (hopper_env() or verified) else target
 
 
 def updat_workspace_bytes(

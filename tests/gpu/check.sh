@@ -22,10 +22,9 @@
 #                (a carried wheel unpacked, pip's output logged; missing:
 #                said at once, portable kernels for sm_90), compute-
 #                sanitizer and ncu probed on a ten-line CUDA program
-#   build        python3 build.py --cuda-arch <arch> -j $(nproc)            85       150
+#   build        python3 build.py --cuda-arch <arch> -j $(nproc)            75       150
 #                (arch: preflight's; without it nvidia-smi's compute_cap:
-#                9.0 -> sm_90a, 8.x -> sm_8x), with --sm90-tf32-block8
-#                where CHECK_TF32_BLOCK8=1 (default) and the arch is sm_90a
+#                9.0 -> sm_90a, 8.x -> sm_8x)
 #   env          python3 -m jax_blocksparse; nvidia-smi, git commit, date,    3        30
 #                tool versions into OUTDIR (meta.txt, nvidia-smi.txt)
 #   bench        bench/session.py: bf16 at W 8192 x 8192, N = 8192, blocks  150       170
@@ -34,7 +33,7 @@
 #                then 4096^3 block 8, f16, f32 (TF32) as time allows; every
 #                row saved as measured, a rerun resumes
 #   crossover    bench/crossover.py: this device's crossover table          2        20
-#   gpu-tests    tests/gpu/run_isolated.py: each test function of the      100       150
+#   gpu-tests    tests/gpu/run_isolated.py: each test function of the      115       150
 #                kernel tests in its own process, CHECK_PARALLEL at a time,
 #                going on past a failure in a new process (twice at most);
 #                memcheck on each function's first failure
@@ -44,12 +43,12 @@
 #   suite        JAX_BLOCKSPARSE_IMPL=kernels, tests/test_*.py one file    200       240
 #                per process (largest first), CHECK_SUITE_PARALLEL at a
 #                time (only when named)
-#   ncu          ncu around bench/ncu_driver.py: each jbs kernel family     45        90
+#   ncu          ncu around bench/ncu_driver.py: each jbs kernel family     25        90
 #                x dtype x block at density 0.1, once
 #   ncu-summary  bench/ncu_summary.py: JSON + table (duration, occupancy,     1        20
 #                tensor pipe, DRAM, registers)
 # Each step runs under `timeout` with its limit, cut to what is left of CHECK_BUDGET_S
-# (default 420 s: 7 minutes, 10 s of it kept for the summary), so the whole run ends
+# (default 420 s: 7 minutes, 15 s of it kept for the summary), so the whole run ends
 # within the budget; a step with under 5 s left is skipped. The default steps up to the
 # sanitizer take about 400 s on an H100; ncu gets what is left.
 # At the end bench/check_summary.py prints one table (each step's status, counts and
@@ -68,8 +67,6 @@
 #   CHECK_STEPS           steps to run, space-separated (default: the session's, in the order above)
 #   CHECK_BUDGET_S        seconds for the whole run (default 420; 0: only the per-step limits)
 #   CHECK_CUDA_ARCH       build for this arch instead of the one preflight (or nvidia-smi) gives
-#   CHECK_TF32_BLOCK8     1 (default): build sm_90a with fprop/bprop on TF32 at block 8 (the
-#                         switched-off kernel, tested and timed here); 0: as users get it
 #   CHECK_NCU_PATHS       the kernel paths ncu profiles (default "ampere hopper")
 #   CHECK_PARALLEL        processes at a time for gpu-tests and training (default 8)
 #   CHECK_SUITE_PARALLEL  ... for the suite (default 8)
@@ -112,13 +109,12 @@ REPO="$(cd "$(dirname "$0")/../.." && pwd)" || exit 2
 cd "$REPO" || exit 2
 
 BUDGET="${CHECK_BUDGET_S:-420}"
-RESERVE=10  # seconds of the budget kept for the summary
+RESERVE=15  # seconds of the budget kept for the summary (it collects the GPU tests' parameters)
 TAIL="${CHECK_TAIL:-6}"
 PARALLEL="${CHECK_PARALLEL:-8}"
 SUITE_PARALLEL="${CHECK_SUITE_PARALLEL:-8}"
 SESSION_STEPS="preflight build env bench crossover gpu-tests sanitizer ncu ncu-summary"
 STEPS="${CHECK_STEPS:-$SESSION_STEPS}"
-TF32_BLOCK8="${CHECK_TF32_BLOCK8:-1}"
 NCU_PATHS="${CHECK_NCU_PATHS:-ampere hopper}"
 NCU_METRICS="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread"
 # The kernel tests, one process per test function (the sm90 file opens the Hopper gate itself).
@@ -372,10 +368,6 @@ fi
 if wanted build; then
     build_args=()
     if [ -n "$ARCH" ]; then build_args=(--cuda-arch "$ARCH"); fi
-    # The switched-off TF32 kernel at block 8 (cuda/sm90/bsmm_sm90_tf32.h), built to be checked.
-    if [ "$TF32_BLOCK8" = 1 ] && { [ "$ARCH" = sm_90a ] || [[ "$ARCH" == "<"* ]]; }; then
-        build_args+=(--sm90-tf32-block8)
-    fi
     run_step build "$(limit_for 150)" "$OUT/build.log" -- \
         python3 build.py "${build_args[@]}" -j "$(nproc)"
 fi

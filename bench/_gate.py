@@ -1,0 +1,173 @@
+"""From a GPU check's test results to the gate's keys: which (target, mode, block size)
+each GPU test exercises, and which keys passed.
+
+A key is (FFI target, arithmetic mode, block size): ``("jbs_bsmm_fprop_sm90", "tf32", 8)``.
+The GPU tests are parametrized by op, dtype and block size; a test exercises
+
+* the targets of its file's kernel path (tests/gpu/test_bsmm_kernels.py and
+  test_bsconv_kernels.py: the portable ``jbs_bsmm_*``; test_bsmm_sm90.py: the Hopper
+  ``jbs_bsmm_*_sm90``), for its ``op`` parameter or, without one, all three ops;
+* the mode of its ``dtype`` (or ``in_dtype``) parameter; without one, every mode its path
+  has (the Hopper file's ``test_tf32_*`` functions: "tf32" and the exact "float32" they
+  also check at HIGHEST);
+* its ``bs`` parameter's block size, or every block size.
+
+Where a test names no parameter, it counts for all of them: the guess errs towards
+exercising more, so a failure turns off more, never less. A key passes when at least one
+test that exercises it passed and none failed (skipped tests say nothing), and the
+check's compute-sanitizer run was clean or unavailable on that machine.
+
+The parameters come from pytest's own collection (run on any machine: the GPU tests
+collect without a GPU), so results of a check that did not record them can be read too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OPS = ("fprop", "bprop", "updat")
+BLOCK_SIZES = tuple(json.loads((ROOT / "jax_blocksparse" / "block_sizes.json").read_text())["block_sizes"])
+DTYPE_MODES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+# Test file -> (the targets' suffix: "" portable, "_sm90" Hopper; the modes its path has).
+FILES = {
+    "tests/gpu/test_bsmm_kernels.py": ("", ("float32", "bfloat16", "float16")),
+    "tests/gpu/test_bsconv_kernels.py": ("", ("float32", "bfloat16", "float16")),
+    "tests/gpu/test_bsmm_sm90.py": ("_sm90", ("bfloat16", "float16", "float32", "tf32")),
+}
+GPU_TEST_FILES = tuple(FILES)
+
+# The pytest plugin that collects the parameters (loaded with -p bench_gate_collect).
+_PLUGIN = """
+import json, os
+
+def _plain(v):
+    return v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
+
+def pytest_collection_finish(session):
+    out = {}
+    for item in session.items:
+        spec = getattr(item, "callspec", None)
+        out[item.nodeid] = {k: _plain(v) for k, v in (spec.params if spec else {}).items()}
+    with open(os.environ["JBS_GATE_PARAMS"], "w") as f:
+        json.dump(out, f)
+"""
+
+
+def collect_params(files=GPU_TEST_FILES) -> dict[str, dict]:
+    """node id -> its parametrization (plain values), from ``pytest --collect-only``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "bench_gate_collect.py").write_text(_PLUGIN)
+        out = Path(tmp) / "params.json"
+        env = dict(os.environ, JBS_GATE_PARAMS=str(out), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [tmp, str(ROOT), env.get("PYTHONPATH")]))
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "--collect-only",
+                "-q",
+                "-p",
+                "bench_gate_collect",
+                "-p",
+                "no:cacheprovider",
+                *files,
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if not out.exists():
+            raise RuntimeError(
+                f"collecting the GPU tests failed (exit {res.returncode}):\n{res.stdout[-2000:]}{res.stderr[-2000:]}"
+            )
+        return json.loads(out.read_text())
+
+
+def keys_of(nodeid: str, params: dict) -> list[tuple[str, str, int]]:
+    """The keys a GPU test exercises (see the module docstring); [] for a file outside the gate."""
+    file, _, name = nodeid.partition("::")
+    if file not in FILES:
+        return []
+    suffix, path_modes = FILES[file]
+    ops = [params["op"]] if params.get("op") in OPS else list(OPS)
+    dtype = params.get("dtype", params.get("in_dtype"))
+    if dtype in DTYPE_MODES:
+        modes = [DTYPE_MODES[dtype]]
+    elif suffix and name.startswith("test_tf32"):
+        modes = ["tf32", "float32"]
+    else:
+        modes = list(path_modes)
+    bs = params.get("bs")
+    sizes = [int(bs)] if isinstance(bs, int) or (isinstance(bs, str) and bs.isdigit()) else list(BLOCK_SIZES)
+    return [(f"jbs_bsmm_{op}{suffix}", mode, size) for op in ops for mode in modes for size in sizes]
+
+
+def junit_outcomes(folder: Path) -> dict[str, str]:
+    """node id -> "passed" / "failed" / "error" / "skipped", from every JUnit XML of a
+    run_isolated.py folder (a test that several jobs ran keeps its last word; a failure
+    is never overwritten by a later pass)."""
+    out: dict[str, str] = {}
+    for xml in sorted(folder.glob("*.xml")):
+        try:
+            root = ET.parse(xml).getroot()
+        except ET.ParseError:
+            continue
+        for case in root.iter("testcase"):
+            classname, name = case.get("classname", ""), case.get("name", "")
+            file = classname.replace(".", "/") + ".py"
+            nodeid = f"{file}::{name}"
+            outcome = next((t for t in ("failure", "error", "skipped") if case.find(t) is not None), "passed")
+            outcome = {"failure": "failed"}.get(outcome, outcome)
+            if out.get(nodeid) in ("failed", "error"):
+                continue
+            out[nodeid] = outcome
+    return out
+
+
+def died_tests(isolated_json: Path) -> dict[str, str]:
+    """node id -> why, for each test a job's process died or timed out in."""
+    try:
+        report = json.loads(isolated_json.read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for job in report.get("jobs", []):
+        first = job.get("first_failure") or {}
+        if job.get("status") in ("died", "timeout") and first.get("test"):
+            out[first["test"]] = f"{job['status']}: {first.get('error') or ''}".strip()
+    return out
+
+
+def key_results(tests: dict[str, dict], *, sanitizer_ok: bool, sanitizer_why: str = "") -> tuple[dict, dict]:
+    """(passed: target -> mode -> [block sizes], failed: key -> why) from ``tests``
+    (node id -> {"outcome", "params"}; outcome "died: ..." for a test a process died in)."""
+    seen: dict[tuple, list[str]] = {}
+    bad: dict[tuple, str] = {}
+    for nodeid, test in sorted(tests.items()):
+        outcome = test["outcome"]
+        for key in keys_of(nodeid, test.get("params") or {}):
+            if outcome == "passed":
+                seen.setdefault(key, []).append(nodeid)
+            elif outcome != "skipped" and key not in bad:
+                bad[key] = f"{nodeid.split('::', 1)[1]} {outcome}"
+    passed: dict[str, dict[str, list[int]]] = {}
+    failed: dict[tuple, str] = {}
+    for key in sorted(set(seen) | set(bad)):
+        if key in bad:
+            failed[key] = bad[key]
+        elif not sanitizer_ok:
+            failed[key] = sanitizer_why or "compute-sanitizer did not run clean"
+        else:
+            target, mode, bs = key
+            passed.setdefault(target, {}).setdefault(mode, []).append(bs)
+    return passed, failed

@@ -1,0 +1,221 @@
+// The dense path's conversions on CPU: the blocks of w [capacity, bs, bs] placed into the
+// dense W [C, K] (zero elsewhere), and back: the layout's blocks of a dense dW [C, K]
+// gathered into [capacity, bs, bs] (zero at padding slots).
+//
+// impl="dense" (and "auto" above the crossover) computes bsmm as XLA's dot on W; its cost
+// beside the dot a user would write, x @ W, is this conversion. XLA's own scatter and gather
+// of [bs, bs] slices took about 1.2-1.8 ms for a 1024 x 1024 weight on a 2-core machine
+// (10-50% of the dot there); a row copy per block, one pass over W on XLA's thread pool,
+// is a memory copy. The operands are the bsmm targets' five tables (bsmm_checks.h), whose
+// values are checked here: every present slot (s < col_ptr[K/bs]) must name a block
+// inside the grid; a cell named twice keeps the later slot's block.
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bsmm_block_sizes.h"
+#include "bsmm_checks.h"
+#include "cpu/bsmm_cpu.h"
+#include "cpu/cpu_parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jbs {
+namespace {
+
+struct Placement {
+  int64_t cb = 0, kb = 0, bs = 0, cap = 0, nnz = 0;
+  size_t item = 0;            // bytes per element
+  std::vector<int32_t> slot;  // [cb * kb]: the slot of each grid cell, -1 for none
+};
+
+// The tables checked and turned into a grid of slots. `blocks` is w (or dw), [cap, bs, bs];
+// `dense` is W (or dW), [C, K] of the same dtype.
+ffi::Error Place(const char* op, const ffi::AnyBuffer& blocks, const ffi::AnyBuffer& dense,
+                 const ffi::AnyBuffer& block_rows, const ffi::AnyBuffer& block_cols, const ffi::AnyBuffer& col_ptr,
+                 const ffi::AnyBuffer& row_ptr, const ffi::AnyBuffer& row_slots, Placement* p) {
+  Tables t;
+  if (ffi::Error e = CheckTables(op, block_rows, block_cols, col_ptr, row_ptr, row_slots, &t); e.failure()) return e;
+  const ffi::DataType dtype = blocks.element_type();
+  const bool supported = dtype == ffi::DataType::F32 || dtype == ffi::DataType::BF16 || dtype == ffi::DataType::F16;
+  if (!supported || dtype != dense.element_type()) {
+    return Invalid(op, std::string("the blocks and the dense matrix must share one dtype among float32, float16, "
+                                   "bfloat16, got ") +
+                           DtypeName(blocks.element_type()) + " " + ShapeStr(blocks) + " and " +
+                           DtypeName(dense.element_type()) + " " + ShapeStr(dense));
+  }
+  auto bd = blocks.dimensions();
+  auto dd = dense.dimensions();
+  if (bd.size() != 3 || bd[0] != t.cap || bd[1] != bd[2] || !SupportedBlockSize(bd[2]) || dd.size() != 2 ||
+      dd[0] != t.cb * bd[2] || dd[1] != t.kb * bd[2]) {
+    return Invalid(op, "blocks must be [capacity=" + std::to_string(t.cap) + ", bs, bs] with bs in " + kBlockSizesText +
+                           " and the dense matrix [" + std::to_string(t.cb) + " * bs, " + std::to_string(t.kb) +
+                           " * bs], got " + ShapeStr(blocks) + " and " + ShapeStr(dense));
+  }
+  p->cb = t.cb;
+  p->kb = t.kb;
+  p->bs = bd[2];
+  p->cap = t.cap;
+  p->item = dtype == ffi::DataType::F32 ? 4 : 2;
+  p->nnz = t.col_ptr[t.kb];
+  if (p->nnz < 0 || p->nnz > t.cap) {
+    return Invalid(op, "col_ptr[-1] (the blocks present) must be in [0, capacity=" + std::to_string(t.cap) + "], got " +
+                           std::to_string(p->nnz));
+  }
+  p->slot.assign(static_cast<size_t>(t.cb * t.kb), -1);
+  for (int64_t s = 0; s < p->nnz; ++s) {
+    const int32_t r = t.block_rows[s], c = t.block_cols[s];
+    if (r < 0 || r >= t.cb || c < 0 || c >= t.kb) {
+      return Invalid(op, "slot " + std::to_string(s) + " names block (" + std::to_string(r) + ", " + std::to_string(c) +
+                             "), outside the " + std::to_string(t.cb) + " x " + std::to_string(t.kb) + " grid");
+    }
+    p->slot[static_cast<size_t>(r) * t.kb + c] = static_cast<int32_t>(s);
+  }
+  return ffi::Error::Success();
+}
+
+struct ToDenseArgs {
+  const Placement* p;
+  const char* w;
+  char* W;
+};
+
+// One block row of W: bs rows, each K elements of copied block rows or zeros. The row
+// length is a compile-time constant (BS elements of ITEM bytes), so each copy is a few
+// vector moves, not a call: at block 8 there are C * K / 8 of them.
+template <int BS, int ITEM>
+void ToDenseRow(void* arg, int64_t r) {
+  const auto* a = static_cast<const ToDenseArgs*>(arg);
+  const Placement& p = *a->p;
+  constexpr size_t kRow = static_cast<size_t>(BS) * ITEM;
+  const int32_t* slots = p.slot.data() + r * p.kb;
+  for (int64_t i = 0; i < BS; ++i) {
+    char* out = a->W + (r * BS + i) * p.kb * kRow;
+    for (int64_t c = 0; c < p.kb; ++c, out += kRow) {
+      if (slots[c] < 0) {
+        std::memset(out, 0, kRow);
+      } else {
+        std::memcpy(out, a->w + (static_cast<int64_t>(slots[c]) * BS + i) * kRow, kRow);
+      }
+    }
+  }
+}
+
+struct ToBlocksArgs {
+  const Placement* p;
+  const std::vector<int64_t>* cell;  // [cap]: the grid cell of each slot, -1 at padding
+  const char* W;
+  char* w;
+};
+
+// Slots per work item of the conversion to blocks: about 16K elements, so that a small block
+// (256 bytes at block 8) is not a work item of its own.
+constexpr int64_t SlotsPerItem(int bs) { return 16384 / (int64_t{bs} * bs) > 1 ? 16384 / (int64_t{bs} * bs) : 1; }
+
+// Work item `item` of w: its slots' blocks, bs rows each, copied out of W, or zeros at
+// padding.
+template <int BS, int ITEM>
+void ToBlocksSlots(void* arg, int64_t item) {
+  const auto* a = static_cast<const ToBlocksArgs*>(arg);
+  const Placement& p = *a->p;
+  constexpr size_t kRow = static_cast<size_t>(BS) * ITEM;
+  const int64_t first = item * SlotsPerItem(BS);
+  const int64_t last = first + SlotsPerItem(BS) < p.cap ? first + SlotsPerItem(BS) : p.cap;
+  for (int64_t s = first; s < last; ++s) {
+    char* out = a->w + s * BS * kRow;
+    const int64_t cell = (*a->cell)[s];
+    if (cell < 0) {
+      std::memset(out, 0, BS * kRow);
+      continue;
+    }
+    const int64_t r = cell / p.kb, c = cell % p.kb;
+    for (int64_t i = 0; i < BS; ++i) {
+      std::memcpy(out + i * kRow, a->W + ((r * BS + i) * p.kb + c) * kRow, kRow);
+    }
+  }
+}
+
+// body<BS, ITEM> for the placement's block size and element size.
+template <template <int, int> class Body>
+void (*Instance(const Placement& p))(void*, int64_t) {
+  void (*fn)(void*, int64_t) = nullptr;
+  DispatchBlockSize(p.bs, [&](auto bs) {
+    fn = p.item == 4 ? Body<decltype(bs)::value, 4>::kFn : Body<decltype(bs)::value, 2>::kFn;
+    return true;
+  });
+  return fn;
+}
+
+template <int BS, int ITEM>
+struct ToDenseBody {
+  static constexpr void (*kFn)(void*, int64_t) = ToDenseRow<BS, ITEM>;
+};
+template <int BS, int ITEM>
+struct ToBlocksBody {
+  static constexpr void (*kFn)(void*, int64_t) = ToBlocksSlots<BS, ITEM>;
+};
+
+// Items: a call of fewer bytes than a parallel step is worth runs on the calling thread.
+int64_t Weight(const Placement& p) { return p.cb * p.kb * p.bs * p.bs; }
+
+ffi::Error ToDenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols,
+                       ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots,
+                       ffi::Result<ffi::AnyBuffer> dense) {
+  Placement p;
+  if (ffi::Error e = Place("jbs_blocks_to_dense", w, *dense, block_rows, block_cols, col_ptr, row_ptr, row_slots, &p);
+      e.failure()) {
+    return e;
+  }
+  ToDenseArgs args{&p, static_cast<const char*>(w.untyped_data()), static_cast<char*>(dense->untyped_data())};
+  auto* body = Instance<ToDenseBody>(p);
+  if (body == nullptr)
+    return ffi::Error::Internal("jbs_blocks_to_dense: no instance for block size " + std::to_string(p.bs));
+  cpu::Parallel par = cpu::Workers(pool, Weight(p));
+  par.for_each(par.ctx, p.cb, body, &args);
+  return ffi::Error::Success();
+}
+
+ffi::Error ToBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer dense, ffi::AnyBuffer block_rows,
+                        ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
+                        ffi::AnyBuffer row_slots, ffi::Result<ffi::AnyBuffer> w) {
+  Placement p;
+  if (ffi::Error e = Place("jbs_dense_to_blocks", *w, dense, block_rows, block_cols, col_ptr, row_ptr, row_slots, &p);
+      e.failure()) {
+    return e;
+  }
+  std::vector<int64_t> cell(static_cast<size_t>(p.cap), -1);
+  const auto* rows = static_cast<const int32_t*>(block_rows.untyped_data());
+  const auto* cols = static_cast<const int32_t*>(block_cols.untyped_data());
+  for (int64_t s = 0; s < p.nnz; ++s) cell[s] = static_cast<int64_t>(rows[s]) * p.kb + cols[s];
+  ToBlocksArgs args{&p, &cell, static_cast<const char*>(dense.untyped_data()), static_cast<char*>(w->untyped_data())};
+  auto* body = Instance<ToBlocksBody>(p);
+  if (body == nullptr)
+    return ffi::Error::Internal("jbs_dense_to_blocks: no instance for block size " + std::to_string(p.bs));
+  cpu::Parallel par = cpu::Workers(pool, Weight(p));
+  const int64_t per = SlotsPerItem(static_cast<int>(p.bs));
+  par.for_each(par.ctx, (p.cap + per - 1) / per, body, &args);
+  return ffi::Error::Success();
+}
+
+// The blocks (or the dense matrix), then the five tables (bsmm_checks.h), after XLA's
+// intra-op thread pool.
+auto BindConversion() {
+  using xla::ffi::AnyBuffer;
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<AnyBuffer>()   // w [cap, bs, bs] (to dense), or W [C, K] (to blocks)
+      .Arg<AnyBuffer>()   // block_rows [cap]
+      .Arg<AnyBuffer>()   // block_cols [cap]
+      .Arg<AnyBuffer>()   // col_ptr [KB + 1]
+      .Arg<AnyBuffer>()   // row_ptr [CB + 1]
+      .Arg<AnyBuffer>()   // row_slots [cap]
+      .Ret<AnyBuffer>();  // W [C, K] (to dense), or w [cap, bs, bs] (to blocks)
+}
+
+}  // namespace
+}  // namespace jbs
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBlocksToDenseCpu, jbs::ToDenseImpl, jbs::BindConversion());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsDenseToBlocksCpu, jbs::ToBlocksImpl, jbs::BindConversion());

@@ -1,0 +1,270 @@
+"""``python -m jax_blocksparse tune``: this machine's crossovers, measured here.
+
+A kernel's speed beside the dense product depends on the machine (a CPU's instruction set
+and cores, a GPU's kind), so the table shipped with the package cannot be right
+everywhere. ``tune`` measures, on each device present, every verified kernel against the
+dense path ``"auto"`` would run instead (``impl="dense"``: the blocks into a dense weight,
+then XLA's dot, within a few percent of ``x @ W`` on a ready weight) at one stated shape per
+platform (:data:`SHAPES`), and writes the crossovers to the user cache
+(:func:`jax_blocksparse.crossover.cache_path`), which ``impl="auto"`` prefers to the
+shipped table from then on (:mod:`jax_blocksparse.crossover`). So ``"auto"`` takes the
+faster of the two at every density.
+
+Per kernel (op, dtype, block size and, on CUDA, each verified kernel path) it times the
+product at densities 1, 0.5, 0.25, 0.1 and 0.05, from the top, and stops at the first
+density where the kernel wins (below it the kernel does less work still); the crossover is
+where its time meets the dense product's, interpolated between the measured densities
+(:func:`jax_blocksparse.crossover.crossover_density`). Each time is the median of
+back-to-back calls of one compiled program (:func:`median_call_time`).
+
+Defaults: blocks 8 to 128, float32 and bfloat16, under 4 minutes on a 2-core CPU;
+``--quick``: blocks 16 to 64, float32, under a minute. A progress bar goes to stderr.
+
+    python -m jax_blocksparse tune            # measure, write the cache, print the table
+    python -m jax_blocksparse tune --quick
+    python -m jax_blocksparse tune --out table.json   # elsewhere (load it with crossover.load_table)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_blocksparse import crossover, layouts
+from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
+from jax_blocksparse.ops import _lowering, _sm90, matmul
+
+__all__ = ["DENSITIES", "SHAPES", "median_call_time", "measure", "tune", "main"]
+
+#: The problem measured per platform: (C, K, N): W [C, K], activations [N, C] / [N, K].
+SHAPES = {"cpu": (1024, 1024, 1024), "cuda": (4096, 4096, 4096)}
+#: The densities measured, from the top (each kernel stops at its first win).
+DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
+OPS = ("fprop", "bprop", "updat")
+_TARGETS = {op: f"jbs_bsmm_{op}" for op in OPS}
+
+
+def median_call_time(fn: Callable, *args, repeats: int = 5, min_time: float = 0.05, max_inner: int = 1000) -> float:
+    """Median seconds per call of ``fn(*args)``: after a warm-up call, ``repeats`` samples,
+    each of back-to-back calls for about ``min_time`` seconds, waited for at its end.
+
+    That is device time only while a call's host work is shorter than its device work
+    (otherwise host time)."""
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = max(time.perf_counter() - t0, 1e-7)
+    inner = int(min(max(1, min_time / one), max_inner))
+    samples = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / inner)
+    return float(np.median(samples))
+
+
+@contextlib.contextmanager
+def _hopper_gate(open_: bool):
+    """``JAX_BLOCKSPARSE_HOPPER`` as a kernel path needs it while its program is lowered."""
+    name, before = _sm90.HOPPER_ENV, os.environ.get(_sm90.HOPPER_ENV)
+    os.environ[name] = "1" if open_ else "0"  # "0": the portable kernels, verified Hopper ones or not
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _product(op: str, impl: str):
+    """One op as users write it, ``f(a, b, layout)``, with ``impl``."""
+    if op == "fprop":
+        return lambda x, w, lay: matmul.bsmm(x, w, lay, impl=impl)
+    if op == "bprop":
+        return lambda g, w, lay: matmul.bsmm(g, w, lay, transpose=True, impl=impl)
+    return lambda x, g, lay: matmul.bsmm_updat(x, g, lay, impl=impl)
+
+
+def kernel_paths(platform: str, dtype, block_size: int) -> list[tuple[str, bool]]:
+    """(a label, whether the Hopper gate is open) per kernel path to measure: on CPU its
+    kernels; on CUDA the portable kernels and, where they can run, the Hopper ones."""
+    if platform != "cuda":
+        return [("native", False)]
+    paths = [("portable", False)]
+    if _sm90.hopper_variant("jbs_bsmm_fprop") is not None:
+        paths.append(("hopper", True))
+    return paths
+
+
+def _target_of(platform: str, op: str, hopper: bool, dtype, block_size: int) -> tuple[str, str]:
+    """(FFI target, arithmetic mode) that the product runs on that path."""
+    base = _TARGETS[op]
+    name = _sm90.SM90_TARGETS[base] if (platform == "cuda" and hopper) else base
+    return name, _lowering.kernel_mode(name, dtype, block_size, None)
+
+
+def measure(
+    platform: str,
+    *,
+    shape: Sequence[int] | None = None,
+    dtypes: Sequence[str] = ("float32", "bfloat16"),
+    block_sizes: Sequence[int] = SUPPORTED_BLOCK_SIZES,
+    densities: Sequence[float] = DENSITIES,
+    repeats: int = 5,
+    min_time: float = 0.05,
+    progress: Callable[[int, int, str], None] | None = None,
+    seed: int = 0,
+) -> list[dict]:
+    """The crossover of every kernel of ``platform`` on its first device: a list of
+    :class:`jax_blocksparse.crossover.Crossover` fields (see the module docstring)."""
+    device = jax.devices(platform)[0]
+    c, k, n = SHAPES[platform] if shape is None else shape
+    kind = _lowering.device_kind(platform)
+    family = _lowering.device_family(platform) or ""
+    work = [(dt, bs, op) for dt in dtypes for bs in block_sizes if c % bs == 0 and k % bs == 0 for op in OPS]
+    total = sum(len(kernel_paths(platform, dt, bs)) for dt, bs, _ in work)
+    done, entries = 0, []
+    key = jax.random.key(seed)
+    source = f"python -m jax_blocksparse tune, {datetime.date.today().isoformat()}, W {c} x {k}, N = {n}"
+    timing = dict(repeats=repeats, min_time=min_time)
+
+    def layout_at(bs, density, kw):
+        lay = Layout.from_mask(layouts.random((c // bs, k // bs), density, seed=seed), bs)
+        w = (jax.random.normal(kw, lay.w_shape, jnp.float32) / np.sqrt(c * density)).astype(dtype)
+        return lay, w
+
+    for dtype in dtypes:
+        kx, kg, kw = jax.random.split(jax.random.fold_in(key, len(entries)), 3)
+        x = jax.device_put(jax.random.normal(kx, (n, c), dtype), device)
+        g = jax.device_put(jax.random.normal(kg, (n, k), dtype), device)
+        for bs in block_sizes:
+            if c % bs or k % bs:
+                continue
+            for op in OPS:
+                dense = jax.jit(_product(op, "dense"))
+                for label, hopper in kernel_paths(platform, dtype, bs):
+                    target, mode = _target_of(platform, op, hopper, jnp.dtype(dtype), bs)
+                    if progress:
+                        progress(done, total, f"{op} {dtype} bs{bs} {label}")
+                    points = []
+                    for density in sorted(densities, reverse=True):
+                        lay, w = layout_at(bs, density, kw)
+                        s_args = {"fprop": (x, w, lay), "bprop": (g, w, lay), "updat": (x, g, lay)}[op]
+                        with _hopper_gate(hopper):
+                            compiled = jax.jit(_product(op, "kernels")).lower(*s_args).compile()
+                        # What "auto" runs instead: the dense path, timed beside the kernel (a
+                        # shared machine's speed drifts between products).
+                        dense_s = median_call_time(dense, *s_args, **timing)
+                        t = median_call_time(compiled, *s_args, **timing)
+                        points.append((lay.density, dense_s / t))
+                        if dense_s / t >= 1.0 + crossover.WIN_MARGIN:
+                            break  # a win: below it the kernel does less work still
+                    done += 1
+                    entries.append(
+                        dict(
+                            platform=platform,
+                            device_kind=kind,
+                            target=target,
+                            mode=mode,
+                            block_size=bs,
+                            crossover=crossover.crossover_density(points, crossover.WIN_MARGIN),
+                            source=source,
+                            family=family,
+                        )
+                    )
+    if progress:
+        progress(total, total, "done")
+    return entries
+
+
+def progress_bar(stream=sys.stderr, width: int = 30) -> Callable[[int, int, str], None]:
+    """A one-line text progress bar: ``[#####-----] 12/30 fprop bfloat16 bs32``."""
+
+    def show(done: int, total: int, what: str) -> None:
+        filled = int(width * done / max(1, total))
+        end = "\n" if done >= total else ""
+        stream.write(f"\r  [{'#' * filled}{'-' * (width - filled)}] {done}/{total} {what:40}{end}")
+        stream.flush()
+
+    return show
+
+
+def tune(
+    platforms: Sequence[str] | None = None,
+    *,
+    quick: bool = False,
+    out: str | os.PathLike | None = None,
+    progress: bool = True,
+    **options,
+) -> crossover.CrossoverTable:
+    """Measures the crossovers of each platform with native kernels present here (default:
+    every such device), writes them to ``out`` (default: the user cache, merged with its
+    entries of other devices), and returns the table written. ``options`` go to
+    :func:`measure`."""
+    if platforms is None:
+        platforms = [
+            p
+            for p in ("cpu", "cuda")
+            if _lowering.device_kind(p) is not None and _lowering.kernels_selected(p, "auto", "jbs_bsmm_fprop")
+        ]
+    if quick:
+        options = dict(dict(dtypes=("float32",), block_sizes=(16, 32, 64), repeats=3, min_time=0.02), **options)
+    path = crossover.cache_path() if out is None else out
+    entries = []
+    for platform in platforms:
+        if progress:
+            print(f"tune: {platform} ({_lowering.device_kind(platform)})", file=sys.stderr)
+        entries += measure(platform, progress=progress_bar() if progress else None, **options)
+    table = crossover.CrossoverTable.from_entries(entries)
+    if os.path.exists(path):
+        try:
+            table = crossover.merged(table, crossover.load_table(path))
+        except (OSError, ValueError, TypeError):
+            pass  # an unreadable cache is replaced
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(table.to_json(about="Written by python -m jax_blocksparse tune on this machine."), f, indent=2)
+    os.replace(tmp, path)
+    crossover.reset_default_table()
+    return table
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m jax_blocksparse tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="blocks 16-64, float32 only: under a minute on 2 cores")
+    p.add_argument("--platform", action="append", choices=["cpu", "cuda"], help="only these (default: every one here)")
+    p.add_argument("--out", help=f"write here instead of the user cache ({crossover.cache_path()})")
+    p.add_argument("--block-sizes", type=int, nargs="+", choices=SUPPORTED_BLOCK_SIZES)
+    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--size", type=int, nargs=3, metavar=("C", "K", "N"), help="the problem instead of SHAPES'")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    options = {k: tuple(v) for k, v in (("block_sizes", args.block_sizes), ("dtypes", args.dtypes)) if v}
+    if args.size:
+        if any(v <= 0 or v % 128 for v in args.size[:2]) or args.size[2] <= 0:
+            p.error(f"--size: C and K must be positive multiples of 128 and N positive, got {args.size}")
+        options["shape"] = tuple(args.size)
+    start = time.perf_counter()
+    table = tune(args.platform, quick=args.quick, out=args.out, progress=not args.no_progress, **options)
+    where = args.out or crossover.cache_path()
+    print(f"tune: wrote {len(table.entries)} entries to {where} in {time.perf_counter() - start:.0f} s")
+    for e in table.entries:
+        print(f"  {e.device_kind:24} {e.target:22} {e.mode:9} bs {e.block_size:>3}: {e.crossover:.3f}")
+    return 0

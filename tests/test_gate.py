@@ -1,0 +1,353 @@
+"""What ``impl="auto"`` runs on CUDA: the gate of verified kernels and the crossover table,
+checked by cross-lowering for "cuda" on a machine without a GPU.
+
+* :mod:`jax_blocksparse.verified`: the gate's checks and lookups; the shipped gate,
+  ``verified_gpu.json``, is the one bench/gpu_results.py computes from the committed GPU
+  results (as are the crossover table and README's and the docs' GPU tables).
+* bench/_gate.py: which keys a GPU test exercises; a failure or a dead process turns its
+  keys off; an unclean sanitizer turns every key off.
+* bench/gpu_results.py on a made-up check folder (some tests passing, one failing, one
+  process that died): the gate it writes, and the dispatch that follows.
+* The choice (ops/_lowering.auto_choice), with a compute capability 9.0 GPU standing in:
+  the verified kernel that beats the dense product up to the highest density, the dense
+  product above it, the dense product where nothing was measured, an H200 on an H100's
+  entries, the reference where nothing is verified.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_blocksparse as jbs
+from helpers import kernel_calls, load_script, require_cuda_extension
+from jax_blocksparse import crossover, verified
+from jax_blocksparse.ops import _lowering, _sm90
+
+ROOT = Path(__file__).resolve().parents[1]
+gate_script = load_script("bench/_gate.py")
+results_script = load_script("bench/gpu_results.py")
+
+
+# ---------------------------------------------------------------------------------
+# The gate
+# ---------------------------------------------------------------------------------
+
+
+def _gate(passed, failed=(), cc="9.0"):
+    return verified.Gate.from_json(
+        {
+            "format": 1,
+            "devices": [
+                {
+                    "compute_capability": cc,
+                    "passed": passed,
+                    "failed": [dict(target=t, mode=m, block_size=b, why=w) for t, m, b, w in failed],
+                }
+            ],
+        }
+    )
+
+
+def test_gate_lookups():
+    gate = _gate({"jbs_bsmm_fprop": {"bfloat16": [32, 64]}}, [("jbs_bsmm_fprop", "tf32", 8, "it faulted")])
+    assert gate.allows("9.0", "jbs_bsmm_fprop", "bfloat16", 64)
+    assert not gate.allows("9.0", "jbs_bsmm_fprop", "bfloat16", 16)
+    assert not gate.allows("9.0", "jbs_bsmm_fprop", "float16", 64)
+    assert not gate.allows(None, "jbs_bsmm_fprop", "bfloat16", 64)
+    assert gate.verified_targets("9.0") == {"jbs_bsmm_fprop"} and gate.verified_targets("8.0") == frozenset()
+    assert gate.why_not("9.0", "jbs_bsmm_fprop", "tf32", 8) == "it faulted"
+    assert "no test exercised it" in gate.why_not("9.0", "jbs_bsmm_bprop", "bfloat16", 64)
+    assert "compute capability 8.0" in gate.why_not("8.0", "jbs_bsmm_fprop", "bfloat16", 64)
+    assert verified.Gate.from_json(gate.to_json()) == gate
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"format": 2}, "format 1"),
+        ({"format": 1, "devices": [{"compute_capability": 9}]}, "compute_capability"),
+        ({"format": 1, "devices": [{"compute_capability": "9.0", "passed": {"t": {"fp8": [8]}}}]}, "mode"),
+        ({"format": 1, "devices": [{"compute_capability": "9.0"}, {"compute_capability": "9.0"}]}, "one entry"),
+    ],
+)
+def test_bad_gates_raise(data, match):
+    with pytest.raises(ValueError, match=match):
+        verified.Gate.from_json(data)
+
+
+def test_shipped_gate_crossovers_and_tables_match_the_committed_results():
+    # bench/gpu_results.py writes them from bench/results/ only: never by hand.
+    assert results_script.main(["--check"]) == 0
+
+
+def test_shipped_gate_verified_every_key_on_the_h100():
+    device = verified.default_gate().device("9.0")
+    assert device is not None and device.sanitizer == "clean" and not device.failed
+    for op in ("fprop", "bprop", "updat"):
+        for mode in ("bfloat16", "float16", "float32", "tf32"):
+            assert device.passed[f"jbs_bsmm_{op}_sm90"][mode] == jbs.SUPPORTED_BLOCK_SIZES
+        for mode in ("bfloat16", "float16", "float32"):
+            assert device.passed[f"jbs_bsmm_{op}"][mode] == jbs.SUPPORTED_BLOCK_SIZES
+
+
+# ---------------------------------------------------------------------------------
+# bench/_gate.py: tests -> keys
+# ---------------------------------------------------------------------------------
+
+
+def test_keys_of_a_test():
+    keys = gate_script.keys_of(
+        "tests/gpu/test_bsmm_kernels.py::test_layouts[bf16-8-fprop-random]",
+        {"dtype": "bf16", "bs": 8, "op": "fprop", "kind": "random"},
+    )
+    assert keys == [("jbs_bsmm_fprop", "bfloat16", 8)]
+    tf32 = gate_script.keys_of(
+        "tests/gpu/test_bsmm_sm90.py::test_tf32_rows[8-bprop-1]", {"bs": 8, "op": "bprop", "n": 1}
+    )
+    assert tf32 == [("jbs_bsmm_bprop_sm90", "tf32", 8), ("jbs_bsmm_bprop_sm90", "float32", 8)]
+    # No parameter: every op, mode and block size of the path (a failure turns off more).
+    bare = gate_script.keys_of("tests/gpu/test_bsmm_sm90.py::test_updat_split_is_deterministic", {})
+    assert len(bare) == 3 * 4 * len(jbs.SUPPORTED_BLOCK_SIZES)
+    assert gate_script.keys_of("tests/test_matmul.py::test_x", {}) == []
+
+
+def test_key_results():
+    tests = {
+        "tests/gpu/test_bsmm_kernels.py::test_a[bf16-8-fprop]": dict(
+            outcome="passed", params={"dtype": "bf16", "bs": 8, "op": "fprop"}
+        ),
+        "tests/gpu/test_bsmm_kernels.py::test_a[bf16-16-fprop]": dict(
+            outcome="passed", params={"dtype": "bf16", "bs": 16, "op": "fprop"}
+        ),
+        "tests/gpu/test_bsmm_kernels.py::test_b[bf16-16-fprop]": dict(
+            outcome="failed", params={"dtype": "bf16", "bs": 16, "op": "fprop"}
+        ),
+        "tests/gpu/test_bsmm_kernels.py::test_a[bf16-32-fprop]": dict(
+            outcome="skipped", params={"dtype": "bf16", "bs": 32, "op": "fprop"}
+        ),
+    }
+    passed, failed = gate_script.key_results(tests, sanitizer_ok=True)
+    assert passed == {"jbs_bsmm_fprop": {"bfloat16": [8]}}
+    assert failed == {("jbs_bsmm_fprop", "bfloat16", 16): "test_b[bf16-16-fprop] failed"}
+    passed, failed = gate_script.key_results(tests, sanitizer_ok=False, sanitizer_why="memcheck: 2 errors")
+    assert passed == {} and failed[("jbs_bsmm_fprop", "bfloat16", 8)] == "memcheck: 2 errors"
+
+
+# ---------------------------------------------------------------------------------
+# bench/gpu_results.py on a made-up check folder
+# ---------------------------------------------------------------------------------
+
+_PASS = '<testcase classname="tests.gpu.{mod}" name="{name}" time="0.1" />'
+_FAIL = (
+    '<testcase classname="tests.gpu.{mod}" name="{name}" time="0.1">'
+    '<failure message="AssertionError: off">x</failure></testcase>'
+)
+
+
+def _check_folder(tmp_path) -> Path:
+    """A check folder as tests/gpu/check.sh leaves it: bf16 fprop on both paths passes at
+    every block size but the Hopper one at 64 (a test failed); bprop's Hopper job died at
+    block 128; a complete bench sweep of the Hopper fprop at block 128."""
+    out = tmp_path / "check"
+    tests = out / "gpu-tests"
+    tests.mkdir(parents=True)
+    (out / "steps.tsv").write_text(
+        "preflight\tpass\t0\t5\t40\tpreflight.log\nsanitizer\tpass\t0\t40\t60\tsanitizer.log\n"
+    )
+    (out / "meta.txt").write_text("date: 2026-11-26T11:00:00Z\ncommit: abc1234\n")
+    (out / "preflight.json").write_text(
+        json.dumps({"gpu": {"present": True, "name": "NVIDIA H100 80GB HBM3", "compute_cap": "9.0", "driver": "580"}})
+    )
+    cases_k = [
+        _PASS.format(mod="test_bsmm_kernels", name=f"test_layouts[bf16-{bs}-fprop-random]")
+        for bs in jbs.SUPPORTED_BLOCK_SIZES
+    ]
+    cases_h = [
+        (_FAIL if bs == 64 else _PASS).format(mod="test_bsmm_sm90", name=f"test_layouts[bf16-{bs}-fprop-random]")
+        for bs in jbs.SUPPORTED_BLOCK_SIZES
+    ]
+    (tests / "k.xml").write_text(f"<testsuites><testsuite>{''.join(cases_k)}</testsuite></testsuites>")
+    (tests / "h.xml").write_text(f"<testsuites><testsuite>{''.join(cases_h)}</testsuite></testsuites>")
+    died = {
+        "status": "died",
+        "first_failure": {
+            "test": "tests/gpu/test_bsmm_sm90.py::test_layouts[bf16-128-bprop-random]",
+            "error": "SIGSEGV",
+        },
+    }
+    (out / "gpu-tests.json").write_text(json.dumps({"jobs": [died]}))
+    bench = out / "bench"
+    bench.mkdir()
+    rows = [
+        dict(
+            op="fprop",
+            dtype="bfloat16",
+            block_size=128,
+            density=d,
+            requested_density=d,
+            target="jbs_bsmm_fprop_sm90",
+            mode="bfloat16",
+            path="hopper",
+            sparse_s=0.1 + d,
+            dense_s=0.6,
+            size=[1024, 1024, 1024],
+            efficiency=0.5,
+            speedup=1.0,
+        )
+        for d in (0.1, 0.5, 1.0)
+    ]
+    report = dict(
+        device_kind="NVIDIA H100 80GB HBM3",
+        platform="gpu",
+        config={"densities": [0.1, 0.5, 1.0]},
+        results=rows,
+        complete=True,
+        bandwidth_Bps=3e12,
+    )
+    (bench / "bench-bf16-b128.json").write_text(json.dumps(report))
+    return out
+
+
+def test_gpu_results_of_a_made_up_check(tmp_path, monkeypatch):
+    folder = _check_folder(tmp_path)
+    params = {
+        f"tests/gpu/{mod}.py::test_layouts[bf16-{bs}-{op}-random]": {
+            "dtype": "bf16",
+            "bs": bs,
+            "op": op,
+            "kind": "random",
+        }
+        for mod in ("test_bsmm_kernels", "test_bsmm_sm90")
+        for bs in jbs.SUPPORTED_BLOCK_SIZES
+        for op in ("fprop", "bprop")
+    }
+    monkeypatch.setattr(results_script._gate, "collect_params", lambda: params)
+    report = results_script.results_of([folder], "abc1234")
+    assert report["compute_capability"] == "9.0" and report["commit"] == "abc1234" and report["date"] == "2026-11-26"
+    assert report["sanitizer"]["status"] == "clean" and len(report["results"]) == 3
+    entry = results_script.gate_entry(report, "bench/results/gpu-h100-2026-11-26.json")
+    gate = verified.Gate.from_json({"format": 1, "devices": [entry]})
+    assert gate.allows("9.0", "jbs_bsmm_fprop", "bfloat16", 64)
+    assert gate.allows("9.0", "jbs_bsmm_fprop_sm90", "bfloat16", 128)
+    assert not gate.allows("9.0", "jbs_bsmm_fprop_sm90", "bfloat16", 64)  # its test failed
+    assert "failed" in gate.why_not("9.0", "jbs_bsmm_fprop_sm90", "bfloat16", 64)
+    assert not gate.allows("9.0", "jbs_bsmm_bprop_sm90", "bfloat16", 128)  # its process died
+    assert "died" in gate.why_not("9.0", "jbs_bsmm_bprop_sm90", "bfloat16", 128)
+    # The dispatch that follows, on a 9.0 GPU with that gate: the Hopper kernel where it
+    # passed, the portable one where the Hopper one failed.
+    require_cuda_extension()
+    if not _sm90.built_targets():
+        pytest.skip("the extension was built without sm_90a")
+    monkeypatch.setattr(verified, "default_gate", lambda: gate)
+    monkeypatch.setattr(_sm90, "cuda_compute_capability", lambda: "9.0")
+    table = crossover.CrossoverTable.from_entries(
+        [
+            _entry("jbs_bsmm_fprop_sm90", 128, 0.5),
+            _entry("jbs_bsmm_fprop_sm90", 64, 0.5),
+            _entry("jbs_bsmm_fprop", 64, 0.3),
+        ]
+    )
+    assert _auto("fprop", 128, 0.25, table) == {"jbs_bsmm_fprop_sm90"}
+    assert _auto("fprop", 64, 0.25, table) == {"jbs_bsmm_fprop"}
+
+
+# ---------------------------------------------------------------------------------
+# The choice on a compute capability 9.0 GPU (cross-lowered)
+# ---------------------------------------------------------------------------------
+
+
+def _entry(target, bs, value, mode="bfloat16", kind="NVIDIA H100 80GB HBM3", family="9.0"):
+    return dict(
+        platform="cuda", device_kind=kind, target=target, mode=mode, block_size=bs, crossover=value, family=family
+    )
+
+
+def _auto(op, bs, density, table, dtype=jnp.bfloat16, precision=None):
+    """The kernels "auto" calls for one product at this block density (empty: dense or the reference)."""
+    grid = (8, 8)
+    mask = np.zeros(grid, bool)
+    mask.flat[: max(1, round(density * mask.size))] = True
+    lay = jbs.Layout.from_mask(mask, bs)
+    x = jnp.zeros((16, grid[0] * bs), dtype)
+    dy = jnp.zeros((16, grid[1] * bs), dtype)
+    w = jnp.zeros(lay.w_shape, dtype)
+    fun = {
+        "fprop": lambda: jbs.bsmm(x, w, lay, precision=precision),
+        "bprop": lambda: jbs.bsmm(dy, w, lay, transpose=True, precision=precision),
+        "updat": lambda: jbs.bsmm_updat(x, dy, lay, precision=precision),
+    }[op]
+    with jbs.config.implementation("auto"), crossover.use_table(table):
+        text = jax.jit(fun).trace().lower(lowering_platforms=("cuda",)).as_text()
+    return kernel_calls(text)
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    """A compute capability 9.0 GPU at lowering time, the shipped gate in force."""
+    require_cuda_extension()
+    if not _sm90.built_targets():
+        pytest.skip("the extension was built without sm_90a")
+    monkeypatch.delenv(_sm90.HOPPER_ENV, raising=False)
+    monkeypatch.setattr(_sm90, "cuda_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(
+        _lowering, "device_kind", lambda platform: "NVIDIA H100 80GB HBM3" if platform == "cuda" else "cpu"
+    )
+
+
+def test_auto_takes_the_kernel_that_wins_furthest_then_dense(h100):
+    table = crossover.CrossoverTable.from_entries(
+        [
+            _entry("jbs_bsmm_fprop_sm90", 128, 0.6),
+            _entry("jbs_bsmm_fprop", 128, 0.3),
+            _entry("jbs_bsmm_fprop_sm90", 32, 0.08),
+            _entry("jbs_bsmm_fprop", 32, 0.1),
+        ]
+    )
+    assert _auto("fprop", 128, 0.25, table) == {"jbs_bsmm_fprop_sm90"}
+    assert _auto("fprop", 128, 0.75, table) == set()  # above every crossover: the dense product
+    assert _auto("fprop", 32, 0.0625, table) == {"jbs_bsmm_fprop"}  # the portable kernel wins further there
+
+
+def test_auto_is_dense_where_nothing_was_measured_on_a_verified_gpu(h100):
+    assert crossover.UNMEASURED["cuda"] == 0.0
+    assert _auto("fprop", 128, 0.0625, crossover.CrossoverTable()) == set()
+
+
+def test_an_h200_uses_the_h100_entries(h100, monkeypatch):
+    monkeypatch.setattr(_lowering, "device_kind", lambda platform: "NVIDIA H200")
+    table = crossover.CrossoverTable.from_entries([_entry("jbs_bsmm_updat_sm90", 64, 0.5)])
+    assert _auto("updat", 64, 0.25, table) == {"jbs_bsmm_updat_sm90"}
+    # Another compute capability shares nothing.
+    table = crossover.CrossoverTable.from_entries([_entry("jbs_bsmm_updat_sm90", 64, 0.5, family="8.0")])
+    assert _auto("updat", 64, 0.25, table) == set()
+
+
+def test_the_shipped_table_on_the_h100(h100):
+    shipped = crossover.default_table()
+    assert _auto("fprop", 128, 0.0625, shipped) == {"jbs_bsmm_fprop_sm90"}
+    assert _auto("updat", 64, 0.0625, shipped) == {"jbs_bsmm_updat_sm90"}
+    assert _auto("fprop", 128, 1.0, shipped) == set()  # dense: no kernel wins at density 1
+    assert _auto("fprop", 8, 0.0625, shipped) == set()  # block 8: slower than dense at every density
+    assert _auto("fprop", 64, 0.0625, shipped, dtype=jnp.float32, precision="default") == {
+        "jbs_bsmm_fprop_sm90"
+    }  # TF32
+    # Exact float32 (HIGHEST): no sm_90 measurement; the portable kernel loses to TF32 dense above 0.05.
+    assert _auto("fprop", 64, 0.0625, shipped, dtype=jnp.float32, precision="highest") == set()
+
+
+def test_nothing_verified_for_this_gpu_means_the_reference(h100, monkeypatch):
+    monkeypatch.setattr(_sm90, "cuda_compute_capability", lambda: "8.0")
+    table = crossover.CrossoverTable.from_entries([_entry("jbs_bsmm_fprop", 128, 1.0, family="8.0")])
+    assert _auto("fprop", 128, 0.25, table) == set()
+    assert "not verified on compute capability 8.0" in jbs.ops.paths.describe_path("cuda", "auto")
+
+
+def test_the_report_names_the_gate(h100):
+    line = jbs.ops.paths.describe_path("cuda", "auto")
+    assert "verified on compute capability 9.0" in line and "gpu-h100" in line
