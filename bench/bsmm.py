@@ -74,7 +74,6 @@ import time
 _T_START = time.perf_counter()  # --deadline counts from here: imports and device start-up included
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -339,21 +338,11 @@ def kernel_paths(device) -> list[str]:
     return ["ampere", "hopper"] if paths.hopper_available() else ["ampere"]
 
 
-@contextlib.contextmanager
 def hopper_gate(path: str):
     """The Hopper gate as ``path`` needs it while its functions are lowered:
     ``JAX_BLOCKSPARSE_HOPPER=1`` for "hopper", ``=0`` for the others (the portable kernels,
     also where the gate verified the Hopper ones); restored after."""
-    name = paths.HOPPER_ENV
-    before = os.environ.get(name)
-    os.environ[name] = "1" if path == "hopper" else "0"  # "0": the portable kernels, verified Hopper ones or not
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
+    return paths.hopper_gate(path == "hopper")
 
 
 def kernel_target(hlo_text: str) -> str | None:

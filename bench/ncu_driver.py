@@ -19,9 +19,7 @@ It runs anywhere (on CPU the CPU kernels run: useful only to test it).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -31,7 +29,6 @@ import numpy as np
 
 import jax_blocksparse as jbs
 from jax_blocksparse.ops import paths
-from jax_blocksparse.ops.paths import HOPPER_ENV
 
 OPS = ("fprop", "bprop", "updat")
 # What each op launches: DSD (dense = dense x sparse) or SDD (sparse = dense x dense).
@@ -62,20 +59,6 @@ def problems(args) -> list[dict]:
     return out
 
 
-@contextlib.contextmanager
-def hopper_gate(path: str):
-    """JAX_BLOCKSPARSE_HOPPER=1 while a "hopper" problem is lowered, =0 for "ampere"."""
-    before = os.environ.get(HOPPER_ENV)
-    os.environ[HOPPER_ENV] = "1" if path == "hopper" else "0"  # "0": the portable kernels only
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(HOPPER_ENV, None)
-        else:
-            os.environ[HOPPER_ENV] = before
-
-
 def _fn(op):
     if op == "fprop":
         return jax.jit(lambda x, w, layout: jbs.bsmm(x, w, layout))
@@ -104,7 +87,7 @@ def run(args, plan: list[dict]) -> list[dict]:
         p["nnz"] = layout.nnz
         p["density"] = layout.density
         operands = {"fprop": (x, w, layout), "bprop": (g, w, layout), "updat": (x, g, layout)}[op]
-        with hopper_gate(p["path"]):  # the gate is read when the problem is lowered
+        with paths.hopper_gate(p["path"] == "hopper"):  # the gate is read when the problem is lowered
             fn = fns[(p["path"], op)].lower(*operands).compile()  # compile first: only the call launches a kernel
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*operands))

@@ -28,7 +28,6 @@ Defaults: blocks 8 to 128, float32 and bfloat16, under 4 minutes on a 2-core CPU
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -42,7 +41,7 @@ import numpy as np
 
 from jax_blocksparse import crossover, layouts
 from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
-from jax_blocksparse.ops import _lowering, _sm90, matmul
+from jax_blocksparse.ops import _lowering, _sm90, matmul, paths
 
 __all__ = ["DENSITIES", "SHAPES", "median_call_time", "measure", "tune", "main"]
 
@@ -74,20 +73,6 @@ def median_call_time(fn: Callable, *args, repeats: int = 5, min_time: float = 0.
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) / inner)
     return float(np.median(samples))
-
-
-@contextlib.contextmanager
-def _hopper_gate(open_: bool):
-    """``JAX_BLOCKSPARSE_HOPPER`` as a kernel path needs it while its program is lowered."""
-    name, before = _sm90.HOPPER_ENV, os.environ.get(_sm90.HOPPER_ENV)
-    os.environ[name] = "1" if open_ else "0"  # "0": the portable kernels, verified Hopper ones or not
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 def _product(op: str, impl: str):
@@ -164,7 +149,7 @@ def measure(
                     for density in sorted(densities, reverse=True):
                         lay, w = layout_at(bs, density, kw)
                         s_args = {"fprop": (x, w, lay), "bprop": (g, w, lay), "updat": (x, g, lay)}[op]
-                        with _hopper_gate(hopper):
+                        with paths.hopper_gate(hopper):
                             compiled = jax.jit(_product(op, "kernels")).lower(*s_args).compile()
                         # What "auto" runs instead: the dense path, timed beside the kernel (a
                         # shared machine's speed drifts between products).

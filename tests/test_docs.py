@@ -32,6 +32,8 @@ API_PAGES = {
     "jax_blocksparse.layouts": ("api/layouts.html", set()),
     "jax_blocksparse.config": ("api/config.html", set()),
     "jax_blocksparse.crossover": ("api/crossover.html", set()),
+    "jax_blocksparse.verified": ("api/verified.html", set()),
+    "jax_blocksparse.tune": ("api/tune.html", set()),
     "jax_blocksparse.export": ("api/export.html", set()),
     "jax_blocksparse.targets": ("api/targets.html", set()),
     "jax_blocksparse.sharding": ("api/sharding.html", set()),

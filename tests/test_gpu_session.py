@@ -61,9 +61,28 @@ BROKEN_NCU = '#!/bin/sh\necho "==ERROR== Failed to initialize the profiler: Libr
 
 
 def _env(tmp_path, bin_dir) -> dict:
+    """The stand-ins first on the PATH, no wheel carried and no CUTLASS to import."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHECK_", "PREFLIGHT_"))}
-    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", JBS_WHEEL_DIR=str(tmp_path / "no-wheels"))
+    env.update(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        JBS_WHEEL_DIR=str(tmp_path / "no-wheels"),
+        JBS_CUTLASS_MODULE="no_such_cutlass_module",
+    )
     return env
+
+
+def _preflight(tmp_path, bin_dir, *args):
+    """(the completed preflight, its preflight.json) on the stand-ins."""
+    out = tmp_path / "out"
+    res = subprocess.run(
+        ["python3", str(PREFLIGHT), "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path, bin_dir),
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res, json.loads((out / "preflight.json").read_text())
 
 
 # ---------------------------------------------------------------------------------
@@ -87,18 +106,10 @@ def test_preflight_arch(cap, cutlass, arch):
 
 def test_preflight_without_cutlass_says_so_and_tells_unavailable_tools(tmp_path):
     bin_dir = _fake_tools(tmp_path, sanitizer=BROKEN_SANITIZER, ncu=BROKEN_NCU)
+    res, facts = _preflight(tmp_path, bin_dir)
     out = tmp_path / "out"
-    res = subprocess.run(
-        ["python3", str(PREFLIGHT), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=_env(tmp_path, bin_dir),
-        timeout=120,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    facts = json.loads((out / "preflight.json").read_text())
     assert facts["gpu"]["compute_cap"] == "9.0" and facts["gpu"]["name"] == "NVIDIA H100 80GB HBM3"
-    # No CUTLASS (python3 here has none, and no wheel is carried): the portable kernels, for sm_90.
+    # No CUTLASS (none to import, no wheel carried): the portable kernels, for sm_90.
     assert not facts["cutlass"]["available"] and "carry" in facts["cutlass"]["why"]
     assert facts["arch"] == "sm_90"
     assert "cutlass: MISSING" in res.stdout and "portable (Ampere-design) kernels alone, for sm_90" in res.stdout
@@ -112,16 +123,7 @@ def test_preflight_without_cutlass_says_so_and_tells_unavailable_tools(tmp_path)
 
 def test_preflight_finds_working_tools(tmp_path):
     bin_dir = _fake_tools(tmp_path, sanitizer=WORKING_SANITIZER, ncu="#!/bin/sh\necho '\"gpu__time_duration.sum\"'\n")
-    out = tmp_path / "out"
-    res = subprocess.run(
-        ["python3", str(PREFLIGHT), "--out", str(out), "--arch", "sm_90a"],
-        capture_output=True,
-        text=True,
-        env=_env(tmp_path, bin_dir),
-        timeout=120,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    facts = json.loads((out / "preflight.json").read_text())
+    _, facts = _preflight(tmp_path, bin_dir, "--arch", "sm_90a")
     assert facts["arch"] == "sm_90a"  # --arch wins
     assert {k: v["status"] for k, v in facts["tools"].items()} == {"sanitizer": "available", "ncu": "available"}
 

@@ -22,12 +22,23 @@ reports, benchmarks and scripts that size their work by it::
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import jax
 
 from jax_blocksparse import config
 from jax_blocksparse.ops import _lowering, _sm90
 
-__all__ = ["HOPPER_ENV", "KERNELS", "describe_path", "hopper_available", "kernels_selected", "lowering_platform"]
+__all__ = [
+    "HOPPER_ENV",
+    "KERNELS",
+    "describe_path",
+    "hopper_available",
+    "hopper_gate",
+    "kernels_selected",
+    "lowering_platform",
+]
 
 #: The short names of the bsmm kernels (forward, input gradient, weight gradient), as
 #: :mod:`jax_blocksparse.targets` and the crossover table name them.
@@ -102,3 +113,27 @@ def hopper_available() -> bool:
         return False
     capability = getattr(devices[0], "compute_capability", None) if devices else None
     return capability is not None and str(capability).split(".")[0] == "9"
+
+
+@contextlib.contextmanager
+def hopper_gate(open_: bool):
+    """Inside, :data:`HOPPER_ENV` is ``"1"`` (``open_``: the Hopper kernels, verified or
+    not, where they can run) or ``"0"`` (the portable kernels only, verified Hopper ones
+    or not); restored after. The gate is read when a program is lowered, so a benchmark
+    lowers each kernel path's programs inside its own setting::
+
+        >>> from jax_blocksparse.ops import paths
+        >>> import os
+        >>> with paths.hopper_gate(False):
+        ...     os.environ[paths.HOPPER_ENV]
+        '0'
+    """
+    before = os.environ.get(HOPPER_ENV)
+    os.environ[HOPPER_ENV] = "1" if open_ else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(HOPPER_ENV, None)
+        else:
+            os.environ[HOPPER_ENV] = before

@@ -16,7 +16,8 @@
 Writes ``OUTDIR/preflight.json`` (everything above), ``OUTDIR/preflight.env`` (shell
 assignments check.sh reads: ``PREFLIGHT_ARCH``, ``PREFLIGHT_CUTLASS``,
 ``PREFLIGHT_SANITIZER``, ``PREFLIGHT_NCU``) and prints one line per finding. The wheels are
-looked for in ``JBS_WHEEL_DIR`` where that is set.
+looked for in ``JBS_WHEEL_DIR`` where that is set; ``JBS_CUTLASS_MODULE`` names another module
+to look for instead of ``cutlass_library`` (the tests' way to play a machine without it).
 
 Usage::
 
@@ -103,9 +104,8 @@ def gpu_facts() -> dict:
 
 
 def _cutlass_importable(env) -> tuple[bool, str]:
-    rc, text = _run(
-        [sys.executable, "-c", "import cutlass_library, os; print(cutlass_library.__file__)"], timeout=60, env=env
-    )
+    module = os.environ.get("JBS_CUTLASS_MODULE", "cutlass_library")  # another name: tests/test_gpu_session.py
+    rc, text = _run([sys.executable, "-c", f"import {module} as m; print(m.__file__)"], timeout=60, env=env)
     return rc == 0, text.strip().splitlines()[-1] if text.strip() else ""
 
 
