@@ -38,6 +38,7 @@ import jax_blocksparse as jbs
 from jax_blocksparse import crossover
 from jax_blocksparse.tune import median_call_time
 
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import git_commit, write_json  # noqa: E402
 from bsmm import kernel_target  # noqa: E402
@@ -130,7 +131,8 @@ def run(args) -> dict:
         platform=device.platform,
         extension=jbs.extension_info(),
         cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        crossover_sources=crossover.table_sources(),
+        # where the table in force came from, paths inside the repository made relative to it
+        crossover_sources=[line.replace(str(ROOT) + "/", "") for line in crossover.table_sources()],
         commit=git_commit(),
         date=now.date().isoformat(),
         datetime=now.isoformat(timespec="seconds"),

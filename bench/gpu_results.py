@@ -1,6 +1,7 @@
 """Turns a GPU check's results into what ships: one command after a GPU session.
 
     python bench/gpu_results.py OUT/check [OUT2/check ...] [--commit SHA]
+    python bench/gpu_results.py              # rewrite what ships from bench/results/ alone
     python bench/gpu_results.py --check      # exit 1 if what ships is not what bench/results/ says
 
 From one or more folders written by tests/gpu/check.sh (or their .tgz, as
@@ -353,7 +354,7 @@ def with_table(path: Path, table: str) -> str:
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
     if not pattern.search(text):
         raise SystemExit(f"gpu_results.py: {path.relative_to(ROOT)} has no {start} ... {end} markers")
-    return pattern.sub(lambda _: f"{start}\n{table}\n{end}", text, count=1)
+    return pattern.sub(lambda _: f"{start}\n\n{table}\n\n{end}", text, count=1)
 
 
 def shipped() -> dict[Path, str]:
@@ -379,8 +380,8 @@ def main(argv=None) -> int:
     p.add_argument("--name", help="the results file's device part (default: from the GPU's name, e.g. h100)")
     p.add_argument("--check", action="store_true", help="only check that what ships matches bench/results/")
     args = p.parse_args(argv)
-    if args.check == bool(args.checks):
-        p.error("give check folders, or --check")
+    if args.check and args.checks:
+        p.error("give check folders, or --check, not both")
     if args.checks:
         with tempfile.TemporaryDirectory() as tmp:
             folders = [f for i, c in enumerate(args.checks) for f in open_check(c, Path(tmp) / str(i))]

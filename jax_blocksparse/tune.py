@@ -230,6 +230,8 @@ def tune(
 
 
 def main(argv=None) -> int:
+    """``python -m jax_blocksparse tune [--quick] [--platform P] [--out FILE] ...``: measures,
+    writes the table (the user cache by default) and prints it; exit status 0."""
     p = argparse.ArgumentParser(
         prog="python -m jax_blocksparse tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

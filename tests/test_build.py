@@ -17,6 +17,7 @@ import os
 import platform
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,9 +153,14 @@ def test_cuda_sources_compile_with_nvcc_for_the_architectures_asked(build, capfd
         "bsmm_sm90_sdd_f16.cu",
         "bsmm_sm90_dsd_small_bf16.cu",
     }
+    # Each CUDA compile runs under cmake/ptxas_report.py, which keeps ptxas's -v report.
+    launcher = f"{sys.executable} {ROOT / 'cmake' / 'ptxas_report.py'} --record "
+    for src in ampere + hopper:
+        c = by_source[src]
+        assert c.startswith(launcher) and f" -- {nvcc} " in c and "-Xptxas=-v" in c, c
     for src in ampere:
         c = by_source[src]
-        assert c.startswith(nvcc) and "-lineinfo" in c and "--expt-relaxed-constexpr" in c, c
+        assert "-lineinfo" in c and "--expt-relaxed-constexpr" in c, c
         gencode = set(re.findall(r"arch=(compute_\w+),code=\[?(\w+)", c))
         assert gencode == {("compute_80", "sm_80"), ("compute_90a", "sm_90a"), ("compute_90", "compute_90")}, c
     include = Path(__import__("cutlass_library").source_path) / "include"
@@ -167,7 +173,7 @@ def test_cuda_sources_compile_with_nvcc_for_the_architectures_asked(build, capfd
     # Host code is compiled by the host compiler, the handlers included.
     for name in ("module.cc", "bsmm_cuda_handlers.cc", "bsmm_sm90_handlers.cc", "bsmm_cpu_handlers.cc"):
         (src,) = [s for s in by_source if s.endswith("/" + name)]
-        assert not by_source[src].startswith(nvcc), by_source[src]
+        assert not by_source[src].startswith((nvcc, launcher)), by_source[src]
     module = by_source[next(s for s in by_source if s.endswith("/module.cc"))]
     assert "-DJBS_WITH_CUDA" in module and "-DJBS_WITH_SM90" in module
     link = commands[-1]

@@ -64,7 +64,7 @@ int main() {
 """
 
 
-def _run(cmd, *, timeout: float, env=None) -> tuple[int | None, str]:
+def _command(cmd, *, timeout: float, env=None) -> tuple[int | None, str]:
     """(exit status or None on timeout / not found, stdout + stderr)."""
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
@@ -92,7 +92,7 @@ def arch_of(compute_cap: str | None, cutlass: bool) -> str | None:
 def gpu_facts() -> dict:
     if shutil.which("nvidia-smi") is None:
         return dict(present=False, why="nvidia-smi not found")
-    rc, text = _run(
+    rc, text = _command(
         ["nvidia-smi", "--query-gpu=name,driver_version,compute_cap,memory.total", "--format=csv,noheader"],
         timeout=20,
     )
@@ -105,7 +105,7 @@ def gpu_facts() -> dict:
 
 def _cutlass_importable(env) -> tuple[bool, str]:
     module = os.environ.get("JBS_CUTLASS_MODULE", "cutlass_library")  # another name: tests/test_gpu_session.py
-    rc, text = _run([sys.executable, "-c", f"import {module} as m; print(m.__file__)"], timeout=60, env=env)
+    rc, text = _command([sys.executable, "-c", f"import {module} as m; print(m.__file__)"], timeout=60, env=env)
     return rc == 0, text.strip().splitlines()[-1] if text.strip() else ""
 
 
@@ -132,7 +132,7 @@ def cutlass_facts(log: Path) -> dict:
         str(SITE),
         str(wheels[-1]),
     ]
-    rc, text = _run(cmd, timeout=120)
+    rc, text = _command(cmd, timeout=120)
     with log.open("a") as f:  # pip's own words, errors included
         f.write(f"$ {shlex.join(cmd)}\n{text}\n(exit {rc})\n")
     ok, where = _cutlass_importable(env)
@@ -148,7 +148,7 @@ def probe_tool(name: str, cmd: list[str], ok_marker: str) -> dict:
     the tool is not on the PATH; else ``unavailable`` with its first error line."""
     if shutil.which(cmd[0]) is None:
         return dict(status="absent", why=f"{cmd[0]} not on the PATH")
-    rc, text = _run(cmd, timeout=90)
+    rc, text = _command(cmd, timeout=90)
     if rc == 0 and ok_marker in text:
         return dict(status="available")
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -167,7 +167,7 @@ def tool_facts(out: Path, arch: str | None) -> dict:
     exe = out / "tool_probe"
     src.write_text(PROBE_SOURCE)
     arch_flag = [f"-arch={arch.removesuffix('a')}"] if arch else []
-    rc, text = _run([nvcc, *arch_flag, "-o", str(exe), str(src)], timeout=120)
+    rc, text = _command([nvcc, *arch_flag, "-o", str(exe), str(src)], timeout=120)
     if rc != 0:
         why = f"the probe did not compile (exit {rc}): {text.strip()[:300]}"
         return dict(sanitizer=dict(status="unprobed", why=why), ncu=dict(status="unprobed", why=why))
