@@ -146,3 +146,12 @@ def test_report_says_which_table_is_in_force_and_what_the_gate_verified(cache):
     assert "the table shipped with the package" in text
     assert "CUDA kernels verified on hardware" in text and "compute capability 9.0" in text
     assert "ptxas report" in env_report.report(verbose=True)
+
+
+def test_call_time_statistics():
+    f = jax.jit(lambda x: x * 2.0)
+    x = jnp.ones((64,))
+    fastest = tune.call_time(f, x, repeats=5, min_time=0.0, statistic="min")
+    assert 0 < fastest <= tune.call_time(f, x, repeats=5, min_time=0.0) * 10
+    with pytest.raises(ValueError, match="statistic must be 'median' or 'min', got 'mean'"):
+        tune.call_time(f, x, statistic="mean")
