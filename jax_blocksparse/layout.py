@@ -27,10 +27,22 @@ row_slots  [capacity]  slot indices in row-major order of the mask (0 for paddin
 col_order  [KB]        the block columns, longest first (stable): the order in
                        which the fprop kernels visit their output columns
 row_order  [CB]        the block rows, longest first (stable): bprop's order
+col_work   [2 * cap]   fprop's work list: the pairs (input block row ``c``, slot
+                       ``s``) of every block, column by column in ``col_order``,
+                       each column's blocks in slot order; (0, 0) past ``nnz``
+col_work_ptr [KB + 1]  the pairs of the ``q``-th column visited (``col_order[q]``)
+                       are ``col_work_ptr[q]:col_work_ptr[q + 1]``
+row_work   [2 * cap]   bprop's work list: the pairs (output block column ``k``, slot
+                       ``s``), row by row in ``row_order``, each row in ``row_slots``
+                       order; (0, 0) past ``nnz``
+row_work_ptr [CB + 1]  the same pointers for ``row_order``
 ========== =========== ========================================================
 
-The two orders are the kernels' work plan. They are part of the layout, built once
-with it (on the host for a concrete mask), so that no call sorts anything.
+The orders and the work lists are the kernels' work plan. They are part of the layout,
+built once with it (on the host for a concrete mask, with jnp ops under a trace at the
+same static capacity), so that no call sorts anything and a kernel reads each work
+item's (input block, slot) pair in one load, with no chain of dependent index loads
+(order, then pointer, then slot, then input block).
 
 Where the tables live: a layout built from a concrete mask keeps numpy tables, so
 that wherever it is closed over they are compile-time constants, and a layout built
@@ -66,14 +78,33 @@ class LayoutTables(NamedTuple):
     row_slots: jax.Array
     col_order: jax.Array
     row_order: jax.Array
+    col_work: jax.Array
+    col_work_ptr: jax.Array
+    row_work: jax.Array
+    row_work_ptr: jax.Array
 
     @classmethod
     def with_orders(cls, block_rows, block_cols, col_ptr, row_ptr, row_slots) -> LayoutTables:
-        """The tables with both orders derived from the pointers (numpy in, numpy out).
+        """The tables with the orders and work lists derived from the first five.
 
-        numpy pointers give numpy orders (built on the host); jax ones, jnp orders.
+        numpy tables give numpy ones (built on the host); jax ones, jnp ones.
         """
-        return cls(block_rows, block_cols, col_ptr, row_ptr, row_slots, longest_first(col_ptr), longest_first(row_ptr))
+        col_order, row_order = longest_first(col_ptr), longest_first(row_ptr)
+        col_work, col_work_ptr = work_list(col_ptr, col_order, None, block_rows)
+        row_work, row_work_ptr = work_list(row_ptr, row_order, row_slots, block_cols)
+        return cls(
+            block_rows,
+            block_cols,
+            col_ptr,
+            row_ptr,
+            row_slots,
+            col_order,
+            row_order,
+            col_work,
+            col_work_ptr,
+            row_work,
+            row_work_ptr,
+        )
 
 
 def longest_first(ptr):
@@ -82,6 +113,34 @@ def longest_first(ptr):
         return np.argsort(-np.diff(ptr), kind="stable").astype(np.int32)
     ptr = jnp.asarray(ptr)
     return jnp.argsort(ptr[:-1] - ptr[1:], stable=True).astype(jnp.int32)
+
+
+def work_list(seg_ptr, order, seg_slots, in_block):
+    """A DSD product's flat work list: (pairs int32 [2 * capacity], ptr int32 [S + 1]).
+
+    The segments of ``seg_ptr`` ([S + 1]) are visited in ``order`` ([S]); entry ``e`` of a
+    segment is slot ``seg_slots[e]`` (``e`` itself where ``seg_slots`` is None: fprop,
+    whose slots are sorted by column). ``pairs[2 i], pairs[2 i + 1]`` are the input block
+    (``in_block[slot]``) and the slot of the ``i``-th entry visited; ``ptr[q]`` is where
+    the ``q``-th segment visited starts. Entries past the last segment's end are (0, 0).
+    numpy in, numpy out; jax in (traced or not), jnp out.
+    """
+    xp = np if isinstance(seg_ptr, np.ndarray) else jnp
+    capacity = in_block.shape[0]
+    lengths = (seg_ptr[1:] - seg_ptr[:-1])[order]
+    ptr = xp.concatenate([xp.zeros((1,), np.int32), xp.cumsum(lengths).astype(np.int32)])
+    e = xp.arange(capacity, dtype=np.int32)
+    # The position q of the segment entry e falls in, and its index in the segment tables.
+    q = xp.clip(xp.searchsorted(ptr, e, side="right") - 1, 0, max(order.shape[0] - 1, 0))
+    visited = e < ptr[-1]
+    if order.shape[0] == 0:
+        index = xp.zeros_like(e)
+    else:
+        index = xp.clip(seg_ptr[order[q]] + (e - ptr[q]), 0, max(capacity - 1, 0))
+    slot = index if seg_slots is None else (seg_slots[index] if capacity else index)
+    block = in_block[slot] if capacity else slot
+    pairs = xp.stack([xp.where(visited, block, 0), xp.where(visited, slot, 0)], axis=1).reshape(-1)
+    return pairs.astype(np.int32), ptr.astype(np.int32)
 
 
 def check_block_size(block_size, *, name: str = "block_size") -> int:

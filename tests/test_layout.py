@@ -8,7 +8,19 @@ import pytest
 import jax_blocksparse as jbs
 from helpers import GRIDS, MASK_KINDS, make_mask, np_blocks, rand, storage_order
 
-TABLE_NAMES = ("block_rows", "block_cols", "col_ptr", "row_ptr", "row_slots", "col_order", "row_order")
+TABLE_NAMES = (
+    "block_rows",
+    "block_cols",
+    "col_ptr",
+    "row_ptr",
+    "row_slots",
+    "col_order",
+    "row_order",
+    "col_work",
+    "col_work_ptr",
+    "row_work",
+    "row_work_ptr",
+)
 
 
 def longest_first_oracle(counts):
@@ -27,14 +39,31 @@ def expected_tables(mask, capacity):
     def padded(a):
         return np.concatenate([np.asarray(a, np.int64), np.zeros(pad, np.int64)])
 
+    def work(order, segments):
+        """The visiting order's (input block, slot) pairs, flat, and where each segment starts."""
+        pairs, ptr = [], [0]
+        for q in order:
+            pairs += [v for pair in segments[q] for v in pair]
+            ptr.append(ptr[-1] + len(segments[q]))
+        return np.asarray(pairs + [0] * (2 * pad), np.int64), np.asarray(ptr, np.int64)
+
+    col_order = longest_first_oracle(mask.sum(0))
+    row_order = longest_first_oracle(mask.sum(1))
+    cb, kb = mask.shape
+    col_work, col_work_ptr = work(col_order, [[(c, slot[c, k]) for c in range(cb) if mask[c, k]] for k in range(kb)])
+    row_work, row_work_ptr = work(row_order, [[(k, slot[c, k]) for k in range(kb) if mask[c, k]] for c in range(cb)])
     return dict(
         block_rows=padded(rows),
         block_cols=padded(cols),
         col_ptr=np.concatenate([[0], np.cumsum(mask.sum(0))]),
         row_ptr=np.concatenate([[0], np.cumsum(mask.sum(1))]),
         row_slots=padded(row_major),
-        col_order=np.asarray(longest_first_oracle(mask.sum(0)), np.int64),
-        row_order=np.asarray(longest_first_oracle(mask.sum(1)), np.int64),
+        col_order=np.asarray(col_order, np.int64),
+        row_order=np.asarray(row_order, np.int64),
+        col_work=col_work,
+        col_work_ptr=col_work_ptr,
+        row_work=row_work,
+        row_work_ptr=row_work_ptr,
     ), nnz
 
 
