@@ -10,7 +10,10 @@ The GPU tests are parametrized by op, dtype and block size; a test exercises
 * the mode of its ``dtype`` (or ``in_dtype``) parameter; without one, every mode its path
   has (the Hopper file's ``test_tf32_*`` functions: "tf32" and the exact "float32" they
   also check at HIGHEST);
-* its ``bs`` parameter's block size, or every block size.
+* its ``bs`` parameter's block size, or every block size;
+* on the Hopper targets, the kernel variant of its ``variant`` parameter
+  (``"jbs_bsmm_fprop_sm90:stacked"``: the key of that variant alone, so that a baseline
+  test's pass opens no other variant), or the baseline.
 
 Where a test names no parameter, it counts for all of them: the guess errs towards
 exercising more, so a failure turns off more, never less. A key passes when at least one
@@ -109,7 +112,9 @@ def keys_of(nodeid: str, params: dict) -> list[tuple[str, str, int]]:
         modes = list(path_modes)
     bs = params.get("bs")
     sizes = [int(bs)] if isinstance(bs, int) or (isinstance(bs, str) and bs.isdigit()) else list(BLOCK_SIZES)
-    return [(f"jbs_bsmm_{op}{suffix}", mode, size) for op in ops for mode in modes for size in sizes]
+    variant = params.get("variant")
+    tail = f":{variant}" if suffix and isinstance(variant, str) and variant not in ("", "baseline") else ""
+    return [(f"jbs_bsmm_{op}{suffix}{tail}", mode, size) for op in ops for mode in modes for size in sizes]
 
 
 def junit_outcomes(folder: Path) -> dict[str, str]:

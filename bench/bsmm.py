@@ -330,19 +330,34 @@ def measure_bandwidth(device, *, nbytes: int = 1 << 30, repeats: int = 3) -> flo
 _TARGET_RE = re.compile(r'custom_call_target="(\w+)"|stablehlo\.custom_call @(\w+)\(')
 
 
+def hopper_variants() -> list[str]:
+    """The Hopper targets' kernel variants besides the baseline (any op's), as the extension
+    reports them."""
+    return list(paths.hopper_variants())
+
+
 def kernel_paths(device) -> list[str]:
     """The paths to time on ``device``: ["native"] on CPU; on CUDA ["ampere"], plus
-    "hopper" where the extension has the sm_90 targets and the GPU is compute 9.x."""
+    "hopper" (the Hopper targets' baseline) and one ``"hopper:<variant>"`` per other variant
+    where the extension has the sm_90 targets and the GPU is compute 9.x: every variant in
+    the same process, on the same operands."""
     if device.platform != "gpu":
         return ["native"]
-    return ["ampere", "hopper"] if paths.hopper_available() else ["ampere"]
+    if not paths.hopper_available():
+        return ["ampere"]
+    return ["ampere", "hopper", *(f"hopper:{v}" for v in hopper_variants())]
 
 
 def hopper_gate(path: str):
     """The Hopper gate as ``path`` needs it while its functions are lowered:
-    ``JAX_BLOCKSPARSE_HOPPER=1`` for "hopper", ``=0`` for the others (the portable kernels,
-    also where the gate verified the Hopper ones); restored after."""
-    return paths.hopper_gate(path == "hopper")
+    ``JAX_BLOCKSPARSE_HOPPER=1`` for "hopper" and its variants (with
+    ``JAX_BLOCKSPARSE_SM90_VARIANT`` naming the variant: "baseline" for "hopper"), ``=0``
+    for the others (the portable kernels, also where the gate verified the Hopper ones);
+    restored after."""
+    name, _, variant = path.partition(":")
+    if name != "hopper":
+        return paths.hopper_gate(False)
+    return paths.hopper_gate(True, variant=variant or paths.BASELINE)
 
 
 def kernel_target(hlo_text: str) -> str | None:
@@ -354,14 +369,31 @@ def kernel_target(hlo_text: str) -> str | None:
     return ",".join(sorted(set(kernels))) if kernels else None
 
 
-def path_of(target: str | None, platform_name: str, requested: str) -> str:
-    """The path a target belongs to: "hopper" for the *_sm90 targets, "ampere" for the
-    other CUDA ones, "native" on CPU; ``requested`` where no kernel ran."""
+_VARIANT_RE = re.compile(r'variant = "(\w+)"')
+
+
+def path_of(target: str | None, platform_name: str, requested: str, lowered_text: str = "") -> str:
+    """The path a target belongs to: "hopper" for the *_sm90 targets (``"hopper:<variant>"``
+    where the lowered call's ``variant`` attribute names another than the baseline),
+    "ampere" for the other CUDA ones, "native" on CPU; ``requested`` where no kernel ran.
+    A variant asked for where it does not run lowers to the baseline: its row is then the
+    baseline's, and the bench keeps one of the two. updat's call has no ``variant``
+    attribute (its workspace's size selects the variant): its path is the one requested."""
     if platform_name != "gpu":
         return "native"
     if target is None:
         return requested
-    return "hopper" if target.endswith("_sm90") else "ampere"
+    if not target.endswith("_sm90"):
+        return "ampere"
+    variant = _VARIANT_RE.search(lowered_text)
+    if variant is None:  # updat: its workspace is the variant (where the target has the one asked for)
+        _, _, asked = requested.partition(":")
+        return (
+            requested
+            if requested.startswith("hopper") and (not asked or asked in paths.hopper_variants(target))
+            else "hopper"
+        )
+    return f"hopper:{variant.group(1)}" if variant.group(1) != paths.BASELINE else "hopper"
 
 
 def arithmetic_mode(dtype: str, target: str | None, lowered_text: str, platform_name: str) -> str:
@@ -719,7 +751,7 @@ class Bench:
         sparsek, _ = self.kernels[path].chains[op]
         chain_exe, target, lowered = compile_checked(sparsek, s_args, path)
         out = dict(
-            path=path_of(target, self.platform, path),
+            path=path_of(target, self.platform, path, lowered),
             requested_path=path,
             target=target,
             mode=arithmetic_mode(dtype, target, lowered, self.platform),
@@ -760,6 +792,9 @@ class Bench:
         except Exception as err:  # noqa: BLE001 - recorded in the rows, the run goes on
             shared_error = err
         for path in self.paths:
+            _, _, variant = path.partition(":")
+            if variant and not paths.variant_runs(op, variant, dtype, bs):
+                continue  # the variant does not run this product (it would time the baseline again)
             row = dict(base, path=path, target=None, mode=None, sparse_s=None, **shared)
             try:
                 if shared_error is not None:

@@ -29,6 +29,14 @@ the ``configs`` of its items) and none of them failed. A sweep cut short by a de
 a fault leaves no entry, so ``"auto"`` falls back to its rule for unmeasured kernels
 rather than to half a measurement.
 
+Kernel variants: a Hopper target's rows carry the path they ran ("hopper" for its baseline,
+``"hopper:<variant>"`` for another variant, bench/bsmm.py). Each variant gets its own
+entry, keyed ``"<target>:<variant>"`` (the gate keys variants the same way), and where a
+report timed several variants of one kernel, the table's ``variants`` say which won over
+which densities: at each density every variant measured, the fastest, if it beat the
+baseline by ``WIN_MARGIN``; a run of consecutive measured densities won by one variant gives
+its range ``[low, high]``. Elsewhere the baseline runs.
+
 Fields read: the file's ``platform`` ("gpu" means "cuda"), ``device_kind``,
 ``datetime``, ``compute_capability`` (CUDA), ``extension.cpu_isa`` and ``cpu_cores``
 (CPU: the entry's device kind is ``cpu:<isa>:<cores>``, its family the instruction set);
@@ -96,6 +104,13 @@ def _covers(measured: set[float], asked: set[float]) -> bool:
     return all(any(abs(m - a) <= max(0.01, 0.05 * a) for m in measured) for a in asked)
 
 
+def kernel_key(row) -> str:
+    """The row's kernel as the table keys it: its target, with ``:<variant>`` for a Hopper
+    variant other than the baseline (its ``path``, "hopper:stacked")."""
+    _, _, variant = str(row.get("path") or "").partition(":")
+    return f"{row['target']}:{variant}" if variant and variant != "baseline" else row["target"]
+
+
 def _requested(row) -> float:
     return round(float(row.get("requested_density", row["density"])), 6)
 
@@ -107,12 +122,12 @@ def entries_of(report, source: str) -> list[dict]:
     groups: dict[tuple, list] = {}
     for r in crossover_rows(report):
         dense = r.get("dense_path_s") or r["dense_s"]
-        key = (_platform(report), kind, r["target"], r["mode"], int(r["block_size"]))
+        key = (_platform(report), kind, kernel_key(r), r["mode"], int(r["block_size"]))
         groups.setdefault(key, []).append(
             (float(r["density"]), dense / r["sparse_s"], _requested(r), _asked(report, r))
         )
     failed = {
-        (r.get("target"), r.get("mode"), r.get("block_size"))
+        (kernel_key(r), r.get("mode"), r.get("block_size"))
         for r in report.get("results", [])
         if r.get("error") and r.get("target")
     }
@@ -136,17 +151,76 @@ def entries_of(report, source: str) -> list[dict]:
     return out
 
 
+def variants_of(report, source: str) -> list[dict]:
+    """The variant choices one bench report gives, in the form of ``VariantChoice``'s fields
+    (see the module docstring): none where it timed no variant beside a baseline."""
+    kind, family = device_of(report)
+    times: dict[tuple, dict[float, dict[str, float]]] = {}
+    for r in crossover_rows(report):
+        key = kernel_key(r)
+        target, _, variant = key.partition(":")
+        kernel = (_platform(report), kind, target, r["mode"], int(r["block_size"]))
+        times.setdefault(kernel, {}).setdefault(_requested(r), {})[variant or "baseline"] = r["sparse_s"]
+    out = []
+    for (p, kind_, target, mode, bs), by_density in sorted(times.items()):
+        winners = []  # (density, winner or None), by density
+        for density in sorted(by_density):
+            timed = by_density[density]
+            base = timed.get("baseline")
+            others = {v: t for v, t in timed.items() if v != "baseline"}
+            if base is None or not others:
+                winners.append((density, None))
+                continue
+            best = min(others, key=others.get)
+            winners.append((density, best if base / others[best] >= 1.0 + WIN_MARGIN else None))
+        run: list = []
+        for density, winner in [*winners, (None, None)]:
+            if run and winner != run[0][1]:
+                if run[0][1] is not None:
+                    out.append(
+                        dict(
+                            platform=p,
+                            device_kind=kind_,
+                            target=target,
+                            mode=mode,
+                            block_size=bs,
+                            variant=run[0][1],
+                            low=run[0][0],
+                            high=run[-1][0],
+                            source=source,
+                            family=family,
+                        )
+                    )
+                run = []
+            run.append((density, winner))
+    return out
+
+
 def table_of(reports: list[tuple[str, dict]]) -> dict:
-    """The table (JSON form) of several ``(source, report)``: per key, the newest report's entry."""
+    """The table (JSON form) of several ``(source, report)``: per key, the newest report's
+    entry; per kernel, the newest report's variant choices ("variants", where any)."""
     best: dict[tuple, tuple] = {}
+    chosen: dict[tuple, tuple] = {}
     for source, report in reports:
         stamp = report.get("datetime") or report.get("date") or ""
         for e in entries_of(report, source):
             key = (e["platform"], e["device_kind"], e["target"], e["mode"], e["block_size"])
             if key not in best or (stamp, source) > best[key][0]:
                 best[key] = ((stamp, source), e)
+        by_kernel: dict[tuple, list] = {}
+        for v in variants_of(report, source):
+            by_kernel.setdefault((v["platform"], v["device_kind"], v["target"], v["mode"], v["block_size"]), []).append(
+                v
+            )
+        for kernel, choices in by_kernel.items():
+            if kernel not in chosen or (stamp, source) > chosen[kernel][0]:
+                chosen[kernel] = ((stamp, source), choices)
     entries = [e for _, e in (best[k] for k in sorted(best))]
-    return {"format": 1, "about": ABOUT, "entries": entries}
+    table = {"format": 1, "about": ABOUT, "entries": entries}
+    variants = [v for k in sorted(chosen) for v in chosen[k][1]]
+    if variants:
+        table["variants"] = variants
+    return table
 
 
 def _read(path: Path):

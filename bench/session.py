@@ -6,8 +6,10 @@ plan of items in priority order (:data:`PLAN`), each in its own process:
 
 1. the headline, bfloat16 at the MLP's shape (W 8192 x 8192, N = 8192), blocks 128, 64,
    32 and 16, one process each (``--preset session``: densities 0.1, 0.05, 0.25, 1, 0.01,
-   0.5; fprop, bprop and updat; the Hopper and Ampere kernels and XLA's dot in the same
-   process; torch's BSR at density 0.1 after the kernel rows);
+   0.5; fprop, bprop and updat; the Hopper kernels, each of their variants where it runs
+   (bench/bsmm.py's kernel paths "hopper", "hopper:stacked", "hopper:capped"), the Ampere
+   kernels and XLA's dot in the same process, so that bench/crossover.py can say which
+   variant won over which densities; torch's BSR at density 0.1 after the kernel rows);
 2. then, at 4096^3, as time allows: bfloat16 at block 8, float16 at every block size,
    float32 (TF32 on the Hopper targets) at blocks 128-16, then float32 at block 8.
 

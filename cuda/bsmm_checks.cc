@@ -187,11 +187,31 @@ ffi::Error CheckDsd(const char* op, bool transpose, const ffi::AnyBuffer& lhs, c
   p->in_block = transpose ? t.block_cols : t.block_rows;
   p->order = static_cast<const int32_t*>(order.untyped_data());
   p->nnz = t.col_ptr + t.kb;  // col_ptr[KB] == nnz
+  p->work = nullptr;          // CheckWorkList, for the targets that take it
+  p->work_ptr = nullptr;
   p->n = n;
   p->nin = static_cast<int>(nin);
   p->nseg = static_cast<int>(nseg);
   p->cap = static_cast<int>(t.cap);
   p->bs = static_cast<int>(bs);
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckWorkList(const char* op, const ffi::AnyBuffer& work, const ffi::AnyBuffer& work_ptr, DsdParams* p) {
+  const int64_t pairs = 2 * int64_t{p->cap};
+  if (work.element_type() != ffi::DataType::S32 || work.dimensions().size() != 1 || work.dimensions()[0] != pairs) {
+    return Invalid(op, "work (the layout's col_work / row_work) must be int32 [" + std::to_string(pairs) +
+                           "] (2 x capacity " + std::to_string(p->cap) + "), got " + DtypeName(work.element_type()) +
+                           " " + ShapeStr(work));
+  }
+  const int64_t ptrs = int64_t{p->nseg} + 1;
+  if (work_ptr.element_type() != ffi::DataType::S32 || work_ptr.dimensions().size() != 1 ||
+      work_ptr.dimensions()[0] != ptrs) {
+    return Invalid(op, "work_ptr (the layout's col_work_ptr / row_work_ptr) must be int32 [" + std::to_string(ptrs) +
+                           "] (outputs + 1), got " + DtypeName(work_ptr.element_type()) + " " + ShapeStr(work_ptr));
+  }
+  p->work = static_cast<const int32_t*>(work.untyped_data());
+  p->work_ptr = static_cast<const int32_t*>(work_ptr.untyped_data());
   return ffi::Error::Success();
 }
 

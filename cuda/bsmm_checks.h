@@ -85,6 +85,12 @@ xla::ffi::Error CheckDsd(const char* op, bool transpose, const xla::ffi::AnyBuff
                          const xla::ffi::AnyBuffer& row_slots, const xla::ffi::AnyBuffer& order,
                          xla::ffi::AnyBuffer& out, KernelDtypes* dtypes, DsdParams* p);
 
+// The work list the Hopper v2 fprop/bprop targets take after `order` (after CheckDsd
+// filled `p`): work int32 [2 * cap] (pairs input block, slot), work_ptr int32 [nseg + 1];
+// sets p->work and p->work_ptr.
+xla::ffi::Error CheckWorkList(const char* op, const xla::ffi::AnyBuffer& work, const xla::ffi::AnyBuffer& work_ptr,
+                              DsdParams* p);
+
 // updat.
 xla::ffi::Error CheckSdd(const char* op, const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& dy,
                          const xla::ffi::AnyBuffer& block_rows, const xla::ffi::AnyBuffer& block_cols,

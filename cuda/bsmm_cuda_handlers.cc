@@ -12,15 +12,15 @@
 //               cudaStreamIsCapturing (when the device is not prepared yet), the kernel
 //               launch and cudaGetLastError. It never allocates, synchronises or reads
 //               device memory on the host.
+// The per-device preparation is shared with the Hopper handlers (bsmm_cuda_device.h).
 // tests/test_cuda_graph_safety.py checks that the capture-unsafe calls stay inside the
-// regions marked "capture-unsafe" below and in bsmm_common.cuh.
-#include <mutex>
-#include <set>
+// regions marked "capture-unsafe" (bsmm_cuda_device.cc, bsmm_common.cuh).
 #include <string>
 
 #include <cuda_runtime_api.h>
 
 #include "bsmm_checks.h"
+#include "bsmm_cuda_device.h"
 #include "bsmm_cuda_info.h"
 #include "bsmm_kernels.h"
 #include "xla/ffi/api/ffi.h"
@@ -38,72 +38,16 @@ int CudaRuntimeVersionLinked() {
 
 namespace {
 
-// Devices whose kernels PrepareKernels() has prepared.
-std::mutex prepared_mutex;
-std::set<int> prepared_devices;
-
-bool IsPrepared(int device) {
-  std::lock_guard<std::mutex> lock(prepared_mutex);
-  return prepared_devices.count(device) > 0;
+// The devices whose Ampere-design kernels are prepared (bsmm_cuda_device.h): every
+// device these kernels run on.
+PreparedDevices& Devices() {
+  static PreparedDevices devices(&PrepareKernels, nullptr);
+  return devices;
 }
 
-std::string CudaErrorText(const char* op, const std::string& what, cudaError_t err) {
-  return std::string(op) + ": " + what + " (" + cudaGetErrorString(err) + ")";
-}
-
-// Prepares the kernels on the device of `stream`, once per device. Never call it while
-// a stream is capturing: the initialize stage, or execute outside capture, only.
-ffi::Error PrepareStreamDevice(const char* op, cudaStream_t stream) {
-  // capture-unsafe: begin
-  int current = -1;
-  cudaError_t err = cudaGetDevice(&current);
-  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot read the current device", err));
-  int device = current;
-#if CUDART_VERSION >= 12080
-  err = cudaStreamGetDevice(stream, &device);
-  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot read the stream's device", err));
-#else
-  (void)stream;  // XLA has made the stream's device current on this thread
-#endif
-  std::lock_guard<std::mutex> lock(prepared_mutex);
-  if (prepared_devices.count(device) > 0) return ffi::Error::Success();
-  if (device != current && (err = cudaSetDevice(device)) != cudaSuccess) {
-    return ffi::Error::Internal(CudaErrorText(op, "cannot select device " + std::to_string(device), err));
-  }
-  err = PrepareKernels();
-  if (device != current) {
-    cudaError_t restore = cudaSetDevice(current);
-    if (err == cudaSuccess) err = restore;
-  }
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(
-        CudaErrorText(op, "cannot prepare the kernels on device " + std::to_string(device), err));
-  }
-  prepared_devices.insert(device);
-  return ffi::Error::Success();
-  // capture-unsafe: end
-}
-
-// Execute stage: the kernels must be prepared on the current device (XLA makes the
-// stream's device current). Normally the initialize stage did it; if it did not, this
-// prepares them now where that is legal (no capture), else returns an error.
 ffi::Error RequirePrepared(const char* op, cudaStream_t stream) {
-  int device = -1;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot read the current device", err));
-  if (IsPrepared(device)) return ffi::Error::Success();
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  err = cudaStreamIsCapturing(stream, &capture);
-  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot query stream capture", err));
-  if (capture == cudaStreamCaptureStatusNone) return PrepareStreamDevice(op, stream);
-  return ffi::Error::Internal(std::string(op) + ": the kernels are not prepared on device " + std::to_string(device) +
-                              " and the stream is being captured into a CUDA graph, where preparing them is "
-                              "illegal (XLA did not run this target's initialize stage first)");
-}
-
-ffi::Error LaunchError(const char* op, cudaError_t err, const Operands& shapes) {
-  return ffi::Error::Internal(std::string(op) + ": kernel launch failed (" + cudaGetErrorString(err) + ") for " +
-                              shapes.str());
+  CudaDeviceFacts facts;
+  return Devices().Require(op, stream, &facts);
 }
 
 // fprop (transpose = false) and bprop (transpose = true).
@@ -156,7 +100,9 @@ ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
 }
 
 // Initialize stage of every target (the same for all three).
-ffi::Error InitializeImpl(cudaStream_t stream) { return PrepareStreamDevice("jbs_bsmm (initialize)", stream); }
+ffi::Error InitializeImpl(cudaStream_t stream) {
+  return Devices().PrepareStreamDevice("jbs_bsmm (initialize)", stream);
+}
 
 }  // namespace
 }  // namespace jbs

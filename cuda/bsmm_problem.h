@@ -38,11 +38,17 @@ struct DsdParams {
   const int32_t* in_block;   // [cap] slot -> input block index (< nin)
   const int32_t* order;      // [nseg] output blocks in the order workers visit them (a permutation)
   const int32_t* nnz;        // scalar (col_ptr + KB): slots >= *nnz are padding
-  int64_t n;                 // rows (product of the leading dims), >= 0
-  int nin;                   // number of input blocks
-  int nseg;                  // number of output blocks
-  int cap;                   // capacity (number of slots)
-  int bs;                    // block size: 8, 16, 32, 64 or 128
+  // The layout's flat work list (jax_blocksparse/layout.py: col_work / row_work and their
+  // pointers), or nullptr where the target does not take it (the portable targets and
+  // the Hopper targets' v1): pairs (input block, slot) in visiting order, and where the
+  // q-th output visited (order[q]) starts in them. The Hopper v2 targets pass both.
+  const int32_t* work;      // [2 * cap]
+  const int32_t* work_ptr;  // [nseg + 1]
+  int64_t n;                // rows (product of the leading dims), >= 0
+  int nin;                  // number of input blocks
+  int nseg;                 // number of output blocks
+  int cap;                  // capacity (number of slots)
+  int bs;                   // block size: 8, 16, 32, 64 or 128
 };
 
 struct SddParams {

@@ -130,6 +130,55 @@ JBS_HD int32_t DsdEntry(const DsdPlan& p, const int32_t* seg_ptr, const int32_t*
 }
 
 // ---------------------------------------------------------------------------------
+// DSD, stacked (the Hopper "stacked" variant at blocks 8, 16, 32)
+// ---------------------------------------------------------------------------------
+//
+// One output per tile (a plan of pack 1: group q is the q-th output visited, order[q]),
+// its entries stacked along K: step s reads the `depth` = 64 / bs consecutive entries
+// work_ptr[q] + s * depth + member of the layout's flat work list, each an (input block,
+// slot) pair, so that one wgmma of N = bs multiplies `depth` input slices by their
+// blocks at once. Members past the segment's end read nothing (zeros).
+//
+// Items are row-tile-major (DsdStackedItemAt): a wave of CTAs takes the outputs of one or
+// two row tiles, longest first, so the [tile_m, C] rows of the dense operand they all
+// read stay in L2 and come from HBM once (group-major order, DsdItemAt, sweeps every row
+// tile per output and re-reads them from HBM once L2 no longer holds them).
+JBS_HD DsdItem DsdStackedItemAt(const DsdPlan& p, int64_t item) {
+  DsdItem it;
+  const int64_t groups = p.groups > 0 ? p.groups : 1;
+  it.m_tile = static_cast<int32_t>(item / groups);
+  it.group = static_cast<int32_t>(item % groups);
+  return it;
+}
+
+// Entries of the q-th output visited: [begin, end) of the work list, clamped to [0, cap]
+// (the tables are data: a corrupt pointer must not make a kernel read past the list).
+struct StackedRange {
+  int32_t begin;
+  int32_t end;
+};
+
+JBS_HD int32_t ClampIndex(int32_t v, int32_t lo, int32_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+JBS_HD StackedRange DsdStackedRange(const int32_t* work_ptr, int32_t cap, int32_t q) {
+  StackedRange r;
+  r.begin = ClampIndex(work_ptr[q], 0, cap);
+  r.end = ClampIndex(work_ptr[q + 1], r.begin, cap);
+  return r;
+}
+
+// k-steps of a stacked tile: ceil(length / depth).
+JBS_HD int32_t DsdStackedSteps(const StackedRange& r, int32_t depth) {
+  return static_cast<int32_t>(CeilDiv(r.end - r.begin, depth));
+}
+
+// Work-list entry read by `member` (< depth) at `step`, or -1 past the segment's end.
+JBS_HD int32_t DsdStackedEntry(const StackedRange& r, int32_t depth, int32_t step, int32_t member) {
+  int64_t e = int64_t{r.begin} + int64_t{step} * depth + member;
+  return e < r.end ? static_cast<int32_t>(e) : -1;
+}
+
+// ---------------------------------------------------------------------------------
 // SDD
 // ---------------------------------------------------------------------------------
 

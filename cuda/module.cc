@@ -13,7 +13,8 @@
 #include "bsmm_block_sizes.h"
 #include "bsmm_work_plan.h"
 #include "cpu/bsmm_cpu.h"
-#include "sm90/bsmm_sm90_plan.h"  // no CUDA headers: in every build
+#include "sm90/bsmm_sm90_plan.h"      // no CUDA headers: in every build
+#include "sm90/bsmm_sm90_variants.h"  // the same
 #include "xla/ffi/api/api.h"
 
 #ifdef JBS_WITH_CUDA
@@ -44,6 +45,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmInitializeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmFpropSm90);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmBpropSm90);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmUpdatSm90);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmFpropSm90V2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmBpropSm90V2);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmInitializeSm90);
 #endif
 
@@ -72,6 +75,8 @@ constexpr char kDenseToBlocksV1[] = "jax_blocksparse_dense_to_blocks_v1";
 constexpr char kFpropSm90V1[] = "jax_blocksparse_bsmm_fprop_sm90_v1";
 constexpr char kBpropSm90V1[] = "jax_blocksparse_bsmm_bprop_sm90_v1";
 constexpr char kUpdatSm90V1[] = "jax_blocksparse_bsmm_updat_sm90_v1";
+constexpr char kFpropSm90V2[] = "jax_blocksparse_bsmm_fprop_sm90_v2";
+constexpr char kBpropSm90V2[] = "jax_blocksparse_bsmm_bprop_sm90_v2";
 #endif
 
 template <typename Fn>
@@ -130,6 +135,36 @@ py::list WorkPlanDsd(int64_t rows, int32_t tile_m, const std::vector<int32_t>& s
   return items;
 }
 
+// The stacked DSD variant's plan (bsmm_work_plan.h: pack 1, entries of the work list
+// stacked `depth` per step), for tests/test_work_plan.py.
+py::list WorkPlanDsdStacked(int64_t rows, int32_t tile_m, const std::vector<int32_t>& work_ptr,
+                            const std::vector<int32_t>& order, int32_t capacity, int32_t depth) {
+  if (rows < 0 || tile_m <= 0 || depth <= 0 || capacity < 0) {
+    throw py::value_error("work_plan_dsd_stacked: need rows >= 0, tile_m > 0, depth > 0, capacity >= 0; got rows=" +
+                          std::to_string(rows) + ", tile_m=" + std::to_string(tile_m) +
+                          ", depth=" + std::to_string(depth) + ", capacity=" + std::to_string(capacity));
+  }
+  if (work_ptr.empty() || order.size() != work_ptr.size() - 1) {
+    throw py::value_error("work_plan_dsd_stacked: order must have len(work_ptr) - 1 entries; got " +
+                          std::to_string(order.size()) + " and " + std::to_string(work_ptr.size()));
+  }
+  namespace plan = jbs::plan;
+  const plan::DsdPlan p = plan::MakeDsdPlan(rows, tile_m, static_cast<int32_t>(order.size()), 1);
+  py::list items;
+  for (int64_t t = 0; t < plan::DsdNumItems(p); ++t) {
+    const plan::DsdItem it = plan::DsdStackedItemAt(p, t);
+    const plan::StackedRange range = plan::DsdStackedRange(work_ptr.data(), capacity, it.group);
+    py::list steps;
+    for (int32_t s = 0; s < plan::DsdStackedSteps(range, depth); ++s) {
+      py::list entries;
+      for (int32_t d = 0; d < depth; ++d) entries.append(plan::DsdStackedEntry(range, depth, s, d));
+      steps.append(entries);
+    }
+    items.append(py::make_tuple(it.m_tile, order[it.group], plan::DsdRowBegin(p, it), plan::DsdRowEnd(p, it), steps));
+  }
+  return items;
+}
+
 py::dict WorkPlanSdd(int32_t capacity, int32_t group, int64_t n, int32_t tile_n, int32_t num_sms, int32_t bs) {
   if (capacity < 0 || group <= 0 || n < 0 || tile_n <= 0 || num_sms <= 0 || bs <= 0) {
     throw py::value_error("work_plan_sdd: need capacity >= 0, group > 0, n >= 0, tile_n > 0, num_sms > 0, bs > 0");
@@ -183,14 +218,54 @@ py::dict Sm90Facts() {
   d["tf32_block_sizes"] = tf32;
   d["tf32_off"] = off;
   d["tf32_row_multiple"] = sm90::kSddTF32RowMultiple;
+  // The kernel variants (bsmm_sm90_variants.h).
+  py::dict variants;
+  // op -> variant -> mode -> block sizes it runs.
+  const struct {
+    const char* mode;
+    jbs::DType in;
+    bool tf32;
+  } modes[] = {{"bfloat16", jbs::DType::kBF16, false},
+               {"float16", jbs::DType::kF16, false},
+               {"float32", jbs::DType::kF32, false},
+               {"tf32", jbs::DType::kF32, true}};
+  auto by_mode = [&](auto runs) {
+    py::dict out;
+    for (const auto& m : modes) {
+      std::vector<int> sizes;
+      for (int bs : jbs::kBlockSizes) {
+        if (runs(m.in, m.tf32, bs)) sizes.push_back(bs);
+      }
+      if (!sizes.empty()) out[m.mode] = py::tuple(py::cast(sizes));
+    }
+    return out;
+  };
+  for (const char* op : {"fprop", "bprop"}) {
+    py::dict by_variant;
+    for (int v = 0; v < sm90::kNumDsdVariants; ++v) {
+      const auto variant = static_cast<sm90::DsdVariant>(v);
+      by_variant[sm90::kDsdVariantNames[v]] =
+          by_mode([&](jbs::DType in, bool tf32, int bs) { return sm90::DsdVariantRuns(variant, in, tf32, bs); });
+    }
+    variants[op] = by_variant;
+  }
+  py::dict updat;  // every SDD variant runs every product (they differ in their plan)
+  for (int v = 0; v < sm90::kNumSddVariants; ++v) {
+    updat[sm90::kSddVariantNames[v]] = by_mode([](jbs::DType, bool, int) { return true; });
+  }
+  variants["updat"] = updat;
+  d["variants"] = variants;
+  d["updat_capped_workspace_bytes"] = static_cast<int64_t>(sm90::kSddCappedWorkspaceBytes);
   return d;
 }
 
 // The workspace bytes of jbs_bsmm_updat_sm90 for an updat of x [n, cb * bs], dy [n, kb * bs]
 // into dw [capacity, bs, bs] (with tf32: the padded n of x^T / dy^T): the handler's own
 // SddWorkspaceBytes, so the lowering allocates exactly what the handler checks for.
+// The variant (bsmm_sm90_variants.h) decides the SM count planned for: the baseline's
+// num_sms, the capped one's the largest the handler's search reaches within its budget.
 int64_t Sm90UpdatWorkspaceBytes(const std::string& dtype, int64_t n, int32_t cb, int32_t kb, int32_t capacity,
-                                int32_t bs, bool tf32, int32_t num_sms) {
+                                int32_t bs, bool tf32, int32_t num_sms, const std::string& variant) {
   jbs::DType in;
   if (dtype == "float32") {
     in = jbs::DType::kF32;
@@ -215,7 +290,14 @@ int64_t Sm90UpdatWorkspaceBytes(const std::string& dtype, int64_t n, int32_t cb,
   p.kb = kb;
   p.cap = capacity;
   p.bs = bs;
-  return static_cast<int64_t>(jbs::sm90::SddWorkspaceBytes(in, p, num_sms, tf32));
+  namespace sm90 = jbs::sm90;
+  if (variant == sm90::kSddVariantNames[static_cast<int>(sm90::SddVariant::kCapped)]) {
+    num_sms = sm90::SddPlanSmsWithin(in, p, sm90::kSddCappedWorkspaceBytes, tf32, num_sms);
+  } else if (variant != sm90::kSddVariantNames[static_cast<int>(sm90::SddVariant::kBaseline)]) {
+    throw py::value_error("sm90_updat_workspace_bytes: unknown updat variant '" + variant +
+                          "' (cuda/sm90/bsmm_sm90_variants.h names them)");
+  }
+  return static_cast<int64_t>(sm90::SddWorkspaceBytes(in, p, num_sms, tf32));
 }
 
 }  // namespace
@@ -258,6 +340,8 @@ PYBIND11_MODULE(_jbs_kernels, m) {
         cuda[kFpropSm90V1] = sm90_stages(Capsule(JbsBsmmFpropSm90));
         cuda[kBpropSm90V1] = sm90_stages(Capsule(JbsBsmmBpropSm90));
         cuda[kUpdatSm90V1] = sm90_stages(Capsule(JbsBsmmUpdatSm90));
+        cuda[kFpropSm90V2] = sm90_stages(Capsule(JbsBsmmFpropSm90V2));
+        cuda[kBpropSm90V2] = sm90_stages(Capsule(JbsBsmmBpropSm90V2));
 #endif
         by_platform["CUDA"] = cuda;
 #endif
@@ -269,6 +353,10 @@ PYBIND11_MODULE(_jbs_kernels, m) {
   m.def("work_plan_dsd", &WorkPlanDsd, py::arg("rows"), py::arg("tile_m"), py::arg("seg_ptr"), py::arg("order"),
         py::arg("pack"),
         "DSD work items in launch order: (m_tile, group, row_begin, row_end, [(output, [entry or -1 per step])]).");
+  m.def("work_plan_dsd_stacked", &WorkPlanDsdStacked, py::arg("rows"), py::arg("tile_m"), py::arg("work_ptr"),
+        py::arg("order"), py::arg("capacity"), py::arg("depth"),
+        "Stacked DSD work items in launch order: (m_tile, output, row_begin, row_end, [[work-list entry or -1 "
+        "per member] per step]).");
   m.def("work_plan_sdd", &WorkPlanSdd, py::arg("capacity"), py::arg("group"), py::arg("n"), py::arg("tile_n"),
         py::arg("num_sms"), py::arg("bs"),
         "SDD plan: {splits, split_len, workspace_elems, items: [(slot_begin, slot_end, n_begin, n_end, split)]}.");
@@ -283,9 +371,10 @@ PYBIND11_MODULE(_jbs_kernels, m) {
       "Outputs packed per DSD tile at block size bs.");
   m.def("sm90_updat_workspace_bytes", &Sm90UpdatWorkspaceBytes, py::arg("dtype"), py::arg("n"), py::arg("cb"),
         py::arg("kb"), py::arg("capacity"), py::arg("bs"), py::arg("tf32") = false,
-        py::arg("num_sms") = jbs::sm90::kPlanSms,
+        py::arg("num_sms") = jbs::sm90::kPlanSms, py::arg("variant") = "baseline",
         "Bytes of the jbs_bsmm_updat_sm90 workspace (SddWorkspaceBytes) for x [n, cb * bs], dy [n, kb * bs] and "
-        "dw [capacity, bs, bs] of dtype ('float32', 'float16', 'bfloat16'); 0 where the split plan needs none.");
+        "dw [capacity, bs, bs] of dtype ('float32', 'float16', 'bfloat16'); 0 where the split plan needs none. "
+        "variant 'capped': the splits capped so that it is at most the capped budget (bsmm_sm90_variants.h).");
   m.def(
       "build_info",
       []() {

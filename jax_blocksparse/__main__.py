@@ -60,6 +60,7 @@ def report(verbose: bool = False) -> str:
     for plat in ("cpu", "cuda"):
         lines.append(f"  {plat:5} {paths.describe_path(plat, impl)}")
     lines.append(f"  float32 on the Hopper targets' TF32 below HIGHEST: {_sm90.tf32_summary()}")
+    lines.append(f"  Hopper kernel variants besides the baseline: {_sm90.variants_summary()}")
     lines.append("")
     lines.extend(gate_lines(verified.default_gate(), _sm90.cuda_compute_capability()))
     lines.append("")

@@ -12,11 +12,15 @@ class _Sm90Facts(TypedDict):
     # what the Hopper kernels of these sources do (cuda/sm90/bsmm_sm90_plan.h and
     # bsmm_sm90_tf32.h), in every build: the SM count the updat workspace is sized for,
     # op ("fprop", "bprop", "updat") -> block sizes with float32 on TF32, op -> {block
-    # size -> why TF32 is off there}, and the rows a TF32 updat pads n to a multiple of
+    # size -> why TF32 is off there}, the rows a TF32 updat pads n to a multiple of, the
+    # kernel variants (bsmm_sm90_variants.h: op -> variant -> mode -> block sizes it runs)
+    # and the capped updat variant's workspace budget in bytes
     plan_sms: int
     tf32_block_sizes: dict[str, tuple[int, ...]]
     tf32_off: dict[str, dict[int, str]]
     tf32_row_multiple: int
+    variants: dict[str, dict[str, dict[str, tuple[int, ...]]]]
+    updat_capped_workspace_bytes: int
 
 class _BuildInfo(TypedDict, total=False):
     cpu_isa: Literal["baseline", "avx2", "avx512"]
@@ -51,6 +55,12 @@ def work_plan_dsd(
 ) -> list[tuple[int, int, int, int, list[tuple[int, list[int]]]]]:
     """DSD work items in launch order: (m_tile, group, row_begin, row_end, [(output, [entry or -1 per step])])."""
 
+def work_plan_dsd_stacked(
+    rows: int, tile_m: int, work_ptr: list[int], order: list[int], capacity: int, depth: int
+) -> list[tuple[int, int, int, int, list[list[int]]]]:
+    """Stacked DSD work items in launch order: (m_tile, output, row_begin, row_end, steps), each step a list
+    of work-list entries (-1 past the output's end), one per member."""
+
 def work_plan_sdd(capacity: int, group: int, n: int, tile_n: int, num_sms: int, bs: int) -> _SddPlan:
     """SDD plan: splits, split_len, workspace_elems and items (slot_begin, slot_end, n_begin, n_end, split)."""
 
@@ -61,8 +71,17 @@ def dsd_pack_for(bs: int) -> int:
     """Outputs packed per DSD tile at block size ``bs``."""
 
 def sm90_updat_workspace_bytes(
-    dtype: str, n: int, cb: int, kb: int, capacity: int, bs: int, tf32: bool = False, num_sms: int = ...
+    dtype: str,
+    n: int,
+    cb: int,
+    kb: int,
+    capacity: int,
+    bs: int,
+    tf32: bool = False,
+    num_sms: int = ...,
+    variant: str = "baseline",
 ) -> int:
     """Bytes of the jbs_bsmm_updat_sm90 workspace (SddWorkspaceBytes) for x [n, cb * bs], dy [n, kb * bs]
     and dw [capacity, bs, bs] of ``dtype`` ("float32", "float16", "bfloat16"); 0 where the split plan
-    needs none. ``num_sms`` defaults to ``build_info()["sm90"]["plan_sms"]``."""
+    needs none. ``num_sms`` defaults to ``build_info()["sm90"]["plan_sms"]``; ``variant`` "capped": the
+    splits capped so that it fits ``updat_capped_workspace_bytes``."""

@@ -102,6 +102,7 @@ WIN_MARGIN = 0.03
 __all__ = [
     "Crossover",
     "CrossoverTable",
+    "VariantChoice",
     "TABLE_PATH",
     "UNMEASURED",
     "WIN_MARGIN",
@@ -117,6 +118,7 @@ __all__ = [
     "table_in_force",
     "table_sources",
     "use_table",
+    "variant_for",
 ]
 
 
@@ -166,15 +168,79 @@ class Crossover:
 
 
 @dataclasses.dataclass(frozen=True)
+class VariantChoice:
+    """Which variant of a kernel ran fastest on one device over a range of block densities.
+
+    A kernel target may hold several designs of the same product (the Hopper targets'
+    variants: ``jax_blocksparse.ops._sm90.variants``). The session bench times them in one
+    process; where one beat the others over ``[low, high]`` it is written here. Which
+    variant runs is decided apart from whether the kernel or the dense product runs: the
+    lowering first picks the variant (this choice, else the baseline), then compares that
+    variant's own crossover (its :class:`Crossover` entry, whose target is
+    ``"<target>:<variant>"``) with the layout's block capacity.
+
+    Attributes:
+      platform: as in :class:`Crossover`.
+      device_kind: as in :class:`Crossover`.
+      target: the kernel target, without a variant ("jbs_bsmm_fprop_sm90").
+      mode: as in :class:`Crossover`.
+      block_size: as in :class:`Crossover`.
+      variant: the winner's name ("stacked").
+      low: the lowest block density over which it won.
+      high: the highest, ``0 <= low <= high <= 1``.
+      source: as in :class:`Crossover`.
+      family: as in :class:`Crossover`.
+    """
+
+    platform: str
+    device_kind: str
+    target: str
+    mode: str
+    block_size: int
+    variant: str
+    low: float
+    high: float
+    source: str = ""
+    family: str = ""
+
+    def __post_init__(self):
+        for name in ("platform", "device_kind", "target", "mode", "variant", "source", "family"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"VariantChoice: {name} must be a str, got {getattr(self, name)!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"VariantChoice: mode must be one of {MODES}, got {self.mode!r}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"VariantChoice: block_size must be a positive int, got {self.block_size!r}")
+        if ":" in self.target or not self.variant or ":" in self.variant:
+            raise ValueError(
+                f"VariantChoice: target {self.target!r} and variant {self.variant!r} must be plain names (no ':')"
+            )
+        lo, hi = self.low, self.high
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (lo, hi)):
+            raise ValueError(f"VariantChoice: low and high must be densities, got {lo!r}, {hi!r}")
+        if not 0.0 <= lo <= hi <= 1.0:
+            raise ValueError(f"VariantChoice: need 0 <= low <= high <= 1, got low={lo!r}, high={hi!r}")
+        object.__setattr__(self, "low", float(lo))
+        object.__setattr__(self, "high", float(hi))
+
+    @property
+    def key(self) -> tuple:
+        return (self.platform, self.device_kind, self.target, self.mode, self.block_size, self.low)
+
+
+@dataclasses.dataclass(frozen=True)
 class CrossoverTable:
     """The crossovers of some kernels on some devices (hashable: a jit cache key).
 
     Attributes:
       entries: the :class:`Crossover` entries, at most one per key (platform, device
         kind, target, mode, block size). Empty: ``"auto"`` never picks the dense product.
+      variants: the :class:`VariantChoice` entries: which variant of a kernel runs over
+        which densities (none: every kernel runs its baseline).
     """
 
     entries: tuple[Crossover, ...] = ()
+    variants: tuple[VariantChoice, ...] = ()
 
     def __post_init__(self):
         entries = tuple(self.entries)
@@ -185,22 +251,49 @@ class CrossoverTable:
         if dupes:
             raise ValueError(f"CrossoverTable: more than one entry for {dupes}")
         object.__setattr__(self, "entries", tuple(sorted(entries, key=lambda e: e.key)))
+        variants = tuple(self.variants)
+        if not all(isinstance(v, VariantChoice) for v in variants):
+            raise TypeError(
+                "CrossoverTable: variants must be VariantChoice instances (see CrossoverTable.from_entries)"
+            )
+        object.__setattr__(self, "variants", tuple(sorted(variants, key=lambda v: v.key)))
+        by_kernel: dict[tuple, list[VariantChoice]] = {}
+        for v in self.variants:
+            by_kernel.setdefault(v.key[:5], []).append(v)
+        for kernel, ranges in by_kernel.items():
+            for a, b in zip(ranges, ranges[1:]):
+                if b.low <= a.high:
+                    raise ValueError(
+                        f"CrossoverTable: the variant ranges of {kernel} overlap: {a.variant} over "
+                        f"[{a.low}, {a.high}] and {b.variant} over [{b.low}, {b.high}]"
+                    )
 
     @classmethod
-    def from_entries(cls, entries: Iterable[Crossover | Mapping]) -> CrossoverTable:
-        """A table from :class:`Crossover` objects or dicts of their fields."""
-        return cls(tuple(e if isinstance(e, Crossover) else Crossover(**e) for e in entries))
+    def from_entries(
+        cls, entries: Iterable[Crossover | Mapping], variants: Iterable[VariantChoice | Mapping] = ()
+    ) -> CrossoverTable:
+        """A table from :class:`Crossover` objects or dicts of their fields (and the same
+        for :class:`VariantChoice`)."""
+        return cls(
+            tuple(e if isinstance(e, Crossover) else Crossover(**e) for e in entries),
+            tuple(v if isinstance(v, VariantChoice) else VariantChoice(**v) for v in variants),
+        )
 
     @classmethod
     def from_json(cls, data: Mapping) -> CrossoverTable:
-        """A table from the JSON form (:meth:`to_json`): ``{"format": 1, "entries": [...]}``."""
+        """A table from the JSON form (:meth:`to_json`): ``{"format": 1, "entries": [...]}``
+        and, where any were measured, ``"variants": [...]``."""
         if not isinstance(data, Mapping) or data.get("format") != FORMAT or "entries" not in data:
             raise ValueError(f"CrossoverTable.from_json: need a mapping with format {FORMAT} and entries")
-        return cls.from_entries(data["entries"])
+        return cls.from_entries(data["entries"], data.get("variants", ()))
 
     def to_json(self, **extra) -> dict:
-        """The JSON form: ``{"format": 1, **extra, "entries": [{field: value}, ...]}``."""
-        return {"format": FORMAT, **extra, "entries": [dataclasses.asdict(e) for e in self.entries]}
+        """The JSON form: ``{"format": 1, **extra, "entries": [{field: value}, ...]}``, with
+        ``"variants"`` where the table has any."""
+        out = {"format": FORMAT, **extra, "entries": [dataclasses.asdict(e) for e in self.entries]}
+        if self.variants:
+            out["variants"] = [dataclasses.asdict(v) for v in self.variants]
+        return out
 
     def lookup(self, platform: str, device_kind: str | None, target: str, mode: str, block_size: int):
         """The crossover density of that kernel on that device, or None where unmeasured."""
@@ -264,9 +357,15 @@ def cache_path() -> Path:
 
 
 def merged(preferred: CrossoverTable, rest: CrossoverTable) -> CrossoverTable:
-    """The entries of ``preferred``, and those of ``rest`` whose key it lacks."""
+    """The entries of ``preferred``, and those of ``rest`` whose key it lacks; the variant
+    choices of ``preferred`` for each kernel and device it chose for, those of ``rest`` for
+    the others."""
     keys = {e.key for e in preferred.entries}
-    return CrossoverTable(preferred.entries + tuple(e for e in rest.entries if e.key not in keys))
+    chosen = {v.key[:5] for v in preferred.variants}
+    return CrossoverTable(
+        preferred.entries + tuple(e for e in rest.entries if e.key not in keys),
+        preferred.variants + tuple(v for v in rest.variants if v.key[:5] not in chosen),
+    )
 
 
 @functools.cache
@@ -357,6 +456,37 @@ def crossover_for(
         cores = _cores(device_kind or "") or 0
         return min(kin, key=lambda e: (abs((_cores(e.device_kind) or 0) - cores), e.crossover)).crossover
     return min(e.crossover for e in kin)
+
+
+def variant_for(
+    platform: str,
+    device_kind: str | None,
+    target: str,
+    mode: str,
+    block_size: int,
+    block_fraction: float,
+    *,
+    family: str | None = None,
+    table: CrossoverTable | None = None,
+) -> str | None:
+    """The variant of ``target`` the table chose for a layout of ``block_fraction`` (its
+    capacity over its grid) on that device: the :class:`VariantChoice` whose density range
+    holds it, the device's own first, else one of its family (on CUDA the same compute
+    capability); None where none does (the baseline runs)."""
+    table = table_in_force() if table is None else table
+
+    def pick(choices):
+        for v in choices:
+            if v.low <= block_fraction <= v.high:
+                return v.variant
+        return None
+
+    kernel = (platform, target, mode, block_size)
+    own = [v for v in table.variants if (v.platform, v.target, v.mode, v.block_size) == kernel]
+    found = pick(v for v in own if v.device_kind == device_kind)
+    if found is not None or not family:
+        return found
+    return pick(v for v in own if v.family == family)
 
 
 # The table set by use_table: a jax user context, so its value is part of jit's cache keys

@@ -96,6 +96,37 @@ def test_table_of_reports_takes_the_newest_measurement_per_kernel():
     CrossoverTable.from_json(table)  # the library reads what the script writes
 
 
+def test_the_script_keys_variants_apart_and_writes_their_winners():
+    # Three variants of one kernel timed in one report: each gets its own entry
+    # ("<target>:<variant>"), and the table says which won where (by the margin over the
+    # baseline; a run of densities gives one range).
+    def timed(density, sparse, path):
+        return dict(_row(16, density, sparse, 2.0), path=path)
+
+    rows = []
+    for density, base, stacked in ((0.05, 1.0, 0.5), (0.1, 1.0, 0.6), (0.25, 1.0, 0.99), (0.5, 1.0, 0.8)):
+        rows += [timed(density, base, "hopper"), timed(density, stacked, "hopper:stacked")]
+    rows.append(dict(_row(16, 0.1, 1.0, 2.0, target="jbs_bsmm_fprop"), path="ampere"))
+    table = crossover_script.table_of([("v.json", _report("H", "2026-03-01T00:00:00", rows))])
+    assert {e["target"] for e in table["entries"]} == {
+        "jbs_bsmm_fprop_sm90",
+        "jbs_bsmm_fprop_sm90:stacked",
+        "jbs_bsmm_fprop",
+    }
+    # 0.99 at 0.25 is within the margin: the baseline there, so two ranges.
+    assert [(v["variant"], v["low"], v["high"]) for v in table["variants"]] == [
+        ("stacked", 0.05, 0.1),
+        ("stacked", 0.5, 0.5),
+    ]
+    loaded = CrossoverTable.from_json(table)
+    pick = jbs.crossover.variant_for
+    assert pick("cuda", "H", "jbs_bsmm_fprop_sm90", "bfloat16", 16, 0.07, table=loaded) == "stacked"
+    assert pick("cuda", "H", "jbs_bsmm_fprop_sm90", "bfloat16", 16, 0.25, table=loaded) is None
+    # No variant timed: no "variants" key, the table as before.
+    plain = crossover_script.table_of([("p.json", _report("H", "2026-03-01T00:00:00", rows[:1] + rows[2:3]))])
+    assert "variants" not in plain
+
+
 def test_package_table_is_the_one_computed_from_committed_results():
     shipped = json.loads((ROOT / "jax_blocksparse" / "crossovers.json").read_text())
     assert shipped == crossover_script.package_table(), "run: python bench/crossover.py --package"
@@ -175,6 +206,61 @@ def test_table_checks_and_lookups():
     assert not prefers_dense("cpu", here, "jbs_bsmm_bprop", "float32", BS, 0.5, table)
     assert prefers_dense("cpu", here, "jbs_bsmm_bprop", "float32", BS, 0.51, table)
     assert len(table.for_device("cpu", here)) == 2 and table.for_device("cuda", "x") == ()
+
+
+def _choice(**kw):
+    base = dict(
+        platform="cuda",
+        device_kind="NVIDIA H100 80GB HBM3",
+        target="jbs_bsmm_fprop_sm90",
+        mode="bfloat16",
+        block_size=16,
+        variant="stacked",
+        low=0.0,
+        high=0.25,
+        family="9.0",
+    )
+    return {**base, **kw}
+
+
+def test_variant_choices_pick_by_density_device_and_family():
+    table = CrossoverTable.from_entries([_entry()], [_choice(), _choice(variant="other", low=0.5, high=1.0)])
+    assert CrossoverTable.from_json(table.to_json()) == table
+    assert "variants" not in CrossoverTable.from_entries([_entry()]).to_json()  # the old format, unchanged
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    args = ("cuda", h100, "jbs_bsmm_fprop_sm90", "bfloat16", 16)
+    pick = jbs.crossover.variant_for
+    assert pick(*args, 0.1, table=table) == "stacked" and pick(*args, 0.25, table=table) == "stacked"
+    assert pick(*args, 0.4, table=table) is None  # no winner there: the baseline
+    assert pick(*args, 0.9, table=table) == "other"
+    assert pick("cuda", h200, *args[2:], 0.1, table=table) is None  # another device, no family given
+    assert pick("cuda", h200, *args[2:], 0.1, family="9.0", table=table) == "stacked"  # same chip family
+    assert pick("cuda", h100, "jbs_bsmm_bprop_sm90", "bfloat16", 16, 0.1, table=table) is None
+    # A newer table's choices for a kernel replace the older ones whole.
+    newer = CrossoverTable.from_entries([], [_choice(variant="third", low=0.0, high=1.0)])
+    both = jbs.crossover.merged(newer, table)
+    assert pick(*args, 0.9, table=both) == "third" and len(both.variants) == 1
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(low=0.5, high=0.2), "low <= high"),
+        (dict(high=1.5), "low <= high"),
+        (dict(variant=""), "plain names"),
+        (dict(target="jbs_bsmm_fprop_sm90:stacked"), "plain names"),
+        (dict(mode="int8"), "mode must be one of"),
+        (dict(low="0"), "densities"),
+    ],
+)
+def test_bad_variant_choices_raise(bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        jbs.crossover.VariantChoice(**_choice(**bad))
+
+
+def test_overlapping_variant_ranges_raise():
+    with pytest.raises(ValueError, match="overlap"):
+        CrossoverTable.from_entries([], [_choice(), _choice(variant="other", low=0.2, high=0.6)])
 
 
 def test_use_table_nests_and_restores():

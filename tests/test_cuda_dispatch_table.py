@@ -41,6 +41,7 @@ N = 8  # rows of x: one k-step of every updat kernel, so the Hopper updat splits
 #   P  the portable target jbs_bsmm_{op} (no tf32 attribute, one result);
 #   T  jbs_bsmm_{op}_sm90 with tf32 = true (float32 on TF32 tensor cores);
 #   F  jbs_bsmm_{op}_sm90 with tf32 = false (16-bit wgmma kernels, or exact float32).
+# (fprop and bprop's sm90 calls also carry variant = "baseline": no variant is asked for here.)
 # precision None is traced with no default_matmul_precision in force (JAX's default).
 
 # JAX_BLOCKSPARSE_HOPPER unset: the portable (Ampere) targets, everything.
@@ -143,6 +144,8 @@ def _cell(op, text):
     target, config, results = calls[0]
     if target == f"jbs_bsmm_{op}" and config == "" and len(results) == 1:
         return "P"
+    if target.endswith("_sm90") and op != "updat" and config:  # the v2 DSD targets: their variant, the baseline here
+        config = config.replace(', variant = "baseline"', "") if config.endswith('variant = "baseline"') else "?"
     if target == f"jbs_bsmm_{op}_sm90" and config in ("tf32 = true", "tf32 = false"):
         # updat_sm90's second result is the split-N workspace: empty here (N = one k-step).
         if results[1:] == (["tensor<0xui8>"] if op == "updat" else []):

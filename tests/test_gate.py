@@ -115,6 +115,16 @@ def test_keys_of_a_test():
     bare = gate_script.keys_of("tests/gpu/test_bsmm_sm90.py::test_updat_split_is_deterministic", {})
     assert len(bare) == 3 * 4 * len(jbs.SUPPORTED_BLOCK_SIZES)
     assert gate_script.keys_of("tests/test_matmul.py::test_x", {}) == []
+    # A Hopper variant's test exercises that variant's own key; the baseline's keys stay plain.
+    stacked = gate_script.keys_of(
+        "tests/gpu/test_bsmm_sm90.py::test_variant_small_blocks[bf16-16-fprop-random-stacked]",
+        {"dtype": "bf16", "bs": 16, "op": "fprop", "kind": "random", "variant": "stacked"},
+    )
+    assert stacked == [("jbs_bsmm_fprop_sm90:stacked", "bfloat16", 16)]
+    baseline = gate_script.keys_of(
+        "tests/gpu/test_bsmm_sm90.py::t[x]", {"bs": 16, "op": "fprop", "variant": "baseline"}
+    )
+    assert {k[0] for k in baseline} == {"jbs_bsmm_fprop_sm90"}
 
 
 def test_key_results():

@@ -766,15 +766,19 @@ def test_bench_paths_lower_to_their_own_targets(bsmm, monkeypatch):
     x = jnp.ones((16, 128), jnp.bfloat16)
     w = jnp.ones(layout.w_shape, jnp.bfloat16)
     W = jnp.ones((128, 128), jnp.bfloat16)
-    jitted = {path: bsmm.Jitted(2) for path in ("hopper", "ampere")}
-    for path in ("hopper", "ampere", "hopper"):
+    paths = ("hopper", "ampere", *(f"hopper:{v}" for v in bsmm.hopper_variants()))
+    assert "hopper:stacked" in paths and "hopper:capped" in paths
+    jitted = {path: bsmm.Jitted(2) for path in paths}
+    for path in ("hopper", "ampere", "hopper", *paths[2:]):
         for op in ("fprop", "bprop", "updat"):
             s_args, _ = bsmm._args(op, x, x, W, w, layout)
             with bsmm.hopper_gate(path):
                 text = jitted[path].chains[op][0].trace(*s_args).lower(lowering_platforms=("cuda",)).as_text()
             target = bsmm.kernel_target(text)
-            assert target == f"jbs_bsmm_{op}" + ("_sm90" if path == "hopper" else ""), (path, op)
-            assert bsmm.path_of(target, "gpu", path) == path
+            assert target == f"jbs_bsmm_{op}" + ("_sm90" if path.startswith("hopper") else ""), (path, op)
+            # block 32: the stacked variant runs fprop/bprop, the capped one updat
+            ran = path if path in ("hopper", "ampere") or (op == "updat") == path.endswith("capped") else "hopper"
+            assert bsmm.path_of(target, "gpu", path, text) == ran, (path, op)
             assert bsmm.arithmetic_mode("bfloat16", target, text, "gpu") == "bfloat16"
             assert os.environ[_sm90.HOPPER_ENV] == "1"
 
@@ -807,6 +811,13 @@ def test_bench_target_and_mode_from_hlo(bsmm):
         "ampere",
     ]
     assert bsmm.path_of("jbs_bsmm_bprop", "cpu", "native") == "native"
+    # A Hopper variant: from the call's variant attribute (fprop/bprop), or as requested
+    # (updat, whose workspace is its variant); a variant that did not run is the baseline.
+    stacked = lowered.replace("{tf32 = true}", '{tf32 = false, variant = "stacked"}')
+    assert bsmm.path_of("jbs_bsmm_fprop_sm90", "gpu", "hopper:stacked", stacked) == "hopper:stacked"
+    baseline = stacked.replace('"stacked"', '"baseline"')
+    assert bsmm.path_of("jbs_bsmm_fprop_sm90", "gpu", "hopper:stacked", baseline) == "hopper"
+    assert bsmm.path_of("jbs_bsmm_updat_sm90", "gpu", "hopper:capped", lowered) == "hopper:capped"
 
 
 def test_bench_chains_keep_every_product(bsmm):

@@ -90,7 +90,14 @@ def test_the_handlers_take_exactly_the_supported_dtypes(native, dtype):
 def test_sm90_facts_fit_the_block_sizes(native):
     facts = native.build_info()["sm90"]
     assert facts == _sm90.facts()
-    assert set(facts) == {"plan_sms", "tf32_block_sizes", "tf32_off", "tf32_row_multiple"}
+    assert set(facts) == {
+        "plan_sms",
+        "tf32_block_sizes",
+        "tf32_off",
+        "tf32_row_multiple",
+        "variants",
+        "updat_capped_workspace_bytes",
+    }
     assert facts["plan_sms"] > 0 and facts["tf32_row_multiple"] > 0
     on = facts["tf32_block_sizes"]
     assert set(on) == set(OPS)
@@ -102,6 +109,16 @@ def test_sm90_facts_fit_the_block_sizes(native):
     assert set(_sm90.tf32_off()) == left_out
     for op in OPS:
         assert _sm90.tf32_block_sizes(op) == tuple(on[op])
+    # The kernel variants: the baseline runs every product; the others a part of them.
+    every = {mode: list(jbs.SUPPORTED_BLOCK_SIZES) for mode in ("bfloat16", "float16", "float32", "tf32")}
+    assert set(facts["variants"]) == set(OPS)
+    for op in OPS:
+        by_variant = {v: {m: list(s) for m, s in by_mode.items()} for v, by_mode in facts["variants"][op].items()}
+        assert by_variant["baseline"] == every
+        assert all(
+            set(s) <= set(jbs.SUPPORTED_BLOCK_SIZES) for by_mode in by_variant.values() for s in by_mode.values()
+        )
+    assert facts["updat_capped_workspace_bytes"] > 0
 
 
 def test_build_info_serialises_as_json(native, monkeypatch):

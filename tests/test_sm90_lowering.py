@@ -97,8 +97,9 @@ def test_gate_open_dsd(monkeypatch, op, dtype):
     text = _lower(op, dtype)
     calls = _operands(text, f"jbs_bsmm_{op}_sm90")
     assert len(calls) == 1, text
-    assert len(calls[0]) == 8  # a, w, five tables, order
+    assert len(calls[0]) == 10  # a, w, five tables, order, the work list and its pointers (v2)
     assert _at(f"jbs_bsmm_{op}") not in text
+    assert _variant_attr(_call_line(text, f"jbs_bsmm_{op}_sm90")) == "baseline"
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
@@ -356,3 +357,157 @@ def test_portable_targets_take_no_attribute(monkeypatch):
     for op in ("fprop", "updat"):
         line = _call_line(_lower(op, jnp.float32, "default"), f"jbs_bsmm_{op}")
         assert "tf32" not in line, line
+
+
+# ---------------------------------------------------------------------------------
+# Variants of the Hopper targets: the v2 fprop/bprop targets' work list and `variant`
+# ---------------------------------------------------------------------------------
+
+
+def _variant_attr(line):
+    m = re.search(r'variant = "(\w+)"', line)
+    return m.group(1) if m else None
+
+
+def _lower_small(op, bs, dtype=jnp.bfloat16, precision=None, impl="kernels"):
+    """An fprop/bprop at block ``bs`` on a grid (4, 6) with capacity 8 (block fraction 1/3)."""
+    mask = np.zeros((4, 6), bool)
+    mask[0, 1] = mask[2, 1] = mask[1, 3] = mask[3, 5] = mask[0, 0] = True
+    lay = jbs.Layout.from_mask(mask, bs, capacity=8)
+    x = jnp.zeros((N, (6 if op == "bprop" else 4) * bs), dtype)
+    w = jnp.zeros((lay.capacity, bs, bs), dtype)
+    with jbs.config.implementation(impl):
+        fun = jax.jit(lambda x, w: jbs.bsmm(x, w, lay, transpose=op == "bprop", precision=precision))
+        return fun.trace(x, w).lower(lowering_platforms=("cuda",)).as_text(), lay
+
+
+@pytest.mark.parametrize("op", ["fprop", "bprop"])
+def test_v2_targets_take_the_layouts_work_list(monkeypatch, op):
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+    text, lay = _lower_small(op, 16)
+    assert jbs.targets.target_name(f"jbs_bsmm_{op}_sm90").endswith("_v2")
+    line = _call_line(text, f"jbs_bsmm_{op}_sm90")
+    cap = lay.capacity
+    outputs = lay.grid[1] if op == "fprop" else lay.grid[0]
+    # The work list [2 * cap] and its pointers [outputs + 1] follow the order [outputs].
+    shapes = re.findall(r"tensor<([\dx]+?)x(?:i32|bf16)>", line.split("->")[0].split(":")[-1])
+    assert shapes[-3:] == [f"{outputs}", f"{2 * cap}", f"{outputs + 1}"], line
+    assert _variant_attr(line) == "baseline" and "tf32 = false" in line
+
+
+@pytest.mark.parametrize("bs", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("op", ["fprop", "bprop"])
+def test_variant_env_asks_for_a_variant_where_it_runs(monkeypatch, op, bs):
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+    monkeypatch.setenv(_sm90.VARIANT_ENV, "stacked")
+    want = "stacked" if _sm90.variant_runs(op, "stacked", "bfloat16", bs) else "baseline"
+    assert want == ("stacked" if bs <= 64 else "baseline")  # what the extension reports
+    text, _ = _lower_small(op, bs)
+    assert _variant_attr(_call_line(text, f"jbs_bsmm_{op}_sm90")) == want
+    # float32 (TF32 or exact) has the baseline only.
+    for precision in ("default", "highest"):
+        text, _ = _lower_small(op, bs, jnp.float32, precision)
+        assert _variant_attr(_call_line(text, f"jbs_bsmm_{op}_sm90")) == "baseline"
+
+
+def test_variant_env_per_op_and_its_errors(monkeypatch):
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+    monkeypatch.setenv(_sm90.VARIANT_ENV, "fprop=stacked, bprop=baseline")
+    assert _variant_attr(_call_line(_lower_small("fprop", 16)[0], "jbs_bsmm_fprop_sm90")) == "stacked"
+    assert _variant_attr(_call_line(_lower_small("bprop", 16)[0], "jbs_bsmm_bprop_sm90")) == "baseline"
+    # updat keeps its v1 target: no work list, no variant.
+    line = _call_line(_lower("updat"), "jbs_bsmm_updat_sm90")
+    assert jbs.targets.target_name("jbs_bsmm_updat_sm90").endswith("_v1") and "variant" not in line
+    for bad, said in (("packed", "unknown variant 'packed'"), ("fwd=stacked", "'fwd' is not an op")):
+        monkeypatch.setenv(_sm90.VARIANT_ENV, bad)
+        with pytest.raises(ValueError, match=said):
+            _lower_small("fprop", 16)
+
+
+def _variant_table(variant="stacked", low=0.0, high=0.5, crossover=1.0):
+    """A table in force on the 9.0 family: ``variant`` of fprop wins over [low, high]; the
+    baseline and the variant beat dense up to ``crossover``."""
+    common = dict(platform="cuda", device_kind="any", mode="bfloat16", block_size=16, family="9.0")
+    entries = [
+        dict(common, target=key, crossover=crossover)
+        for key in ("jbs_bsmm_fprop_sm90", _sm90.kernel_key("jbs_bsmm_fprop_sm90", variant))
+    ]
+    variants = [dict(common, target="jbs_bsmm_fprop_sm90", variant=variant, low=low, high=high)]
+    return jbs.crossover.CrossoverTable.from_entries(entries, variants)
+
+
+def test_table_winner_runs_only_where_its_own_gate_key_passed(monkeypatch):
+    monkeypatch.setattr(_sm90, "cuda_compute_capability", lambda: "9.0")
+    table = _variant_table()
+    # The baseline verified: the table's winner is not, so the baseline runs.
+    _gate_with(monkeypatch, "jbs_bsmm_fprop_sm90", block_size=16)
+    with jbs.crossover.use_table(table):
+        text, _ = _lower_small("fprop", 16, impl="auto")
+    assert _variant_attr(_call_line(text, "jbs_bsmm_fprop_sm90")) == "baseline"
+    # Its own key verified: the winner runs where the layout's block fraction (1/3) is in its range.
+    gate = verified.Gate(
+        (
+            verified.Device(
+                "9.0",
+                passed={
+                    "jbs_bsmm_fprop_sm90": {"bfloat16": (16,)},
+                    "jbs_bsmm_fprop_sm90:stacked": {"bfloat16": (16,)},
+                },
+            ),
+        )
+    )
+    monkeypatch.setattr(verified, "default_gate", lambda: gate)
+    with jbs.crossover.use_table(table):
+        text, _ = _lower_small("fprop", 16, impl="auto")
+    assert _variant_attr(_call_line(text, "jbs_bsmm_fprop_sm90")) == "stacked"
+    with jbs.crossover.use_table(_variant_table(low=0.5, high=1.0)):  # 1/3 is outside its range
+        text, _ = _lower_small("fprop", 16, impl="auto")
+    assert _variant_attr(_call_line(text, "jbs_bsmm_fprop_sm90")) == "baseline"
+    # Kernel or dense is the chosen variant's own crossover: below the fraction, dense.
+    with jbs.crossover.use_table(_variant_table(crossover=0.2)):
+        text, _ = _lower_small("fprop", 16, impl="auto")
+    assert not kernel_calls(text)
+
+
+def test_variant_keys_split_and_join():
+    assert _sm90.kernel_key("jbs_bsmm_fprop_sm90") == "jbs_bsmm_fprop_sm90"
+    assert _sm90.kernel_key("jbs_bsmm_fprop_sm90", "stacked") == "jbs_bsmm_fprop_sm90:stacked"
+    assert _sm90.split_key("jbs_bsmm_fprop_sm90:stacked") == ("jbs_bsmm_fprop_sm90", "stacked")
+    assert _sm90.split_key("jbs_bsmm_fprop_sm90") == ("jbs_bsmm_fprop_sm90", "baseline")
+    assert set(_sm90.variants("fprop")) == {"baseline", "stacked"}
+    assert set(_sm90.variants("updat")) == {"baseline", "capped"}
+    assert _sm90.variants("bprop")["stacked"] == {"bfloat16": (8, 16, 32, 64), "float16": (8, 16, 32, 64)}
+
+
+@pytest.mark.parametrize("bs", [64, 128])
+def test_capped_updat_variant_is_a_smaller_workspace(monkeypatch, bs):
+    # The capped updat runs the same kernels with fewer reduction splits: its variant is the
+    # workspace the lowering gives the v1 target (the handler plans for what it holds).
+    monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
+    lay = jbs.Layout.from_mask(np.ones((8, 8), bool), bs)
+    n = 1000
+    x, dy = jnp.zeros((n, 8 * bs), jnp.bfloat16), jnp.zeros((n, 8 * bs), jnp.bfloat16)
+
+    def workspace():
+        with jbs.config.implementation("kernels"):
+            fun = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, lay))
+            line = _call_line(fun.trace(x, dy).lower(lowering_platforms=("cuda",)).as_text(), "jbs_bsmm_updat_sm90")
+        assert "variant" not in line
+        return int(re.search(r"tensor<(\d+)xui8>", line).group(1))
+
+    baseline = workspace()
+    assert baseline == _sm90.updat_workspace_bytes(jnp.bfloat16, n, lay.grid, lay.capacity, bs)
+    monkeypatch.setenv(_sm90.VARIANT_ENV, "updat=capped")
+    capped = workspace()
+    budget = _sm90.facts()["updat_capped_workspace_bytes"]
+    assert baseline > budget >= capped > 0
+    assert capped == _sm90.updat_workspace_bytes(jnp.bfloat16, n, lay.grid, lay.capacity, bs, variant="capped")
+    # The capped plan is one the handler's own search reaches: a halving of the SM count.
+    sms = _sm90.facts()["plan_sms"]
+    reachable = set()
+    while sms >= 1:
+        reachable.add(_sm90.updat_workspace_bytes(jnp.bfloat16, n, lay.grid, lay.capacity, bs, num_sms=sms))
+        sms //= 2
+    assert capped in reachable
+    with pytest.raises(ValueError, match="unknown updat variant"):
+        _sm90.updat_workspace_bytes(jnp.bfloat16, n, lay.grid, lay.capacity, bs, variant="stacked")

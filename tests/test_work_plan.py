@@ -96,6 +96,63 @@ def test_dsd_entries_never_reach_padding(native):
         assert sorted(set(entries)) == list(range(nnz))
 
 
+def _stacked_products(items, work, rows):
+    """(m_tile, output) -> the sorted (input block, slot) pairs its steps read, from the
+    stacked plan's entries and the layout's flat work list."""
+    read = {}
+    for m_tile, out, row_begin, row_end, steps in items:
+        assert (m_tile, out) not in read  # every output tile once
+        assert row_begin == m_tile * 128 and row_end == min(rows, row_begin + 128)
+        entries = [e for step in steps for e in step]
+        present = [e for e in entries if e >= 0]
+        # Members read consecutive entries; only the last step has members past the end.
+        assert entries[: len(present)] == present
+        assert present == (list(range(present[0], present[-1] + 1)) if present else [])
+        depth = len(steps[0]) if steps else 1
+        assert all(e < 0 for e in entries[len(present) :]) and len(entries) - len(present) < depth
+        read[m_tile, out] = sorted((work[2 * e], work[2 * e + 1]) for e in present)
+    return read
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bs", (8, 16, 32, 64))
+def test_stacked_dsd_plan_reads_each_outputs_blocks_once(native, kind, bs):
+    # The stacked variant (cuda/sm90/bsmm_sm90_dsd_stacked.cuh): one output per tile, its
+    # work-list entries stacked 64 / bs per step (one at block 64). Each (row tile, output) must read exactly
+    # the (input block, slot) pairs of that output's blocks in the layout, each once.
+    layout, t = _tables(kind)
+    nnz = t["col_ptr"][-1]
+    depth = 64 // bs
+    rows_of, cols_of = t["block_rows"], t["block_cols"]
+    for rows in ROWS:
+        for work, ptr, order, num_outputs, out_of, in_of in (
+            (t["col_work"], t["col_work_ptr"], t["col_order"], layout.grid[1], cols_of, rows_of),
+            (t["row_work"], t["row_work_ptr"], t["row_order"], layout.grid[0], rows_of, cols_of),
+        ):
+            items = native.work_plan_dsd_stacked(rows, 128, ptr, order, layout.capacity, depth)
+            read = _stacked_products(items, work, rows)
+            m_tiles = max(1, -(-rows // 128))
+            assert set(read) == {(m, o) for m in range(m_tiles) for o in range(num_outputs)}
+            for (_, out), pairs in read.items():
+                want = sorted((in_of[s], s) for s in range(nnz) if out_of[s] == out)
+                assert pairs == want
+            # Row-tile-major (a wave shares its rows of the dense operand in L2), and within a
+            # row tile longest first: the step counts never grow along the launch order.
+            assert [it[0] for it in items] == sorted(it[0] for it in items)
+            steps = [len(it[4]) for it in items if it[0] == 0]
+            assert steps == sorted(steps, reverse=True)
+
+
+def test_stacked_dsd_plan_clamps_corrupt_pointers(native):
+    # The tables are data: pointers past the capacity, or running backwards, read nothing
+    # outside [0, capacity) (the kernel clamps them the same way).
+    items = native.work_plan_dsd_stacked(10, 128, [0, 50, 3, -7], [0, 1, 2], 6, 4)
+    entries = [e for it in items for step in it[4] for e in step if e >= 0]
+    assert entries and max(entries) < 6 and min(entries) >= 0
+    with pytest.raises(ValueError, match="order must have"):
+        native.work_plan_dsd_stacked(10, 128, [0, 1], [0, 1], 6, 4)
+
+
 def _check_sdd(plan, capacity, group, n, tile_n, num_sms, bs):
     splits, split_len, items = plan["splits"], plan["split_len"], plan["items"]
     k_tiles = max(1, -(-n // tile_n))

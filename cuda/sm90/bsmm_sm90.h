@@ -24,6 +24,7 @@
 #include "bsmm_problem.h"
 #include "sm90/bsmm_sm90_plan.h"
 #include "sm90/bsmm_sm90_tf32.h"
+#include "sm90/bsmm_sm90_variants.h"
 
 namespace jbs {
 namespace sm90 {
@@ -37,7 +38,10 @@ struct Launch {
 };
 
 // DSD (fprop; bprop with transpose_w). out_f32: float32 output, else the input dtype.
-cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
+// `variant` (bsmm_sm90_variants.h) picks the kernel design; the stacked one needs the
+// layout's work list in `p` (p.work, p.work_ptr) and runs where DsdVariantRuns says.
+cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch,
+                      DsdVariant variant = DsdVariant::kBaseline);
 
 // DSD on TF32 tensor cores (float32 inputs at DEFAULT/HIGH precision, float32 output),
 // the block sizes kDsdTF32BlockSizes (bsmm_sm90_tf32.h: 16/32 packed,
@@ -63,6 +67,8 @@ cudaError_t LaunchDsdBF16(bool out_f32, bool transpose_w, const DsdParams& p, co
 cudaError_t LaunchDsdF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
 cudaError_t LaunchDsdSmallBF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
 cudaError_t LaunchDsdSmallF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
+cudaError_t LaunchDsdStackedBF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
+cudaError_t LaunchDsdStackedF16(bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch);
 cudaError_t LaunchDsdSmallTF32(const DsdParams& p, const Launch& launch);  // blocks 8/16/32
 cudaError_t LaunchSddBF16(bool out_f32, const SddParams& p, const Launch& launch);
 cudaError_t LaunchSddF16(bool out_f32, const SddParams& p, const Launch& launch);

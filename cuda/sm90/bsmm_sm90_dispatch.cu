@@ -9,8 +9,14 @@
 namespace jbs {
 namespace sm90 {
 
-cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch) {
+cudaError_t LaunchDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Launch& launch,
+                      DsdVariant variant) {
   if (!launch.prepare_only && !Sm90RunsDsd(in, p)) return cudaErrorInvalidValue;
+  if (!DsdVariantRuns(variant, in, false, p.bs)) return cudaErrorInvalidValue;
+  if (variant == DsdVariant::kStacked) {
+    return in == DType::kF16 ? LaunchDsdStackedF16(out_f32, transpose_w, p, launch)
+                             : LaunchDsdStackedBF16(out_f32, transpose_w, p, launch);
+  }
   if (p.bs < 64) {
     return in == DType::kF16 ? LaunchDsdSmallF16(out_f32, transpose_w, p, launch)
                              : LaunchDsdSmallBF16(out_f32, transpose_w, p, launch);
@@ -45,7 +51,13 @@ cudaError_t PrepareKernelsSm90() {
     for (DType in : {DType::kF16, DType::kBF16}) {
       for (bool out_f32 : {false, true}) {
         for (bool transpose_w : {false, true}) {
-          if (cudaError_t err = LaunchDsd(in, out_f32, transpose_w, dsd, prepare); err != cudaSuccess) return err;
+          for (int v = 0; v < kNumDsdVariants; ++v) {
+            const auto variant = static_cast<DsdVariant>(v);
+            if (!DsdVariantRuns(variant, in, false, bs)) continue;
+            if (cudaError_t err = LaunchDsd(in, out_f32, transpose_w, dsd, prepare, variant); err != cudaSuccess) {
+              return err;
+            }
+          }
         }
         if (cudaError_t err = LaunchSdd(in, out_f32, sdd, prepare); err != cudaSuccess) return err;
       }

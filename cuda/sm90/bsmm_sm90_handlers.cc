@@ -1,5 +1,10 @@
 // XLA FFI handlers of the Hopper targets jbs_bsmm_{fprop,bprop,updat}_sm90.
 //
+// Versions (jax_blocksparse/targets.py): fprop and bprop v2 take, after `order`, the
+// layout's flat work list (work [2 * cap], work_ptr [outputs + 1]) and a string attribute
+// `variant` naming the kernel design (bsmm_sm90_variants.h); v1 (no work list, the
+// baseline kernels) stays registered for the programs exported before v2.
+//
 // Same operands and checks as jbs_bsmm_{fprop,bprop,updat} (bsmm_checks.h); updat_sm90
 // has one more result: a uint8 workspace for the float32 partial sums of a split N
 // reduction, sized by the lowering with this same SddWorkspaceBytes for kPlanSms SMs
@@ -23,16 +28,17 @@
 //   updat: x^T [C, n] and dy^T [K, n] (rank 2, n padded with zero rows to a multiple
 //          of 4), instead of x [N..., C] and dy [N..., K].
 //
-// Stages, as for the Ampere targets (bsmm_cuda_handlers.cc): initialize (never
-// captured) reads the device's compute capability and SM count and prepares both
-// kernel families once per device; execute makes only capture-safe calls.
-#include <map>
-#include <mutex>
+// Stages, as for the Ampere targets (bsmm_cuda_handlers.cc), with the same per-device
+// preparation (bsmm_cuda_device.h): initialize (never captured) reads the device's compute
+// capability and SM count and prepares both kernel families once per device; execute
+// makes only capture-safe calls.
 #include <string>
+#include <string_view>
 
 #include <cuda_runtime_api.h>
 
 #include "bsmm_checks.h"
+#include "bsmm_cuda_device.h"
 #include "bsmm_kernels.h"
 #include "sm90/bsmm_sm90.h"
 #include "xla/ffi/api/ffi.h"
@@ -43,93 +49,31 @@ namespace jbs {
 namespace sm90 {
 namespace {
 
-struct DeviceInfo {
-  int major = 0;
-  int minor = 0;
-  int num_sms = 0;
-};
-
-std::mutex devices_mutex;
-std::map<int, DeviceInfo> prepared_devices;  // devices whose kernels are prepared
-
-bool FindDevice(int device, DeviceInfo* info) {
-  std::lock_guard<std::mutex> lock(devices_mutex);
-  auto it = prepared_devices.find(device);
-  if (it == prepared_devices.end()) return false;
-  *info = it->second;
-  return true;
-}
-
-std::string CudaErrorText(const char* op, const std::string& what, cudaError_t err) {
-  return std::string(op) + ": " + what + " (" + cudaGetErrorString(err) + ")";
-}
-
-ffi::Error NotHopper(const char* op, int device, const DeviceInfo& info) {
+ffi::Error NotHopper(const char* op, int device, const CudaDeviceFacts& info) {
+  if (info.major == 9) return ffi::Error::Success();
   return ffi::Error::InvalidArgument(std::string(op) + ": needs a compute capability 9.x (Hopper) GPU, but device " +
                                      std::to_string(device) + " has compute capability " + std::to_string(info.major) +
                                      "." + std::to_string(info.minor) +
                                      "; lower without JAX_BLOCKSPARSE_HOPPER=1 to use the portable kernels");
 }
 
-// Reads the device of `stream` and prepares the kernels there, once per device. Never
-// while a stream is capturing: the initialize stage, or execute outside capture.
-ffi::Error PrepareStreamDevice(const char* op, cudaStream_t stream) {
-  // capture-unsafe: begin
-  int current = -1;
-  cudaError_t err = cudaGetDevice(&current);
-  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot read the current device", err));
-  int device = current;
-#if CUDART_VERSION >= 12080
-  err = cudaStreamGetDevice(stream, &device);
-  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot read the stream's device", err));
-#else
-  (void)stream;
-#endif
-  std::lock_guard<std::mutex> lock(devices_mutex);
-  if (prepared_devices.count(device) > 0) return ffi::Error::Success();
-  DeviceInfo info;
-  if ((err = cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess ||
-      (err = cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess ||
-      (err = cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) {
-    return ffi::Error::Internal(
-        CudaErrorText(op, "cannot read the attributes of device " + std::to_string(device), err));
-  }
-  if (info.major != 9) return NotHopper(op, device, info);
-  if (device != current && (err = cudaSetDevice(device)) != cudaSuccess) {
-    return ffi::Error::Internal(CudaErrorText(op, "cannot select device " + std::to_string(device), err));
-  }
-  err = PrepareKernelsSm90();
-  if (err == cudaSuccess) err = jbs::PrepareKernels();  // the Ampere kernels, for the uncovered problems
-  if (device != current) {
-    cudaError_t restore = cudaSetDevice(current);
-    if (err == cudaSuccess) err = restore;
-  }
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(
-        CudaErrorText(op, "cannot prepare the kernels on device " + std::to_string(device), err));
-  }
-  prepared_devices[device] = info;
-  return ffi::Error::Success();
-  // capture-unsafe: end
+// Both kernel families on one device: the sm_90a ones and the Ampere-design ones, which
+// run the problems the sm_90a kernels do not cover.
+cudaError_t PrepareBothFamilies() {
+  cudaError_t err = PrepareKernelsSm90();
+  return err == cudaSuccess ? jbs::PrepareKernels() : err;
 }
 
-// Execute stage: the prepared device's facts (preparing it now if legal).
+// The devices prepared for the Hopper targets (bsmm_cuda_device.h): compute 9.x only.
+PreparedDevices& Devices() {
+  static PreparedDevices devices(&PrepareBothFamilies, &NotHopper);
+  return devices;
+}
+
+using DeviceInfo = CudaDeviceFacts;
+
 ffi::Error RequireDevice(const char* op, cudaStream_t stream, DeviceInfo* info) {
-  int device = -1;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot read the current device", err));
-  if (FindDevice(device, info)) return ffi::Error::Success();
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  err = cudaStreamIsCapturing(stream, &capture);
-  if (err != cudaSuccess) return ffi::Error::Internal(CudaErrorText(op, "cannot query stream capture", err));
-  if (capture != cudaStreamCaptureStatusNone) {
-    return ffi::Error::Internal(std::string(op) + ": the kernels are not prepared on device " + std::to_string(device) +
-                                " and the stream is being captured into a CUDA graph, where preparing them is "
-                                "illegal (XLA did not run this target's initialize stage first)");
-  }
-  if (ffi::Error e = PrepareStreamDevice(op, stream); e.failure()) return e;
-  if (!FindDevice(device, info)) return ffi::Error::Internal(std::string(op) + ": device preparation failed");
-  return ffi::Error::Success();
+  return Devices().Require(op, stream, info);
 }
 
 // A rank-2 buffer [r, c] seen as [c, r] (same data): lets the shared checks read the
@@ -155,20 +99,33 @@ class TransposedView {
   XLA_FFI_Buffer buf_;
 };
 
-ffi::Error LaunchError(const char* op, cudaError_t err, const Operands& shapes) {
-  return ffi::Error::Internal(std::string(op) + ": kernel launch failed (" + cudaGetErrorString(err) + ") for " +
-                              shapes.str());
-}
-
 ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer w,
                    ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
-                   ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> out, bool tf32) {
+                   ffi::AnyBuffer row_slots, ffi::AnyBuffer order, const ffi::AnyBuffer* work,
+                   const ffi::AnyBuffer* work_ptr, ffi::Result<ffi::AnyBuffer> out, bool tf32,
+                   std::string_view variant_name) {
   KernelDtypes dt;
   DsdParams p;
   if (ffi::Error e =
           CheckDsd(op, transpose, a, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order, *out, &dt, &p);
       e.failure()) {
     return e;
+  }
+  if (work != nullptr) {
+    if (ffi::Error e = CheckWorkList(op, *work, *work_ptr, &p); e.failure()) return e;
+  }
+  DsdVariant variant;
+  if (!ParseDsdVariant(variant_name.data(), variant_name.size(), &variant)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": unknown variant '" + std::string(variant_name) +
+                                       "' (cuda/sm90/bsmm_sm90_variants.h names them)");
+  }
+  if (!DsdVariantRuns(variant, dt.in, tf32, p.bs)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": variant '" + std::string(variant_name) + "' does not run " +
+                                       (tf32 ? "tf32" : DtypeName(a.element_type())) + " at block size " +
+                                       std::to_string(p.bs) +
+                                       " (the lowering does not ask for "
+                                       "it: cuda/sm90/bsmm_sm90_variants.h), got " +
+                                       DescribeDsd(a, w, *out).str());
   }
   // With tf32, fprop's w holds transposed blocks: only the TF32 kernel reads them right.
   if (tf32 && dt.in != DType::kF32) {
@@ -194,7 +151,7 @@ ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::Any
     Launch launch;
     launch.stream = stream;
     launch.num_sms = info.num_sms;
-    err = LaunchDsd(dt.in, dt.out_f32, transpose, p, launch);
+    err = LaunchDsd(dt.in, dt.out_f32, transpose, p, launch, variant);
   } else {
     // Also a tf32 problem with no input block or no slot: its output is all zeros, so
     // the orientation of w's blocks does not matter.
@@ -205,18 +162,57 @@ ffi::Error DsdImpl(const char* op, bool transpose, cudaStream_t stream, ffi::Any
   return ffi::Error::Success();
 }
 
+// v1: the five tables and the order; the baseline kernels.
 ffi::Error FpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
                      ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
                      ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> y, bool tf32) {
   return DsdImpl("jbs_bsmm_fprop_sm90", false, stream, x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order,
-                 y, tf32);
+                 nullptr, nullptr, y, tf32, "baseline");
 }
 
 ffi::Error BpropImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
                      ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
                      ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::Result<ffi::AnyBuffer> dx, bool tf32) {
   return DsdImpl("jbs_bsmm_bprop_sm90", true, stream, g, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order,
-                 dx, tf32);
+                 nullptr, nullptr, dx, tf32, "baseline");
+}
+
+// v2: + the layout's work list (col_work / row_work and its pointers) and the `variant` attribute.
+ffi::Error FpropV2Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
+                       ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
+                       ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::AnyBuffer work, ffi::AnyBuffer work_ptr,
+                       ffi::Result<ffi::AnyBuffer> y, bool tf32, std::string_view variant) {
+  return DsdImpl("jbs_bsmm_fprop_sm90", false, stream, x, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order,
+                 &work, &work_ptr, y, tf32, variant);
+}
+
+ffi::Error BpropV2Impl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer w, ffi::AnyBuffer block_rows,
+                       ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
+                       ffi::AnyBuffer row_slots, ffi::AnyBuffer order, ffi::AnyBuffer work, ffi::AnyBuffer work_ptr,
+                       ffi::Result<ffi::AnyBuffer> dx, bool tf32, std::string_view variant) {
+  return DsdImpl("jbs_bsmm_bprop_sm90", true, stream, g, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, order,
+                 &work, &work_ptr, dx, tf32, variant);
+}
+
+// The operands of the v2 DSD targets: those of BindDsd (bsmm_checks.h) with the work list
+// after `order`, then the attributes.
+auto BindDsdV2() {
+  using ffi::AnyBuffer;
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<AnyBuffer>()  // lhs: x [N..., C] (fprop) or g [N..., K] (bprop)
+      .Arg<AnyBuffer>()  // w [cap, bs, bs]
+      .Arg<AnyBuffer>()  // block_rows [cap]
+      .Arg<AnyBuffer>()  // block_cols [cap]
+      .Arg<AnyBuffer>()  // col_ptr [KB + 1]
+      .Arg<AnyBuffer>()  // row_ptr [CB + 1]
+      .Arg<AnyBuffer>()  // row_slots [cap]
+      .Arg<AnyBuffer>()  // order [KB] (fprop) or [CB] (bprop), longest first
+      .Arg<AnyBuffer>()  // work [2 * cap]: col_work (fprop) or row_work (bprop)
+      .Arg<AnyBuffer>()  // work_ptr: col_work_ptr [KB + 1] (fprop) or row_work_ptr [CB + 1] (bprop)
+      .Ret<AnyBuffer>()  // y [N..., K] (fprop) or dx [N..., C] (bprop)
+      .Attr<bool>("tf32")
+      .Attr<std::string_view>("variant");
 }
 
 ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer block_rows,
@@ -266,11 +262,10 @@ ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
     Launch launch;
     launch.stream = stream;
     launch.num_sms = info.num_sms;
-    // Plan for no more SMs than the workspace was sized for (halving keeps it a divisor-
-    // free, monotone search: fewer SMs never need more splits).
+    // Plan for no more SMs than the workspace was sized for: the lowering's workspace says
+    // which updat variant runs (bsmm_sm90_variants.h: the capped one gets a smaller one).
     const size_t have = workspace->size_bytes();
-    int plan_sms = info.num_sms < kPlanSms ? info.num_sms : kPlanSms;
-    while (plan_sms > 1 && SddWorkspaceBytes(dt.in, p, plan_sms, tf32) > have) plan_sms /= 2;
+    const int plan_sms = SddPlanSmsWithin(dt.in, p, have, tf32, info.num_sms);
     if (SddWorkspaceBytes(dt.in, p, plan_sms, tf32) > have) {
       return ffi::Error::InvalidArgument(std::string(op) + ": workspace of " + std::to_string(have) +
                                          " bytes is too small (needs " +
@@ -289,7 +284,9 @@ ffi::Error UpdatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   return ffi::Error::Success();
 }
 
-ffi::Error InitializeImpl(cudaStream_t stream) { return PrepareStreamDevice("jbs_bsmm_sm90 (initialize)", stream); }
+ffi::Error InitializeImpl(cudaStream_t stream) {
+  return Devices().PrepareStreamDevice("jbs_bsmm_sm90 (initialize)", stream);
+}
 
 }  // namespace
 }  // namespace sm90
@@ -303,6 +300,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmFpropSm90, jbs::sm90::FpropImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmBpropSm90, jbs::sm90::BpropImpl,
                               jbs::BindDsd<ffi::PlatformStream<cudaStream_t>>().Attr<bool>("tf32"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmFpropSm90V2, jbs::sm90::FpropV2Impl, jbs::sm90::BindDsdV2(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmBpropSm90V2, jbs::sm90::BpropV2Impl, jbs::sm90::BindDsdV2(),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBsmmUpdatSm90, jbs::sm90::UpdatImpl,
                               jbs::BindSdd<ffi::PlatformStream<cudaStream_t>>()

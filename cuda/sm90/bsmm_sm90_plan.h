@@ -73,6 +73,17 @@ inline size_t SddWorkspaceBytes(DType in, const SddParams& p, int num_sms, bool 
   return static_cast<size_t>(plan::SddWorkspaceElems(pl, p.bs)) * sizeof(float);
 }
 
+// The SM count an updat plans its splits for when its workspace holds `budget` bytes:
+// `start` (the device's SM count, at most kPlanSms), halved until the workspace fits (fewer
+// SMs never need more splits; 1 SM needs no split where there are two slot groups). The
+// handler searches with the workspace it was given; the lowering sizes the capped
+// variant's workspace with kSddCappedWorkspaceBytes and the same search from kPlanSms.
+inline int SddPlanSmsWithin(DType in, const SddParams& p, size_t budget, bool tf32, int start = kPlanSms) {
+  int sms = start < kPlanSms ? start : kPlanSms;
+  while (sms > 1 && SddWorkspaceBytes(in, p, sms, tf32) > budget) sms /= 2;
+  return sms;
+}
+
 }  // namespace sm90
 }  // namespace jbs
 

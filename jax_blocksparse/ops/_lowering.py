@@ -91,9 +91,8 @@ def kernels_selected(platform: str, impl: str, target: str | None = None) -> boo
     cc = _sm90.cuda_compute_capability()
     gate = verified.default_gate()
     sm90 = _sm90.hopper_variant(target)
-    return target in gate.verified_targets(cc) or (
-        sm90 is not None and (sm90 in gate.verified_targets(cc) or _sm90.hopper_env())
-    )
+    verified_here = {_sm90.split_key(key)[0] for key in gate.verified_targets(cc)}  # any variant
+    return target in verified_here or (sm90 is not None and (sm90 in verified_here or _sm90.hopper_env()))
 
 
 # ---------------------------------------------------------------------------------
@@ -110,12 +109,22 @@ _KERNEL_OPERANDS: dict[str, Callable] = {
     "jbs_bsmm_updat": lambda a, b, t: (a, b, *t[:5]),
 }
 
+# Hopper target -> the layout's work list its _v2 FFI target takes after ``order``.
+_SM90_WORK_OPERANDS: dict[str, Callable] = {
+    "jbs_bsmm_fprop_sm90": lambda t: (t.col_work, t.col_work_ptr),
+    "jbs_bsmm_bprop_sm90": lambda t: (t.row_work, t.row_work_ptr),
+}
+
 # Output dtypes a handler can write besides the input dtype.
 _KERNEL_OUT_DTYPES = (np.dtype(np.float32),)
 
 
-def _kernel_call(target: str, out_shape, out_dtype, *operands, precision=None):
+def _kernel_call(key: str, out_shape, out_dtype, *operands, precision=None):
     """jnp function: the FFI custom call on the target's operands, the cast to ``out_dtype``.
+
+    ``key``: a target, or a Hopper target's variant (``_sm90.kernel_key``:
+    "jbs_bsmm_fprop_sm90:stacked"), whose fprop/bprop ``_v2`` FFI targets also take the
+    layout's work list and the ``variant`` attribute.
 
     The sm_90 targets also take the ``tf32`` attribute (float32 on TF32 tensor cores at
     ``precision`` None/DEFAULT/HIGH, with some operands transposed: ops/_sm90.py)."""
@@ -124,6 +133,7 @@ def _kernel_call(target: str, out_shape, out_dtype, *operands, precision=None):
     kernel_dtype = out_dtype if out_dtype in (in_dtype, *_KERNEL_OUT_DTYPES) else np.dtype(np.float32)
     a, b, *tables = operands
     result = jax.ShapeDtypeStruct(tuple(out_shape), kernel_dtype)
+    target, variant = _sm90.split_key(key)
     base = _sm90.BASE_TARGETS.get(target, target)
     ffi_target = targets.target_name(target)
     if base == target:  # a portable target
@@ -139,10 +149,13 @@ def _kernel_call(target: str, out_shape, out_dtype, *operands, precision=None):
             n, c, k = a.shape[1], a.shape[0], b.shape[0]
         else:  # x [n..., C], dy [n..., K]
             n, c, k = int(np.prod(a.shape[:-1], dtype=np.int64)), a.shape[-1], b.shape[-1]
-        ws = _sm90.updat_workspace_bytes(in_dtype, n, (c // bs, k // bs), out_shape[0], bs, tf32=tf32)
+        # The workspace's size is the variant: the handler plans for what it holds.
+        ws = _sm90.updat_workspace_bytes(in_dtype, n, (c // bs, k // bs), out_shape[0], bs, tf32=tf32, variant=variant)
         call = jax.ffi.ffi_call(ffi_target, (result, jax.ShapeDtypeStruct((ws,), np.uint8)))
         return call(*args, tf32=np.bool_(tf32))[0].astype(out_dtype)
-    return jax.ffi.ffi_call(ffi_target, result)(*args, tf32=np.bool_(tf32)).astype(out_dtype)
+    work = _SM90_WORK_OPERANDS[target](LayoutTables(*tables))
+    call = jax.ffi.ffi_call(ffi_target, result)
+    return call(*args, *work, tf32=np.bool_(tf32), variant=variant).astype(out_dtype)
 
 
 def _kernel_rule(name: str):
@@ -192,10 +205,36 @@ def block_fraction(table_avals) -> float:
     return block_rows.shape[-1] / grid if grid else 0.0
 
 
-def kernels_target(platform: str, target: str, dtype, block_size: int, precision) -> str:
-    """The kernel ``impl="kernels"`` runs for ``target``: on CUDA its Hopper variant where that
+def choose_variant(sm90: str, mode: str, block_size: int, fraction: float) -> str:
+    """Which variant of the Hopper target ``sm90`` runs a product (the first of the two
+    decisions; kernel-or-dense comes after, with that variant's crossover):
+
+    * the variant ``JAX_BLOCKSPARSE_SM90_VARIANT`` names for this op (an explicit request,
+      as ``JAX_BLOCKSPARSE_HOPPER=1`` is), where that variant runs this product;
+    * else the crossover table's winner for the layout's block capacity ``fraction``
+      (:func:`jax_blocksparse.crossover.variant_for`), where the gate verified that
+      variant's own key on this GPU (or ``JAX_BLOCKSPARSE_HOPPER=1`` opens the gate);
+    * else the baseline.
+    """
+    forced = _sm90.forced_variant(sm90)
+    if forced is not None:
+        return forced if _sm90.variant_runs(sm90, forced, mode, block_size) else _sm90.BASELINE
+    chosen = crossover.variant_for(
+        "cuda", device_kind("cuda"), sm90, mode, block_size, fraction, family=device_family("cuda")
+    )
+    if chosen is None or chosen == _sm90.BASELINE or not _sm90.variant_runs(sm90, chosen, mode, block_size):
+        return _sm90.BASELINE
+    key = _sm90.kernel_key(sm90, chosen)
+    if _sm90.hopper_env() or verified.default_gate().allows(_sm90.cuda_compute_capability(), key, mode, block_size):
+        return chosen
+    return _sm90.BASELINE
+
+
+def kernels_target(platform: str, target: str, dtype, block_size: int, precision, fraction: float = 1.0) -> str:
+    """The kernel ``impl="kernels"`` runs for ``target``: on CUDA its Hopper target where that
     can run and the Hopper gate is open for this product (the environment variable, or the
-    gate's key), else ``target``."""
+    gate's key), in the variant :func:`choose_variant` picks for a layout of block capacity
+    ``fraction`` (a :func:`_sm90.kernel_key`), else ``target``."""
     if platform != "cuda":
         return target
     sm90 = _sm90.hopper_variant(target)
@@ -203,7 +242,10 @@ def kernels_target(platform: str, target: str, dtype, block_size: int, precision
         return target
     mode = kernel_mode(sm90, dtype, block_size, precision)
     allowed = verified.default_gate().allows(_sm90.cuda_compute_capability(), sm90, mode, block_size)
-    return _sm90.select_target(target, verified=allowed)
+    chosen = _sm90.select_target(target, verified=allowed)
+    if chosen != sm90:
+        return chosen
+    return _sm90.kernel_key(sm90, choose_variant(sm90, mode, block_size, fraction))
 
 
 def auto_choice(platform: str, target: str, ctx, *, block_size: int, precision) -> str | None:
@@ -212,8 +254,11 @@ def auto_choice(platform: str, target: str, ctx, *, block_size: int, precision) 
     reference (no kernel verified for this product's mode and block size).
 
     The candidates are the verified kernels of the product: on CPU ``target``; on CUDA the
-    portable ``target`` and, on an sm_90 GPU, its Hopper variant (also where
-    ``JAX_BLOCKSPARSE_HOPPER=1`` opens it). Each has a crossover density from the table in
+    portable ``target`` and, on an sm_90 GPU, its Hopper target (also where
+    ``JAX_BLOCKSPARSE_HOPPER=1`` opens it) in the variant :func:`choose_variant` picks
+    (a :func:`_sm90.kernel_key`: the gate and the table key each variant on its own; a
+    variant other than the baseline is verified by its own key or asked for by name).
+    Each has a crossover density from the table in
     force (:func:`jax_blocksparse.crossover.crossover_for`; where nothing was measured: 0.5
     on CPU, 0 on a verified GPU, that is the dense product, and 1 for a Hopper kernel the
     environment variable forces). The candidate with the highest crossover runs (the
@@ -229,17 +274,21 @@ def auto_choice(platform: str, target: str, ctx, *, block_size: int, precision) 
         gate = verified.default_gate()
         candidates = []
         sm90 = _sm90.hopper_variant(target)
-        for name in filter(None, (sm90, target)):
-            mode = kernel_mode(name, dtype, block_size, precision)
-            if gate.allows(cc, name, mode, block_size):
-                candidates.append((name, None))
-            elif name == sm90 and _sm90.hopper_env():
-                candidates.append((name, 1.0))  # asked for by name: runs unless the table says otherwise
+        if sm90 is not None:
+            mode = kernel_mode(sm90, dtype, block_size, precision)
+            key = _sm90.kernel_key(sm90, choose_variant(sm90, mode, block_size, fraction))
+            if gate.allows(cc, key, mode, block_size):
+                candidates.append((key, None))
+            elif _sm90.hopper_env() or (key != sm90 and _sm90.forced_variant(sm90) is not None):
+                candidates.append((key, 1.0))  # asked for by name: runs unless the table says otherwise
+        mode = kernel_mode(target, dtype, block_size, precision)
+        if gate.allows(cc, target, mode, block_size):
+            candidates.append((target, None))
     if not candidates:
         return None
     best, best_crossover = None, -1.0
     for name, unmeasured in candidates:
-        mode = kernel_mode(name, dtype, block_size, precision)
+        mode = kernel_mode(_sm90.split_key(name)[0], dtype, block_size, precision)
         found = crossover.crossover_for(platform, kind, name, mode, block_size, family=device_family(platform))
         if found is None:
             found = crossover.UNMEASURED[platform] if unmeasured is None else unmeasured
@@ -315,7 +364,8 @@ def register_lowerings(
                 # precision: the Hopper targets run float32 on TF32 below HIGHEST (ops/_sm90.py).
                 precision, bs = params.get("precision"), params["block_size"]
                 if impl == "kernels":
-                    name = kernels_target(_platform, target, ctx.avals_in[0].dtype, bs, precision)
+                    fraction = block_fraction(ctx.avals_in[2:])
+                    name = kernels_target(_platform, target, ctx.avals_in[0].dtype, bs, precision, fraction)
                 else:
                     name = auto_choice(_platform, target, ctx, block_size=bs, precision=precision)
                 if name == DENSE:

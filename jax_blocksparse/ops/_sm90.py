@@ -15,6 +15,18 @@ What the kernels are, the extension says (:func:`facts`, from the host-only head
 cuda/sm90/bsmm_sm90_plan.h and bsmm_sm90_tf32.h, in every build, a CPU-only one too):
 nothing here restates a C++ constant.
 
+Variants (:func:`variants`; cuda/sm90/bsmm_sm90_variants.h): a Hopper target may hold
+several kernel designs of one product. fprop and bprop emit their ``_v2`` FFI targets,
+which take the layout's flat work list (``col_work``/``col_work_ptr`` for fprop,
+``row_work``/``row_work_ptr`` for bprop) after ``order`` and a string attribute
+``variant``; the ``_v1`` targets stay registered for exported programs. Which variant
+runs is decided before, and apart from, kernel-or-dense (ops/_lowering.py,
+:func:`~jax_blocksparse.ops._lowering.choose_variant`): ``JAX_BLOCKSPARSE_SM90_VARIANT``
+where it names one (:func:`forced_variant`), else the crossover table's winner for the
+layout's block capacity where the gate verified that variant's own key
+(:func:`kernel_key`: ``"jbs_bsmm_fprop_sm90:stacked"``), else the baseline. A variant runs
+only where it can (:func:`variant_runs`); elsewhere the baseline does.
+
 Float32 precision (:func:`use_tf32`): every sm_90 target takes a bool attribute
 ``tf32``. It is true for float32 inputs when the primitive's ``precision`` is None,
 DEFAULT or HIGH, at the block sizes where the target's TF32 kernel is on
@@ -54,6 +66,8 @@ import numpy as np
 from jax_blocksparse import _native, targets
 
 HOPPER_ENV = "JAX_BLOCKSPARSE_HOPPER"
+VARIANT_ENV = "JAX_BLOCKSPARSE_SM90_VARIANT"
+BASELINE = "baseline"
 
 # portable target -> Hopper target, and back.
 SM90_TARGETS = {
@@ -157,6 +171,82 @@ def tf32_operands(base_target: str, a, b):
     raise ValueError(f"tf32_operands: unknown target {base_target!r}")
 
 
+# ---------------------------------------------------------------------------------
+# Variants: which kernel design a Hopper target runs (cuda/sm90/bsmm_sm90_variants.h)
+# ---------------------------------------------------------------------------------
+
+
+def variants(target: str) -> dict[str, dict[str, tuple[int, ...]]]:
+    """The variants of the sm_90 target of ``target`` (a portable or sm_90 target name, or
+    "fprop" / "bprop" / "updat") as the extension reports them: variant -> arithmetic mode
+    -> block sizes it runs. Always ``"baseline"`` (every product of the target); fprop and
+    bprop also ``"stacked"`` (16-bit inputs at blocks 8/16/32). Empty without the
+    extension."""
+    by_variant = facts().get("variants", {}).get(_op(target), {})
+    return {v: {mode: tuple(sizes) for mode, sizes in by_mode.items()} for v, by_mode in by_variant.items()}
+
+
+def variant_runs(target: str, variant: str, mode: str, bs: int) -> bool:
+    """Whether ``variant`` of ``target``'s sm_90 target runs a product of arithmetic
+    ``mode`` ("bfloat16", "float16", "float32", "tf32") at block size ``bs``."""
+    return bs in variants(target).get(variant, {}).get(mode, ())
+
+
+def kernel_key(target: str, variant: str = BASELINE) -> str:
+    """The name of one kernel variant, as the gate and the crossover table key it:
+    ``target`` itself for the baseline, ``"<target>:<variant>"`` for another."""
+    return target if variant == BASELINE else f"{target}:{variant}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """(target, variant) of a :func:`kernel_key`."""
+    target, _, variant = key.partition(":")
+    return target, variant or BASELINE
+
+
+def forced_variant(target: str) -> str | None:
+    """The variant ``JAX_BLOCKSPARSE_SM90_VARIANT`` asks for the sm_90 target of ``target``,
+    or None where it asks nothing. The value is one variant for every op ("stacked") or
+    per op ("fprop=stacked,bprop=baseline"); an op it does not name gets None. Raises
+    ValueError for a name the extension does not know."""
+    raw = os.environ.get(VARIANT_ENV, "").strip()
+    if not raw:
+        return None
+    op = _op(target)
+    known = sorted({v for o in ("fprop", "bprop", "updat") for v in variants(o)}) or [BASELINE]
+    chosen = None
+    for part in (p.strip() for p in raw.split(",") if p.strip()):
+        name, sep, value = part.partition("=")
+        scope, variant = (name.strip(), value.strip()) if sep else (None, name)
+        if scope is not None and scope not in ("fprop", "bprop", "updat"):
+            raise ValueError(f"{VARIANT_ENV}={raw!r}: {scope!r} is not an op (fprop, bprop, updat)")
+        if variant not in known:
+            raise ValueError(f"{VARIANT_ENV}={raw!r}: unknown variant {variant!r}; the extension has {known}")
+        if scope in (None, op):
+            chosen = variant
+    return chosen
+
+
+def variants_summary() -> str:
+    """One line: the Hopper targets' variants besides the baseline, and which one
+    ``JAX_BLOCKSPARSE_SM90_VARIANT`` asks for (for the environment report)."""
+    if not facts():
+        return f"unknown: {_native.load_error() or 'the extension does not report its sm_90 kernels'}"
+    parts = []
+    for op in ("fprop", "bprop", "updat"):
+        for variant, by_mode in sorted(variants(op).items()):
+            if variant != BASELINE:
+                sizes = sorted({bs for s in by_mode.values() for bs in s})
+                parts.append(f"{op} {variant} ({'/'.join(sorted(by_mode))} at blocks {', '.join(map(str, sizes))})")
+    asked = os.environ.get(VARIANT_ENV, "").strip()
+    said = (
+        f"; {VARIANT_ENV}={asked!r}"
+        if asked
+        else f"; {VARIANT_ENV} unset: the crossover table's winners, else the baseline"
+    )
+    return ("; ".join(parts) if parts else "the baseline only") + said
+
+
 def hopper_env() -> bool:
     """Whether ``JAX_BLOCKSPARSE_HOPPER=1`` opens the Hopper gate."""
     return os.environ.get(HOPPER_ENV, "").strip() == "1"
@@ -213,7 +303,15 @@ def select_target(target: str, *, verified: bool = False) -> str:
 
 
 def updat_workspace_bytes(
-    dtype, n: int, grid: tuple[int, int], capacity: int, bs: int, *, tf32: bool = False, num_sms: int | None = None
+    dtype,
+    n: int,
+    grid: tuple[int, int],
+    capacity: int,
+    bs: int,
+    *,
+    tf32: bool = False,
+    num_sms: int | None = None,
+    variant: str = BASELINE,
 ) -> int:
     """Bytes of the updat_sm90 workspace: float32 partials [splits, capacity, bs, bs] when the
     kernel's plan splits the N reduction, else 0 (also for the problems the portable kernels
@@ -223,7 +321,10 @@ def updat_workspace_bytes(
 
     ``dtype``: the input dtype; ``n``: rows of x/dy (product of their leading dims; with
     ``tf32``, the padded rows of x^T/dy^T); ``grid``: (C // bs, K // bs); ``capacity`` and
-    ``bs``: those of dw [capacity, bs, bs]."""
+    ``bs``: those of dw [capacity, bs, bs]; ``variant``: the updat variant ("capped": the
+    reduction split into fewer pieces, so that the workspace is at most
+    ``facts()["updat_capped_workspace_bytes"]``; the handler plans for the SMs the
+    workspace it is given allows, so this size is what selects the variant)."""
     module = _native.module()
     compute = getattr(module, "sm90_updat_workspace_bytes", None)
     if compute is None:
@@ -233,4 +334,6 @@ def updat_workspace_bytes(
         )
     cb, kb = grid
     extra = {} if num_sms is None else {"num_sms": num_sms}
+    if variant != BASELINE:
+        extra["variant"] = variant
     return compute(np.dtype(dtype).name, n, cb, kb, capacity, bs, tf32=tf32, **extra)

@@ -31,13 +31,17 @@ from jax_blocksparse import config
 from jax_blocksparse.ops import _lowering, _sm90
 
 __all__ = [
+    "BASELINE",
     "HOPPER_ENV",
     "KERNELS",
+    "VARIANT_ENV",
     "describe_path",
     "hopper_available",
     "hopper_gate",
+    "hopper_variants",
     "kernels_selected",
     "lowering_platform",
+    "variant_runs",
 ]
 
 #: The short names of the bsmm kernels (forward, input gradient, weight gradient), as
@@ -48,6 +52,33 @@ KERNELS: tuple[str, ...] = tuple(sorted(_lowering.BSMM_TARGETS))
 #: the CUDA lowering pick the sm_90a kernels on a compute capability 9.x GPU before they
 #: are listed as verified (see :func:`hopper_available`).
 HOPPER_ENV: str = _sm90.HOPPER_ENV
+
+#: The environment variable that names the Hopper targets' kernel variant
+#: (``JAX_BLOCKSPARSE_SM90_VARIANT=stacked``, or per op ``fprop=stacked,updat=capped``).
+VARIANT_ENV: str = _sm90.VARIANT_ENV
+
+#: The variant every Hopper target has, which runs where nothing chooses another.
+BASELINE: str = _sm90.BASELINE
+
+
+def hopper_variants(kernel: str | None = None) -> tuple[str, ...]:
+    """The Hopper targets' kernel variants besides the baseline, as the extension reports
+    them: of ``kernel`` ("fprop", "bprop", "updat" or a target name), or of any (None).
+    Empty without an extension built for sm_90a::
+
+        >>> from jax_blocksparse.ops import paths
+        >>> set(paths.hopper_variants()) <= {"stacked", "capped"}
+        True
+    """
+    ops = ("fprop", "bprop", "updat") if kernel is None else (kernel,)
+    return tuple(sorted({v for op in ops for v in _sm90.variants(op)} - {BASELINE}))
+
+
+def variant_runs(kernel: str, variant: str, mode: str, block_size: int) -> bool:
+    """Whether ``variant`` of the Hopper target of ``kernel`` ("fprop", "bprop", "updat" or
+    a target name) runs a product of arithmetic ``mode`` ("bfloat16", "float16", "float32",
+    "tf32") at ``block_size`` (the baseline runs every product)."""
+    return _sm90.variant_runs(kernel, variant, mode, block_size)
 
 
 def lowering_platform(platform: str | None = None) -> str:
@@ -116,11 +147,13 @@ def hopper_available() -> bool:
 
 
 @contextlib.contextmanager
-def hopper_gate(open_: bool):
+def hopper_gate(open_: bool, *, variant: str | None = None):
     """Inside, :data:`HOPPER_ENV` is ``"1"`` (``open_``: the Hopper kernels, verified or
     not, where they can run) or ``"0"`` (the portable kernels only, verified Hopper ones
-    or not); restored after. The gate is read when a program is lowered, so a benchmark
-    lowers each kernel path's programs inside its own setting::
+    or not), and where ``variant`` is given, ``JAX_BLOCKSPARSE_SM90_VARIANT`` names it
+    (the Hopper targets' kernel variant, ops/_sm90.py); restored after. Both are read when
+    a program is lowered, so a benchmark lowers each kernel path's programs inside its own
+    setting::
 
         >>> from jax_blocksparse.ops import paths
         >>> import os
@@ -128,12 +161,16 @@ def hopper_gate(open_: bool):
         ...     os.environ[paths.HOPPER_ENV]
         '0'
     """
-    before = os.environ.get(HOPPER_ENV)
-    os.environ[HOPPER_ENV] = "1" if open_ else "0"
+    settings = {HOPPER_ENV: "1" if open_ else "0"}
+    if variant is not None:
+        settings[_sm90.VARIANT_ENV] = variant
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(HOPPER_ENV, None)
-        else:
-            os.environ[HOPPER_ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

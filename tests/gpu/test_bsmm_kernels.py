@@ -67,6 +67,12 @@ def _layout(kind, bs, seed=0):
         table[nnz:] = rng.integers(0, high, cap - nnz)
         return jnp.asarray(table, jnp.int32)
 
+    def garbage_pairs(work, blocks):  # the work lists' (input block, slot) pairs past nnz
+        pairs = np.asarray(work).reshape(cap, 2).copy()
+        pairs[nnz:, 0] = rng.integers(0, blocks, cap - nnz)
+        pairs[nnz:, 1] = rng.integers(0, cap, cap - nnz)
+        return jnp.asarray(pairs.reshape(-1), jnp.int32)
+
     tables = LayoutTables(
         block_rows=garbage(t.block_rows, grid[0]),
         block_cols=garbage(t.block_cols, grid[1]),
@@ -75,6 +81,10 @@ def _layout(kind, bs, seed=0):
         row_slots=garbage(t.row_slots, cap),
         col_order=t.col_order,
         row_order=t.row_order,
+        col_work=garbage_pairs(t.col_work, grid[0]),
+        col_work_ptr=t.col_work_ptr,
+        row_work=garbage_pairs(t.row_work, grid[1]),
+        row_work_ptr=t.row_work_ptr,
     )
     return mask, Layout(bs, grid, cap, tables)
 

@@ -22,6 +22,8 @@ where it means TF32, with the TF32 tolerance.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,108 @@ def test_sanitizer_subset(bs, op):
     mask, layout = _layout("padded", bs)
     got, want, length = _run(op, layout, mask, jnp.bfloat16, (133,), precision="highest")
     _check(got, want, jnp.bfloat16, length)
+
+
+# The DSD variants other than the baseline (cuda/sm90/bsmm_sm90_variants.h), each asked
+# for by name (JAX_BLOCKSPARSE_SM90_VARIANT): the gate keys their results on their own
+# ("jbs_bsmm_fprop_sm90:stacked": bench/_gate.py reads the ``variant`` parameter).
+VARIANTS = ("stacked",)
+STACKED_BLOCKS = (*PACKED_BLOCKS, 64)
+
+
+def _variant_attr(op, layout, dtype, *, precision):
+    """The ``variant`` attribute of the lowering's Hopper call (None where it has none)."""
+    c, k = layout.shape
+    bs = layout.block_size
+    x = jnp.zeros((8, k if op == "bprop" else c), dtype)
+    w = jnp.zeros((layout.capacity, bs, bs), dtype)
+    fun = lambda x: jbs.bsmm(x, w, layout, transpose=op == "bprop", precision=precision)  # noqa: E731
+    with jbs.config.implementation("kernels"):
+        text = jax.jit(fun).lower(x).as_text()
+    for line in text.splitlines():
+        if f"@{jbs.targets.target_name(f'jbs_bsmm_{op}_sm90')}(" in line:
+            found = re.search(r'variant = "(\w+)"', line)
+            return found.group(1) if found else None
+    return None
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("op", ("fprop", "bprop"))
+@pytest.mark.parametrize("bs", STACKED_BLOCKS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_variant_small_blocks(monkeypatch, dtype, bs, op, kind, variant):
+    monkeypatch.setenv(_sm90.VARIANT_ENV, variant)
+    mask, layout = _layout(kind, bs)
+    assert _variant_attr(op, layout, DTYPES[dtype], precision="highest") == variant
+    got, want, length = _run(op, layout, mask, DTYPES[dtype], (129,), precision="highest")
+    _check(got, want, DTYPES[dtype], length)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", (1, 200, 1000, 5000))
+@pytest.mark.parametrize("bs", STACKED_BLOCKS)
+def test_variant_rows_and_f32_output(monkeypatch, bs, n, variant):
+    # 5000 rows: more tiles than SMs, so both consumer warpgroups of a CTA take tiles in turn.
+    monkeypatch.setenv(_sm90.VARIANT_ENV, variant)
+    mask, layout = _layout("padded", bs)
+    for op in ("fprop", "bprop"):
+        for out_dtype in (jnp.float32, None):
+            got, want, length = _run(op, layout, mask, jnp.bfloat16, (n,), out_dtype=out_dtype, precision="highest")
+            _check(got, want, jnp.bfloat16, length, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("op", ("fprop", "bprop"))
+@pytest.mark.parametrize("bs", (8, 16, 64))
+def test_sanitizer_subset_variant(monkeypatch, bs, op, variant):
+    # Run under compute-sanitizer with test_sanitizer_subset (its -k selects both).
+    monkeypatch.setenv(_sm90.VARIANT_ENV, variant)
+    mask, layout = _layout("padded", bs)
+    got, want, length = _run(op, layout, mask, jnp.bfloat16, (133,), precision="highest")
+    _check(got, want, jnp.bfloat16, length)
+
+
+def _updat_workspace(layout, n, dtype=jnp.bfloat16):
+    """The uint8 workspace bytes of the lowering's updat_sm90 call."""
+    c, k = layout.shape
+    x, dy = jnp.zeros((n, c), dtype), jnp.zeros((n, k), dtype)
+    with jbs.config.implementation("kernels"):
+        text = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, layout, precision="highest")).lower(x, dy).as_text()
+    found = re.findall(r"tensor<(\d+)xui8>", text)
+    return int(found[0]) if found else 0
+
+
+@pytest.mark.parametrize("variant", ("capped",))
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("op", ("updat",))
+@pytest.mark.parametrize("bs", PACKED_BLOCKS + SM90_BLOCKS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_updat_variant(monkeypatch, dtype, bs, op, kind, variant):
+    monkeypatch.setenv(_sm90.VARIANT_ENV, variant)
+    mask, layout = _layout(kind, bs)
+    got, want, length = _run(op, layout, mask, DTYPES[dtype], (5000,), precision="highest")
+    _check(got, want, DTYPES[dtype], length)
+
+
+@pytest.mark.parametrize("variant", ("capped",))
+@pytest.mark.parametrize("op", ("updat",))
+@pytest.mark.parametrize("bs", (64, 128))
+def test_updat_variant_splits_fewer_and_stays_deterministic(monkeypatch, bs, op, variant):
+    # A full 8 x 8 grid and 1000 rows: the baseline's workspace is over the capped budget,
+    # so the capped updat really plans fewer splits (a smaller workspace), and still sums
+    # them in a fixed order.
+    mask = np.ones((8, 8), bool)
+    layout = jbs.Layout.from_mask(mask, bs)
+    baseline = _updat_workspace(layout, 1000)
+    monkeypatch.setenv(_sm90.VARIANT_ENV, variant)
+    capped = _updat_workspace(layout, 1000)
+    budget = _sm90.facts()["updat_capped_workspace_bytes"]
+    assert baseline > budget >= capped > 0
+    got, want, length = _run(op, layout, mask, jnp.bfloat16, (1000,), precision="highest")
+    _check(got, want, jnp.bfloat16, length)
+    again, _, _ = _run(op, layout, mask, jnp.bfloat16, (1000,), precision="highest")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(again))
 
 
 def test_updat_split_is_deterministic():
