@@ -168,3 +168,19 @@ def test_scripts_named_in_the_docs_exist():
         text = page.read_text(encoding="utf-8")
         for path in re.findall(r"(?<![\w/.*-])((?:[\w.-]+/)+[\w.-]+\.(?:sh|py))\b", text):
             assert (ROOT / path).is_file(), f"{page.relative_to(ROOT)} names {path}, which does not exist"
+
+
+def test_the_hopper_model_in_the_docs_is_the_scripts():
+    # The model of the Hopper kernels is written before a GPU times them; the page holds
+    # exactly what bench/hopper_model.py computes from the committed session results.
+    from helpers import load_script
+
+    model = load_script("bench/hopper_model.py")
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "performance.rst").read_text()
+    assert model.table() in page
+    # Stacking wastes no math; the packed baseline multiplies 64 / block times the useful FLOPs.
+    ceil = model.ceilings(model.session_results())
+    for bs in (8, 16, 32):
+        stacked, packed = model.design("stacked", bs, ceil), model.design("packed", bs, ceil)
+        assert stacked["issued"] == stacked["flops"] and packed["issued"] == packed["flops"] * (64 // bs)
+        assert stacked["efficiency"] >= packed["efficiency"]
