@@ -420,3 +420,64 @@ def test_dynamic_methods_continue_from_the_converted_model(method, density, capa
         assert after == before
     # The layout the layer multiplies with is the one dynamic training left: densify agrees.
     np.testing.assert_allclose(jbs.nnx.densify(sparse)(x), sparse(x), rtol=RTOL, atol=ATOL)
+
+
+# ---------------------------------------------------------------------------------
+# Drop-in replacements: the call arguments of the layers they replace
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dense, sparse", [(nnx.Linear, BlockSparseLinear), (nnx.Conv, BlockSparseConv)])
+def test_replacements_take_every_call_argument_of_the_layer_they_replace(dense, sparse):
+    # Against the installed Flax: an argument a new Flax adds fails here, not in a user's model.
+    import inspect
+
+    want = inspect.signature(dense.__call__).parameters
+    got = inspect.signature(sparse.__call__).parameters
+    for name, param in want.items():
+        assert name in got, f"{sparse.__name__}.__call__ lacks {dense.__name__}'s argument {name!r}"
+        assert (got[name].kind, got[name].default) == (param.kind, param.default), name
+    assert list(got)[: len(want)] == list(want)  # the same order, for positional calls
+
+
+class _ShardedMLP(nnx.Module):
+    """An MLP written as Flax's NNX examples write them: products called with out_sharding."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(64, 128, rngs=rngs)
+        self.down = nnx.Linear(128, 64, rngs=rngs)
+
+    def __call__(self, x):
+        from jax.sharding import PartitionSpec as P
+
+        h = jax.nn.relu(self.up(x, out_sharding=P("data", "model")))
+        return self.down(h, out_sharding=P("data", None))
+
+
+@pytest.mark.skipif(
+    tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 10),
+    reason="the products on Explicit mesh axes need jax 0.10: jaxlib 0.8.1 leaves a 'Sharding' custom call "
+    "around the custom_partitioning call that its CPU backend cannot run",
+)
+def test_out_sharding_places_the_result_as_the_dense_layer_does():
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from helpers import cpu_devices
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=cpu_devices(8))
+    model = _ShardedMLP(nnx.Rngs(0))
+    sparse, report = jbs.nnx.sparsify(model, density=1.0, block_size=16)
+    assert all(layer.converted for layer in report.layers)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 64)), jnp.float32)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+
+        @jax.jit
+        def both(x):
+            return model(x), sparse(x), sparse.up(x, out_sharding=P("data", "model"))
+
+        want, got, hidden = both(x)
+    assert got.sharding.spec == want.sharding.spec == P("data", None)
+    assert hidden.sharding.spec == P("data", "model")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

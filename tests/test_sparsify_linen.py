@@ -315,3 +315,29 @@ def test_dense_grads_reach_the_intercepted_layers():
     leaf = jax.tree.leaves(grads)[0]
     want = jbs.from_dense(x.T @ jnp.ones((4, 32)), jbs.Layout.dense((1, 2), 16))
     np.testing.assert_allclose(leaf, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kernel_init",
+    [
+        nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")),
+        nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")),
+    ],
+    ids=["logical", "mesh"],
+)
+def test_boxed_parameters_are_refused_by_path_and_type_and_unboxed_ones_convert(kernel_init):
+    # A parameter structure sparsify cannot read gives its path, the type found and what to
+    # do: never a "shape ()" (the box itself has no shape).
+    class Boxed(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(32)(nn.relu(nn.Dense(64, kernel_init=kernel_init, name="up")(x)))
+
+    model, x = Boxed(), jnp.ones((2, 32))
+    variables = model.init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"'up'.*must be an array, found a flax\.[\w.]*Partitioned.*unbox"):
+        jbs.nn.sparsify(model, variables, x, density=0.5, block_size=16)
+    sparse, sparse_vars, _ = jbs.nn.sparsify(model, nn.unbox(variables), x, density=1.0, block_size=16)
+    np.testing.assert_allclose(
+        np.asarray(sparse.apply(sparse_vars, x)), np.asarray(model.apply(nn.unbox(variables), x)), rtol=1e-5, atol=1e-5
+    )

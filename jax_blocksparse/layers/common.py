@@ -281,3 +281,11 @@ def add_bias(y, bias):
     if bias is None:
         return y
     return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+
+def place_output(y, out_sharding):
+    """``y`` where a call's ``out_sharding`` puts it, as ``flax.nnx.Linear`` and
+    ``flax.nnx.Conv`` do with theirs (the sharding of their product's result, on a mesh
+    with explicit axes): ``jax.sharding.reshard(y, out_sharding)``; None leaves ``y`` as
+    it is. ``out_sharding``: a ``PartitionSpec`` or a ``NamedSharding``."""
+    return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)

@@ -58,6 +58,20 @@ __all__ = [
 KINDS = ("linear", "conv")
 
 
+def _not_an_array(path: str, kind: str, kernel) -> str:
+    """Why a candidate's kernel is refused when it is not an array: the path, the type found
+    and what to do (a metadata box, the usual case, is unboxed first)."""
+    found = f"{type(kernel).__module__}.{type(kernel).__qualname__}"
+    if hasattr(kernel, "unbox"):  # flax.core.meta.AxisMetadata: nn.Partitioned, nn.LogicallyPartitioned, ...
+        todo = (
+            "it is a Flax metadata box (nn.with_partitioning / nn.with_logical_partitioning); pass the unboxed "
+            "variables, flax.linen.unbox(variables), and box the converted ones again if you need the names"
+        )
+    else:
+        todo = "sparsify reads each kernel as a concrete array: pass the variables as arrays"
+    return f"Candidate {path!r}: the {kind} kernel must be an array, found a {found}: {todo}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One dense layer of a model, as an entry point found it.
@@ -90,6 +104,8 @@ class Candidate:
                 f"sparsify needs the model's weights as concrete arrays (the block masks are static), but the "
                 f"kernel of {self.path!r} is traced: call it outside jit/grad"
             )
+        if self.reason is None and not (hasattr(self.kernel, "shape") and hasattr(self.kernel, "dtype")):
+            raise ValueError(_not_an_array(self.path, self.kind, self.kernel))
         ndim = np.ndim(self.kernel)
         # A layer kept dense for another reason may hold any kernel (e.g. stacked by nn.scan).
         if self.reason is None and ((self.kind == "linear" and ndim != 2) or (self.kind == "conv" and ndim < 3)):

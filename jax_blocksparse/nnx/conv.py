@@ -17,7 +17,7 @@ from flax import nnx
 from flax.typing import PrecisionLike
 
 from jax_blocksparse.layers import conv as _core
-from jax_blocksparse.layers.common import check_options
+from jax_blocksparse.layers.common import check_options, place_output
 from jax_blocksparse.layout import Layout
 
 Array = jax.Array
@@ -142,12 +142,17 @@ class BlockSparseConv(nnx.Module):
         """The :class:`~jax_blocksparse.Layout` of the kernel (for ``jbs.conv_to_dense``)."""
         return _core.layout_for(self.mask, self.block_size, self.capacity)
 
-    def __call__(self, inputs: Array) -> Array:
-        """Applies the convolution to ``inputs`` [*batch_dims, *spatial, in_features]."""
+    def __call__(self, inputs: Array, out_sharding=None) -> Array:
+        """Applies the convolution to ``inputs`` [*batch_dims, *spatial, in_features].
+
+        Takes the call arguments of ``flax.nnx.Conv`` (a drop-in replacement):
+        ``out_sharding`` puts the result where ``nnx.Conv`` would (a ``PartitionSpec`` or
+        ``NamedSharding`` on a mesh with explicit axes; None leaves it to the inputs)."""
         layout = self.layout
         _core.check_conv_inputs(inputs, self.in_features, len(self.kernel_size), type(self).__name__, layout)
         bias = self.bias[...] if self.bias is not None else None
-        return _core.apply_layer(self, inputs, self.kernel[...], bias, layout)
+        y = _core.apply_layer(self, inputs, self.kernel[...], bias, layout)
+        return place_output(y, out_sharding)
 
 
 class BlockSparseConvTranspose(nnx.Module):

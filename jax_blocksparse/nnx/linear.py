@@ -140,11 +140,16 @@ class BlockSparseLinear(nnx.Module):
             return unwrap(self.kernel_layout.get_value())[0]
         return _common.layout_for(self.mask, self.block_size, self.capacity)
 
-    def __call__(self, inputs: Array) -> Array:
+    def __call__(self, inputs: Array, out_sharding=None) -> Array:
         """Applies the block-sparse linear map to the last axis of ``inputs``.
+
+        Takes the call arguments of ``flax.nnx.Linear`` (a drop-in replacement).
 
         Args:
           inputs: [..., in_features].
+          out_sharding: where the result goes on a mesh with explicit axes (a
+            ``PartitionSpec`` or ``NamedSharding``), as ``nnx.Linear`` takes it; None
+            leaves it to the inputs.
 
         Returns:
           [..., out_features].
@@ -153,7 +158,7 @@ class BlockSparseLinear(nnx.Module):
         _core.check_inputs(inputs, layout, type(self).__name__)
         bias = self.bias[...] if self.bias is not None else None
         current = self.kernel_layout.get_value() if self.dynamic else None
-        return _core.forward(
+        y = _core.forward(
             inputs,
             self.kernel[...],
             bias,
@@ -165,3 +170,4 @@ class BlockSparseLinear(nnx.Module):
             precision=self.precision,
             impl=self.impl,
         )
+        return _common.place_output(y, out_sharding)
