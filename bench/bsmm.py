@@ -186,7 +186,8 @@ DEFAULTS = dict(
 
 def time_calls(fn, *args, repeats: int, min_time: float = 0.05, max_inner: int = 1000) -> float:
     """Median seconds per call of ``fn(*args)``: calls dispatched back to back, then blocked on
-    (:func:`jax_blocksparse.tune.median_call_time`, what ``tune`` times with).
+    (:func:`jax_blocksparse.tune.median_call_time`: ``tune``'s sampling, whose median a row
+    reports; ``tune`` itself keeps the fastest sample).
 
     This is device time only while a call's host work is shorter than its device work;
     otherwise it is host time (see :func:`time_chain`).
@@ -330,12 +331,6 @@ def measure_bandwidth(device, *, nbytes: int = 1 << 30, repeats: int = 3) -> flo
 _TARGET_RE = re.compile(r'custom_call_target="(\w+)"|stablehlo\.custom_call @(\w+)\(')
 
 
-def hopper_variants() -> list[str]:
-    """The Hopper targets' kernel variants besides the baseline (any op's), as the extension
-    reports them."""
-    return list(paths.hopper_variants())
-
-
 def kernel_paths(device) -> list[str]:
     """The paths to time on ``device``: ["native"] on CPU; on CUDA ["ampere"], plus
     "hopper" (the Hopper targets' baseline) and one ``"hopper:<variant>"`` per other variant
@@ -345,7 +340,7 @@ def kernel_paths(device) -> list[str]:
         return ["native"]
     if not paths.hopper_available():
         return ["ampere"]
-    return ["ampere", "hopper", *(f"hopper:{v}" for v in hopper_variants())]
+    return ["ampere", "hopper", *(f"hopper:{v}" for v in paths.hopper_variants())]
 
 
 def hopper_gate(path: str):

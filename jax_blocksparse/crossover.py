@@ -122,6 +122,20 @@ __all__ = [
 ]
 
 
+def _check_kernel_fields(row, str_fields: tuple[str, ...]) -> None:
+    """The checks a table row's kernel fields share (:class:`Crossover`,
+    :class:`VariantChoice`): ``str_fields`` are strings, ``mode`` one of :data:`MODES`,
+    ``block_size`` a positive int; the errors name the row's class."""
+    what = type(row).__name__
+    for name in str_fields:
+        if not isinstance(getattr(row, name), str):
+            raise TypeError(f"{what}: {name} must be a str, got {getattr(row, name)!r}")
+    if row.mode not in MODES:
+        raise ValueError(f"{what}: mode must be one of {MODES}, got {row.mode!r}")
+    if isinstance(row.block_size, bool) or not isinstance(row.block_size, int) or row.block_size <= 0:
+        raise ValueError(f"{what}: block_size must be a positive int, got {row.block_size!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Crossover:
     """One kernel on one device: above ``crossover`` block density the dense product is faster.
@@ -150,13 +164,7 @@ class Crossover:
     family: str = ""
 
     def __post_init__(self):
-        for name in ("platform", "device_kind", "target", "mode", "source", "family"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"Crossover: {name} must be a str, got {getattr(self, name)!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"Crossover: mode must be one of {MODES}, got {self.mode!r}")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"Crossover: block_size must be a positive int, got {self.block_size!r}")
+        _check_kernel_fields(self, ("platform", "device_kind", "target", "mode", "source", "family"))
         c = self.crossover
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0.0 <= c <= 1.0:
             raise ValueError(f"Crossover: crossover must be a density in [0, 1], got {c!r}")
@@ -204,13 +212,7 @@ class VariantChoice:
     family: str = ""
 
     def __post_init__(self):
-        for name in ("platform", "device_kind", "target", "mode", "variant", "source", "family"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"VariantChoice: {name} must be a str, got {getattr(self, name)!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"VariantChoice: mode must be one of {MODES}, got {self.mode!r}")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"VariantChoice: block_size must be a positive int, got {self.block_size!r}")
+        _check_kernel_fields(self, ("platform", "device_kind", "target", "mode", "variant", "source", "family"))
         if ":" in self.target or not self.variant or ":" in self.variant:
             raise ValueError(
                 f"VariantChoice: target {self.target!r} and variant {self.variant!r} must be plain names (no ':')"

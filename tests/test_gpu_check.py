@@ -756,6 +756,7 @@ def test_bench_paths_lower_to_their_own_targets(bsmm, monkeypatch):
 
     import jax_blocksparse as jbs
     from jax_blocksparse.ops import _sm90
+    from jax_blocksparse.ops import paths as ops_paths
 
     if not _sm90.built_targets():
         pytest.skip("the extension was built without the sm_90 targets")
@@ -766,7 +767,7 @@ def test_bench_paths_lower_to_their_own_targets(bsmm, monkeypatch):
     x = jnp.ones((16, 128), jnp.bfloat16)
     w = jnp.ones(layout.w_shape, jnp.bfloat16)
     W = jnp.ones((128, 128), jnp.bfloat16)
-    paths = ("hopper", "ampere", *(f"hopper:{v}" for v in bsmm.hopper_variants()))
+    paths = ("hopper", "ampere", *(f"hopper:{v}" for v in ops_paths.hopper_variants()))
     assert "hopper:stacked" in paths and "hopper:capped" in paths
     jitted = {path: bsmm.Jitted(2) for path in paths}
     for path in ("hopper", "ampere", "hopper", *paths[2:]):

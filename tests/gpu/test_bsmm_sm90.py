@@ -50,7 +50,8 @@ def _hopper(monkeypatch):
     monkeypatch.setenv(_sm90.HOPPER_ENV, "1")
 
 
-def _lowers_to_sm90(op, layout, dtype, *, precision):
+def _lowered(op, layout, dtype, *, precision):
+    """The StableHLO text of one ``op`` on ``layout`` (8 rows) under ``impl="kernels"``."""
     c, k = layout.shape
     bs = layout.block_size
     x = jnp.zeros((8, k if op == "bprop" else c), dtype)
@@ -60,8 +61,11 @@ def _lowers_to_sm90(op, layout, dtype, *, precision):
         w = jnp.zeros((layout.capacity, bs, bs), dtype)
         fun = lambda x: jbs.bsmm(x, w, layout, transpose=op == "bprop", precision=precision)  # noqa: E731
     with jbs.config.implementation("kernels"):
-        text = jax.jit(fun).lower(x).as_text()
-    return f"@{jbs.targets.target_name(f'jbs_bsmm_{op}_sm90')}(" in text
+        return jax.jit(fun).lower(x).as_text()
+
+
+def _lowers_to_sm90(op, layout, dtype, *, precision):
+    return f"@{jbs.targets.target_name(f'jbs_bsmm_{op}_sm90')}(" in _lowered(op, layout, dtype, precision=precision)
 
 
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
@@ -112,14 +116,7 @@ STACKED_BLOCKS = (*PACKED_BLOCKS, 64)
 
 def _variant_attr(op, layout, dtype, *, precision):
     """The ``variant`` attribute of the lowering's Hopper call (None where it has none)."""
-    c, k = layout.shape
-    bs = layout.block_size
-    x = jnp.zeros((8, k if op == "bprop" else c), dtype)
-    w = jnp.zeros((layout.capacity, bs, bs), dtype)
-    fun = lambda x: jbs.bsmm(x, w, layout, transpose=op == "bprop", precision=precision)  # noqa: E731
-    with jbs.config.implementation("kernels"):
-        text = jax.jit(fun).lower(x).as_text()
-    for line in text.splitlines():
+    for line in _lowered(op, layout, dtype, precision=precision).splitlines():
         if f"@{jbs.targets.target_name(f'jbs_bsmm_{op}_sm90')}(" in line:
             found = re.search(r'variant = "(\w+)"', line)
             return found.group(1) if found else None
