@@ -205,7 +205,7 @@ def test_plan_erk_selection_rules_keep_dense_and_dynamic():
         (dict(norm="max"), ValueError, "norm must be one of"),
         (dict(capacity_factor=0.5), ValueError, "capacity_factor"),
         (dict(dynamic="yes"), TypeError, "dynamic must be a bool"),
-        (dict(selection="largest"), ValueError, "only named rule is 'magnitude'"),
+        (dict(selection="largest"), ValueError, r"named rules are \('magnitude', 'column_balanced'\), got 'largest'"),
         (dict(selection=3), TypeError, "selection must be"),
         (dict(selection={"zz": np.ones((4, 4), bool)}), ValueError, r"selection names \['zz'\]"),
         (dict(selection={"c": np.ones((4, 1), bool)}), ValueError, "stay dense: c"),

@@ -318,26 +318,62 @@ def test_dense_grads_reach_the_intercepted_layers():
 
 
 @pytest.mark.parametrize(
-    "kernel_init",
+    "box, names, block_names, lost",
     [
-        nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")),
-        nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")),
+        (nn.with_logical_partitioning, ("embed", "mlp"), ("mlp", None, None), "input axis ('embed',) unnamed"),
+        (nn.with_partitioning, (None, "model"), ("model", None, None), None),
     ],
     ids=["logical", "mesh"],
 )
-def test_boxed_parameters_are_refused_by_path_and_type_and_unboxed_ones_convert(kernel_init):
-    # A parameter structure sparsify cannot read gives its path, the type found and what to
-    # do: never a "shape ()" (the box itself has no shape).
+def test_boxed_parameters_are_unboxed_converted_and_boxed_again(box, names, block_names, lost):
+    # A kernel in a Flax metadata box converts, comes back in the same box type with the
+    # names its block layout honours, and densify gives the original box back.
     class Boxed(nn.Module):
         @nn.compact
         def __call__(self, x):
-            return nn.Dense(32)(nn.relu(nn.Dense(64, kernel_init=kernel_init, name="up")(x)))
+            up = nn.Dense(64, kernel_init=box(nn.initializers.lecun_normal(), names), name="up")
+            return nn.Dense(32)(nn.relu(up(x)))
 
     model, x = Boxed(), jnp.ones((2, 32))
     variables = model.init(jax.random.key(0), x)
-    with pytest.raises(ValueError, match=r"'up'.*must be an array, found a flax\.[\w.]*Partitioned.*unbox"):
-        jbs.nn.sparsify(model, variables, x, density=0.5, block_size=16)
-    sparse, sparse_vars, _ = jbs.nn.sparsify(model, nn.unbox(variables), x, density=1.0, block_size=16)
-    np.testing.assert_allclose(
-        np.asarray(sparse.apply(sparse_vars, x)), np.asarray(model.apply(nn.unbox(variables), x)), rtol=1e-5, atol=1e-5
+    sparse, sparse_vars, report = jbs.nn.sparsify(
+        model, variables, x, density=1.0, block_size=16, selection="column_balanced"
     )
+    kernel = sparse_vars["params"]["up"]["kernel"]
+    assert type(kernel) is type(variables["params"]["up"]["kernel"])
+    assert kernel.names == block_names and kernel.value.shape == (8, 16, 16)
+    assert nn.get_partition_spec(sparse_vars)["params"]["up"]["kernel"] == jax.sharding.PartitionSpec(*block_names)
+    # A named input axis is dropped (a block is stored whole), and the report says so.
+    assert report.lost_partitioning.get("up", "").startswith(lost or "") and bool(lost) == (
+        "up" in report.lost_partitioning
+    )
+    np.testing.assert_allclose(
+        np.asarray(sparse.apply(sparse_vars, x)), np.asarray(model.apply(variables, x)), rtol=1e-5, atol=1e-5
+    )
+    dense_vars = jbs.nn.densify(sparse, sparse_vars)
+    back = dense_vars["params"]["up"]["kernel"]
+    assert type(back) is type(variables["params"]["up"]["kernel"]) and back.names == names
+    np.testing.assert_array_equal(np.asarray(back.value), np.asarray(variables["params"]["up"]["kernel"].value))
+    # Trained from scratch, the converted layer's kernel comes boxed the same way.
+    fresh = sparse.init(jax.random.key(1), x)
+    assert fresh["params"]["up"]["kernel"].names == block_names
+
+
+def test_unbalanced_layouts_lose_the_output_name_and_the_report_says_why():
+    class Boxed(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            return nn.Dense(64, kernel_init=init, name="up")(x)
+
+    model, x = Boxed(), jnp.ones((2, 32))
+    variables = model.init(jax.random.key(0), x)
+    mask = np.zeros((2, 4), bool)
+    mask[0, :] = mask[1, 0] = True  # column 0 holds two blocks, the others one
+    sparse, sparse_vars, report = jbs.nn.sparsify(
+        model, variables, x, density=0.5, block_size=16, selection={"up": mask}
+    )
+    assert sparse_vars["params"]["up"]["kernel"].names == (None, None, None)
+    why = report.lost_partitioning["up"]
+    assert "input axis ('embed',) unnamed" in why and "output block columns hold 1 to 2 blocks" in why
+    assert "partitioning: input axis" in str(report)

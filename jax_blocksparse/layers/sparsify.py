@@ -36,6 +36,7 @@ import numpy as np
 
 from jax_blocksparse.layers import budgets, select
 from jax_blocksparse.layers.common import StaticMask, layout_for
+from jax_blocksparse.layers.general import FlatLinear
 from jax_blocksparse.layout import Layout, check_block_size
 from jax_blocksparse.ops.conv import conv_from_dense, conv_to_dense
 from jax_blocksparse.ops.matmul import from_dense, to_dense
@@ -45,6 +46,7 @@ __all__ = [
     "LayerReport",
     "LayerSparsity",
     "SparsifyReport",
+    "block_axis_names",
     "block_scores",
     "dense_kernel",
     "non_default",
@@ -86,6 +88,10 @@ class Candidate:
         ``dot_general``, a grouped convolution, ...); None if it can.
       dynamic_reason: why the layer cannot have a dynamic layout (None if it can);
         with ``dynamic=True`` it is converted with a static one.
+      flat: for a linear-like layer whose kernel is [*in_shape, *out_shape]
+        (DenseGeneral, LinearGeneral, an Einsum that is one matrix product), how it
+        flattens to [C, K] (:class:`~jax_blocksparse.layers.general.FlatLinear`);
+        None for a [C, K] or conv kernel.
     """
 
     path: str
@@ -95,6 +101,7 @@ class Candidate:
     bias_size: int = 0
     reason: str | None = None
     dynamic_reason: str | None = None
+    flat: FlatLinear | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -106,7 +113,12 @@ class Candidate:
             )
         if self.reason is None and not (hasattr(self.kernel, "shape") and hasattr(self.kernel, "dtype")):
             raise ValueError(_not_an_array(self.path, self.kind, self.kernel))
-        ndim = np.ndim(self.kernel)
+        if self.reason is None and self.flat is not None and self.shape != self.flat.kernel_shape:
+            raise ValueError(
+                f"Candidate {self.path!r}: the kernel's shape {self.shape} is not {self.flat.kernel_shape}, "
+                f"[*in_shape, *out_shape] of its {self.flat}"
+            )
+        ndim = len(self.matrix_shape)
         # A layer kept dense for another reason may hold any kernel (e.g. stacked by nn.scan).
         if self.reason is None and ((self.kind == "linear" and ndim != 2) or (self.kind == "conv" and ndim < 3)):
             expected = "[C, K]" if self.kind == "linear" else "[*kernel_size, C, K]"
@@ -117,6 +129,17 @@ class Candidate:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(int(s) for s in np.shape(self.kernel))
+
+    @property
+    def matrix_shape(self) -> tuple[int, ...]:
+        """The kernel's shape as the product sees it: [C, K] (flattened for a general
+        layer), or a conv's [*kernel_size, C, K]."""
+        return self.shape if self.flat is None or self.reason is not None else self.flat.features
+
+    @property
+    def matrix(self):
+        """The kernel as :attr:`matrix_shape`."""
+        return self.kernel if self.flat is None else self.flat.flat_kernel(self.kernel)
 
     @property
     def params(self) -> int:
@@ -132,12 +155,15 @@ class LayerSparsity:
       block_size: the block edge.
       capacity: the number of storage slots (None: the mask's block count).
       dynamic: whether the layout is state that dynamic sparse training moves.
+      flat: a general layer's [*in_shape, *out_shape] <-> [C, K] (None for a
+        [C, K] or conv kernel).
     """
 
     mask: StaticMask
     block_size: int
     capacity: int | None = None
     dynamic: bool = False
+    flat: FlatLinear | None = None
 
     @property
     def layout(self) -> Layout:
@@ -164,6 +190,9 @@ class LayerReport:
       reason: why the layer was left dense (None if it was converted).
       note: something else worth saying (e.g. a static layout where a dynamic one
         was asked for), or None.
+      partitioning: for a converted layer whose kernel carried axis names, which
+        names its block kernel could not keep and why (:func:`block_axis_names`);
+        None if it kept them all, or had none.
     """
 
     path: str
@@ -178,6 +207,7 @@ class LayerReport:
     dynamic: bool = False
     reason: str | None = None
     note: str | None = None
+    partitioning: str | None = None
 
     @property
     def converted(self) -> bool:
@@ -216,6 +246,16 @@ class SparsifyReport:
         return {r.path: r.reason for r in self.layers if not r.converted}
 
     @property
+    def lost_partitioning(self) -> dict[str, str]:
+        """``{path: why}`` of the converted layers whose kernel lost axis names."""
+        return {r.path: r.partitioning for r in self.layers if r.partitioning}
+
+    def with_partitioning(self, dropped: Mapping[str, str | None]) -> SparsifyReport:
+        """This report with each layer's dropped axis names (:func:`block_axis_names`)."""
+        rows = tuple(dataclasses.replace(r, partitioning=dropped.get(r.path, r.partitioning)) for r in self.layers)
+        return dataclasses.replace(self, layers=rows)
+
+    @property
     def params_before(self) -> int:
         """Kernel and bias parameters of all listed layers, before."""
         return sum(r.params_before for r in self.layers)
@@ -240,8 +280,9 @@ class SparsifyReport:
             if r.capacity is not None and r.capacity != r.blocks:
                 blocks += f" (capacity {r.capacity})"
             what = f"left dense: {r.reason}" if r.reason else ("dynamic" if r.dynamic else "")
-            if r.note:
-                what = f"{what}; {r.note}" if what else r.note
+            for extra in (r.note, r.partitioning and f"partitioning: {r.partitioning}"):
+                if extra:
+                    what = f"{what}; {extra}" if what else extra
             density = "dense" if r.blocks is None else f"{r.density:.3f}"
             rows.append(
                 (
@@ -363,15 +404,75 @@ def _top_blocks(scores: np.ndarray, count: int) -> np.ndarray:
     return mask.reshape(scores.shape)
 
 
-def sparse_kernel(kernel, layout: Layout):
+def sparse_kernel(kernel, layout: Layout, flat: FlatLinear | None = None):
     """The layout's blocks of a dense kernel: [C, K] -> [capacity, bs, bs], or a conv's
-    [*kernel_size, C, K] -> [capacity, *kernel_size, bs, bs] (padding slots zero)."""
+    [*kernel_size, C, K] -> [capacity, *kernel_size, bs, bs] (padding slots zero).
+    With ``flat``, a general layer's [*in_shape, *out_shape] kernel, flattened first."""
+    if flat is not None:
+        kernel = flat.flat_kernel(kernel)
     return from_dense(kernel, layout) if np.ndim(kernel) == 2 else conv_from_dense(kernel, layout)
 
 
-def dense_kernel(blocks, layout: Layout):
-    """Back from :func:`sparse_kernel`: the dense kernel, zero outside the layout's blocks."""
-    return to_dense(blocks, layout) if np.ndim(blocks) == 3 else conv_to_dense(blocks, layout)
+def dense_kernel(blocks, layout: Layout, flat: FlatLinear | None = None):
+    """Back from :func:`sparse_kernel`: the dense kernel, zero outside the layout's blocks
+    (with ``flat``, in the general layer's [*in_shape, *out_shape])."""
+    kernel = to_dense(blocks, layout) if np.ndim(blocks) == 3 else conv_to_dense(blocks, layout)
+    return kernel if flat is None else flat.general_kernel(kernel)
+
+
+def block_axis_names(names, plan: LayerSparsity) -> tuple[tuple, str | None]:
+    """The axis names of a converted kernel, from the dense kernel's, and why any were dropped.
+
+    ``names`` name the dense kernel's axes (as ``nn.with_partitioning`` /
+    ``nnx.with_partitioning`` give them): [C, K], a conv's [*kernel_size, C, K], or a
+    general layer's [*in_shape, *out_shape]. The converted kernel is [capacity, bs, bs]
+    (a conv's [capacity, *kernel_size, bs, bs]). The rule, so that every name is one
+    the block layout honours:
+
+    * the **capacity axis** takes the output axis's name (a general layer's leading
+      output axis; its other output axes unnamed) when every output block column holds
+      the same number of blocks and there are no padding slots. Slots are stored
+      column by column, so a split of the slots into n equal runs is then a split of
+      the output columns into n groups, as the dense kernel's output axis was split
+      (when KB is a multiple of n). Otherwise it is unnamed (replicated);
+      ``selection="column_balanced"`` keeps the same count in every column.
+    * a conv's **tap axes** keep their names.
+    * the **input axis** and the **block axes** are unnamed: a block is stored whole,
+      so its rows (a split of the contraction) cannot be spread over devices.
+
+    Returns:
+      ``(new_names, dropped)``: the names of the converted kernel's axes, and None
+      if every name of ``names`` was kept, else a sentence saying which were dropped
+      and why.
+    """
+    names = tuple(names)
+    flat = plan.flat
+    n_in = len(flat.in_shape) if flat is not None else 1
+    n_out = len(flat.out_shape) if flat is not None else 1
+    taps = () if flat is not None else names[: len(names) - 2]
+    in_names, out_names = names[len(names) - n_out - n_in : len(names) - n_out], names[len(names) - n_out :]
+    mask = np.asarray(plan.mask)
+    per_column = mask.sum(axis=0)
+    capacity = int(mask.sum()) if plan.capacity is None else plan.capacity
+    balanced = bool((per_column == per_column[0]).all()) and capacity == int(mask.sum())
+    out_name = out_names[0] if out_names else None
+    keep_out = out_name is not None and balanced and all(n is None for n in out_names[1:])
+    new = ((out_name if keep_out else None), *taps, None, None)
+    why = []
+    if any(n is not None for n in in_names):
+        why.append(f"input axis {in_names} unnamed: a block is stored whole, its rows are not split")
+    if any(n is not None for n in out_names) and not keep_out:
+        if not balanced:
+            counts = sorted(set(per_column.tolist()))
+            pad = "" if capacity == int(mask.sum()) else f", {capacity - int(mask.sum())} padding slots"
+            cause = (
+                f"output block columns hold {counts[0]} to {counts[-1]} blocks{pad} "
+                "(selection='column_balanced' evens them)"
+            )
+        else:
+            cause = "only the leading output axis can name the slots"
+        why.append(f"output axis {out_names} unnamed: {cause}")
+    return new, ("; ".join(why) or None)
 
 
 def _check_density(density) -> float:
@@ -399,12 +500,30 @@ def _given_mask(path: str, mask, grid) -> np.ndarray:
     return array
 
 
+def _top_blocks_per_column(scores: np.ndarray, count: int) -> np.ndarray:
+    """bool mask of the largest scores of every output block column, the same number in
+    each: ``count / KB`` rounded to a whole number, at least 1."""
+    kb = scores.shape[1]
+    per_column = min(scores.shape[0], max(1, round(count / kb)))
+    rows = np.argsort(-scores, axis=0, kind="stable")[:per_column]
+    mask = np.zeros(scores.shape, bool)
+    mask[rows, np.arange(kb)[None, :]] = True
+    return mask
+
+
+#: The named selection rules: the largest blocks of the layer, or of every output block
+#: column alike (which keeps a sharding of the output axis, see :func:`block_axis_names`).
+RULES = ("magnitude", "column_balanced")
+
+
 def _select(path: str, rule, scores: np.ndarray, count: int, layer_density: float):
     """The block mask of one layer from its selection rule."""
     if rule is None or (isinstance(rule, str) and rule == "magnitude"):
         return _top_blocks(scores, count)
+    if isinstance(rule, str) and rule == "column_balanced":
+        return _top_blocks_per_column(scores, count)
     if isinstance(rule, str):
-        raise ValueError(f"selection for {path!r}: the only named rule is 'magnitude', got {rule!r}")
+        raise ValueError(f"selection for {path!r}: the named rules are {RULES}, got {rule!r}")
     if callable(rule):
         return _given_mask(path, rule(scores.shape, layer_density), scores.shape)
     return _given_mask(path, rule, scores.shape)
@@ -433,11 +552,13 @@ def plan_sparsity(
       distribution: ``"uniform"`` (every converted layer at ``density``) or
         ``"erk"`` (Erdos-Renyi(-Kernel): small layers denser, the same total).
       selection: which blocks: None or ``"magnitude"`` (the largest norms under the
-        layer's budget, the default); a callable ``fn(grid, density) -> bool mask``
+        layer's budget, the default); ``"column_balanced"`` (the largest norms of
+        every output block column, the same number in each, so a sharded output axis
+        carries over: :func:`block_axis_names`); a callable ``fn(grid, density) -> bool mask``
         (e.g. ``functools.partial(jbs.layouts.random, seed=0)``) called with each
         layer's block grid and budget density; or a mapping ``{path: rule}`` whose
         rules are a bool mask [C // bs, K // bs], such a callable, or
-        ``"magnitude"`` (layers not in it: magnitude). A given mask replaces the
+        a named rule (layers not in it: magnitude). A given mask replaces the
         layer's budget.
       keep_dense: layers to leave dense: a glob pattern on the path, a sequence of
         them, or a callable ``fn(path) -> bool`` (see :func:`path_filter`).
@@ -475,7 +596,7 @@ def plan_sparsity(
         if keep(c.path):
             reasons[c.path] = "keep_dense"
         else:
-            reasons[c.path] = c.reason or shape_reason(c.kind, c.shape, block_size)
+            reasons[c.path] = c.reason or shape_reason(c.kind, c.matrix_shape, block_size)
     unfit = {p: r for p, r in reasons.items() if r is not None and r != "keep_dense"}
     if strict and unfit:
         listed = "; ".join(f"{p}: {r}" for p, r in unfit.items())
@@ -484,10 +605,10 @@ def plan_sparsity(
     converted = [c for c in candidates if reasons[c.path] is None]
     rules = _check_selection(selection, {c.path: reasons[c.path] for c in candidates})
 
-    grids = [(c.shape[-2] // block_size, c.shape[-1] // block_size) for c in converted]
+    grids = [(c.matrix_shape[-2] // block_size, c.matrix_shape[-1] // block_size) for c in converted]
     if converted:
         densities = (budgets.erk_densities if distribution == "erk" else budgets.uniform_densities)(
-            [c.shape for c in converted], density
+            [c.matrix_shape for c in converted], density
         )
         counts = budgets.allocate_blocks(densities, [cb * kb for cb, kb in grids])
     else:
@@ -496,13 +617,13 @@ def plan_sparsity(
     plans, rows = {}, {}
     for c, grid, layer_density, count in zip(converted, grids, densities, counts):
         rule = rules(c.path)
-        mask = _select(c.path, rule, block_scores(c.kernel, block_size, norm), int(count), float(layer_density))
+        mask = _select(c.path, rule, block_scores(c.matrix, block_size, norm), int(count), float(layer_density))
         nnz, total = int(mask.sum()), grid[0] * grid[1]
         is_dynamic = bool(dynamic) and c.dynamic_reason is None
         capacity = min(total, max(nnz, math.ceil(nnz * float(capacity_factor) - 1e-9))) if is_dynamic else None
-        plans[c.path] = LayerSparsity(StaticMask(mask), block_size, capacity, is_dynamic)
+        plans[c.path] = LayerSparsity(StaticMask(mask), block_size, capacity, is_dynamic, c.flat)
         slots = nnz if capacity is None else capacity
-        taps = math.prod(c.shape[:-2])
+        taps = math.prod(c.matrix_shape[:-2])
         note = f"static layout: {c.dynamic_reason}" if dynamic and c.dynamic_reason else None
         rows[c.path] = LayerReport(
             c.path,
@@ -529,8 +650,8 @@ def plan_sparsity(
 def _check_selection(selection, reasons: Mapping[str, str | None]) -> Callable[[str], Any]:
     """The selection argument checked: a function from a converted layer's path to its rule."""
     if selection is None or isinstance(selection, str) or callable(selection):
-        if isinstance(selection, str) and selection != "magnitude":
-            raise ValueError(f"selection: the only named rule is 'magnitude', got {selection!r}")
+        if isinstance(selection, str) and selection not in RULES:
+            raise ValueError(f"selection: the named rules are {RULES}, got {selection!r}")
         return lambda path: selection
     if isinstance(selection, Mapping):
         unknown = [p for p in selection if p not in reasons]

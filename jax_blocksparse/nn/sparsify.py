@@ -15,39 +15,65 @@ core's, :mod:`jax_blocksparse.layers.sparsify`, shared with the NNX entry points
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from types import SimpleNamespace
+from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
+from flax.core import meta
 
 from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import conv as _conv
 from jax_blocksparse.layers import dense as _dense
+from jax_blocksparse.layers import general as _general
 from jax_blocksparse.layers import sparsify as _core
 from jax_blocksparse.nn.dense import LAYOUT_COLLECTION
 
 __all__ = ["SparsifiedModule", "densify", "sparsify"]
 
-_DENSE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(nn.Dense)}
-_CONV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(nn.Conv)}
+#: The linear-like layers the report lists: the first four convert when they fit; the
+#: transposed and unshared-weight convolutions are listed, and left dense.
+LINEAR_LIKE = (nn.Dense, nn.DenseGeneral, nn.Einsum, nn.Conv, nn.ConvTranspose, nn.ConvLocal)
+_CONVERTIBLE = (nn.Dense, nn.DenseGeneral, nn.Einsum, nn.Conv)
+_DEFAULTS = {cls: {f.name: f.default for f in dataclasses.fields(cls)} for cls in _CONVERTIBLE}
+_PRODUCT_OPTIONS = ("dot_general", "dot_general_cls", "promote_dtype", "preferred_element_type")
+_CONV_OPTIONS = ("conv_general_dilated", "conv_general_dilated_cls", "promote_dtype", "preferred_element_type")
 
 
-def _reason(module) -> str | None:
-    """Why a Dense / Conv module cannot be answered by the block-sparse core (None if it can)."""
-    base = nn.Conv if isinstance(module, nn.Conv) else nn.Dense
+def _base(module) -> type | None:
+    """The linear-like Flax class ``module`` is (the first of :data:`LINEAR_LIKE`)."""
+    return next((cls for cls in LINEAR_LIKE if isinstance(module, cls)), None)
+
+
+def _describe(module, kernel_shape, call: Mapping) -> tuple[str, _general.FlatLinear | None, str | None]:
+    """``(kind, flat, reason)`` of a linear-like module seen in a call: "linear" or "conv";
+    how a general layer's kernel flattens to [C, K]; why it cannot be answered by the
+    block-sparse core (None if it can)."""
+    base = _base(module)
+    kind = "linear" if base in (nn.Dense, nn.DenseGeneral, nn.Einsum) else "conv"
+    if base not in _CONVERTIBLE:
+        what = "a transposed convolution" if base is nn.ConvTranspose else "an unshared-weight convolution"
+        return kind, None, f"{what} ({base.__name__}) has no block-sparse counterpart in sparsify"
     if type(module).__call__ is not base.__call__:
-        return f"{type(module).__name__} overrides {base.__name__}.__call__"
-    if base is nn.Dense:
-        names = ("dot_general", "dot_general_cls", "promote_dtype", "preferred_element_type")
-        return _core.non_default(module, _DENSE_DEFAULTS, names)
-    if module.feature_group_count != 1:
-        return f"feature_group_count={module.feature_group_count} (grouped convolution)"
-    if module.mask is not None:
-        return "a kernel mask (mask=...)"
-    names = ("conv_general_dilated", "conv_general_dilated_cls", "promote_dtype", "preferred_element_type")
-    return _core.non_default(module, _CONV_DEFAULTS, names)
+        return kind, None, f"{type(module).__name__} overrides {base.__name__}.__call__"
+    if base is nn.Conv:
+        if module.feature_group_count != 1:
+            return kind, None, f"feature_group_count={module.feature_group_count} (grouped convolution)"
+        if module.mask is not None:
+            return kind, None, "a kernel mask (mask=...)"
+        return kind, None, _core.non_default(module, _DEFAULTS[base], _CONV_OPTIONS)
+    reason = _core.non_default(module, _DEFAULTS[base], _PRODUCT_OPTIONS)
+    if reason or base is nn.Dense or kernel_shape is None:
+        return kind, None, reason
+    if base is nn.DenseGeneral:
+        flat, reason = _general.dense_general_shape(kernel_shape, module.axis, module.batch_dims, call["ndim"])
+    else:
+        bias_shape = call["bias_shape"] if module.use_bias else None
+        flat, reason = _general.einsum_shape(call["einsum_str"] or "", kernel_shape, bias_shape)
+    return kind, flat, reason and f"not one matrix product: {reason}"
 
 
 def _lookup(tree, path: tuple[str, ...]):
@@ -102,11 +128,14 @@ class SparsifiedModule:
       module: the linen module, as given.
       layers: ``((module path, LayerSparsity), ...)``: the converted layers.
       impl: the products' ``impl`` (None: :mod:`jax_blocksparse.config`'s default).
+      dense_names: ``((module path, names), ...)``: the axis names of the dense
+        kernels that came boxed (``nn.with_partitioning``), for :func:`densify`.
     """
 
     module: nn.Module
     layers: tuple[tuple[tuple[str, ...], _core.LayerSparsity], ...]
     impl: str | None = None
+    dense_names: tuple[tuple[tuple[str, ...], tuple], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "_by_path", dict(self.layers))
@@ -137,29 +166,65 @@ class SparsifiedModule:
 
     def _interceptor(self, next_fun, args, kwargs, context):
         module = context.module
-        if context.method_name != "__call__" or not isinstance(module, (nn.Dense, nn.Conv)):
+        if context.method_name != "__call__" or not isinstance(module, _CONVERTIBLE):
             return next_fun(*args, **kwargs)
         plan = self._by_path.get(tuple(module.path))
         if plan is None:
             return next_fun(*args, **kwargs)
-        (inputs,) = args if args else (kwargs["inputs"],)
+        inputs, call = _call_arguments(module, args, kwargs)
         name = f"{type(module).__name__} at {'/'.join(module.path)!r}"
         precision, impl = _common.check_options(module.precision, self.impl, name)
         if isinstance(module, nn.Conv):
             return _conv_call(module, plan, inputs, name, precision, impl)
-        return _dense_call(module, plan, inputs, name, precision, impl)
+        return _dense_call(module, plan, inputs, call, name, precision, impl)
 
 
-def _dense_call(module: nn.Dense, plan: _core.LayerSparsity, inputs, name, precision, impl):
-    """``nn.Dense.__call__`` on the stored blocks: the block-sparse dense layer's forward pass."""
-    layout = plan.layout
-    if module.features != layout.shape[1]:
-        raise ValueError(f"{name}: features={module.features}, but its block mask has {layout.shape[1]} outputs")
+def _call_arguments(module, args, kwargs) -> tuple[Any, dict]:
+    """A linear-like call's inputs, and what else the conversion reads of the call: the
+    inputs' rank, and an Einsum's equation (the call's, else the module's)."""
+    bound = inspect.signature(type(module).__call__).bind(module, *args, **kwargs)
+    inputs = bound.arguments["inputs"]
+    call = {"ndim": len(np.shape(inputs)), "einsum_str": None, "bias_shape": None}
+    if isinstance(module, nn.Einsum):
+        given = bound.arguments.get("einsum_str")
+        call["einsum_str"] = (given if given is not None else module.einsum_str or "").replace(" ", "")
+    return inputs, call
+
+
+def _boxed_like(value, init, key, shape, dtype, plan: _core.LayerSparsity):
+    """``value`` in the box the layer's ``init`` makes (``nn.with_partitioning`` and the
+    like), with the names the block kernel keeps; ``value`` itself if ``init`` boxes nothing."""
+    box = jax.eval_shape(lambda k: init(k, shape, dtype), key)
+    return _rebox(box, value, plan)[0] if isinstance(box, meta.AxisMetadata) else value
+
+
+def _dense_call(module, plan: _core.LayerSparsity, inputs, call, name, precision, impl):
+    """``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Einsum.__call__`` on the stored blocks:
+    the block-sparse dense layer's forward pass (a general layer's axes flattened)."""
+    layout, flat = plan.layout, plan.flat
+    if flat is None:
+        out_shape = (module.features,)
+        if module.features != layout.shape[1]:
+            raise ValueError(f"{name}: features={module.features}, but its block mask has {layout.shape[1]} outputs")
+    else:
+        out_shape = flat.out_shape
+        seen = _describe(module, flat.kernel_shape, call)[1]
+        if seen != flat:
+            raise ValueError(f"{name}: this call contracts as {seen}, but the layer was sparsified as {flat}")
+        inputs = flat.flat_inputs(inputs, name)
     _dense.check_inputs(inputs, layout, name)
-    kernel = module.param("kernel", lambda key: _common.init_kernel(None, key, layout, plan.mask, module.param_dtype))
-    bias = module.param("bias", module.bias_init, (module.features,), module.param_dtype) if module.use_bias else None
+    dense_shape = flat.kernel_shape if flat is not None else layout.shape
+
+    def init(key):
+        blocks = _common.init_kernel(None, key, layout, plan.mask, module.param_dtype)
+        return _boxed_like(blocks, module.kernel_init, key, dense_shape, module.param_dtype, plan)
+
+    kernel = module.param("kernel", init)
+    bias = module.param("bias", module.bias_init, out_shape, module.param_dtype) if module.use_bias else None
+    if flat is not None:
+        bias = flat.flat_bias(bias, name)
     current = module.variable(LAYOUT_COLLECTION, "kernel", lambda: layout).value if plan.dynamic else None
-    return _dense.forward(
+    y = _dense.forward(
         inputs,
         kernel,
         bias,
@@ -171,6 +236,7 @@ def _dense_call(module: nn.Dense, plan: _core.LayerSparsity, inputs, name, preci
         precision=precision,
         impl=impl,
     )
+    return y if flat is None else flat.general_outputs(y)
 
 
 def _conv_call(module: nn.Conv, plan: _core.LayerSparsity, inputs, name, precision, impl):
@@ -201,24 +267,47 @@ def _conv_call(module: nn.Conv, plan: _core.LayerSparsity, inputs, name, precisi
     return _conv.apply_layer(attributes, inputs, kernel, bias, layout)
 
 
-def _record(module: nn.Module, variables, args, apply_kwargs) -> list[tuple[tuple[str, ...], nn.Module, tuple]]:
-    """[(path, module, kernel shape seen)] of every Dense / Conv call of one (abstract) apply."""
+def _record(module: nn.Module, variables, args, apply_kwargs) -> list[tuple[tuple[str, ...], nn.Module, tuple, dict]]:
+    """[(path, module, kernel shape seen, call)] of every linear-like call of one
+    (abstract) apply; ``call`` as :func:`_call_arguments` reads it."""
     seen = {}
 
     def recorder(next_fun, call_args, call_kwargs, context):
         m = context.module
-        if context.method_name == "__call__" and isinstance(m, (nn.Dense, nn.Conv)):
+        if context.method_name == "__call__" and isinstance(m, LINEAR_LIKE):
             path = tuple(m.path)
             if path not in seen:
+                _, call = _call_arguments(m, call_args, call_kwargs)
+                seen[path] = (m, call)
+            out = next_fun(*call_args, **call_kwargs)
+            m_, call = seen[path]
+            if "kernel" not in call:  # the variables exist once the call has run (init creates them)
                 kernel = m.get_variable("params", "kernel") if m.has_variable("params", "kernel") else None
-                seen[path] = (m, None if kernel is None else tuple(np.shape(kernel)))
+                bias = m.get_variable("params", "bias") if m.has_variable("params", "bias") else None
+                call["kernel"] = None if kernel is None else tuple(np.shape(kernel))
+                call["bias_shape"] = None if bias is None else tuple(np.shape(bias))
+            return out
         return next_fun(*call_args, **call_kwargs)
 
     kwargs = dict(apply_kwargs)
     kwargs.setdefault("mutable", True)  # a model that updates batch statistics runs too
     with nn.intercept_methods(recorder):
         jax.eval_shape(lambda v: module.apply(v, *args, **kwargs), variables)
-    return [(path, m, shape) for path, (m, shape) in seen.items()]
+    return [(path, m, call.pop("kernel", None), call) for path, (m, call) in seen.items()]
+
+
+def _rebox(box, value, plan: _core.LayerSparsity, names=None) -> tuple[Any, str | None]:
+    """``value`` in a box of ``box``'s type: a box with axis names (``nn.Partitioned``,
+    ``nn.LogicallyPartitioned``) gets the block kernel's names from
+    :func:`~jax_blocksparse.layers.sparsify.block_axis_names` (or ``names`` where
+    given: densify's way back), any other ``AxisMetadata`` its own metadata. Returns
+    the box and the names dropped (None if none was)."""
+    if not (dataclasses.is_dataclass(box) and "names" in {f.name for f in dataclasses.fields(box)}):
+        return box.replace_boxed(value), None
+    dropped = None
+    if names is None:
+        names, dropped = _core.block_axis_names(box.names, plan)
+    return dataclasses.replace(box, value=value, names=tuple(names)), dropped
 
 
 def sparsify(
@@ -305,15 +394,15 @@ def sparsify(
         raise TypeError(f"module must be a flax.linen.Module, got {type(module).__name__}")
     if not isinstance(variables, Mapping) or "params" not in variables:
         raise TypeError("variables must be the module's variables, a mapping with a 'params' collection")
-    params = variables["params"]
+    boxed_params = variables["params"]
+    params = meta.unbox(boxed_params)  # nn.Partitioned / nn.LogicallyPartitioned / any AxisMetadata: arrays
     candidates, paths = [], {}
-    for path, m, seen_shape in _record(module, variables, args, apply_kwargs or {}):
+    for path, m, seen_shape, call in _record(module, {**variables, "params": params}, args, apply_kwargs or {}):
         name = "/".join(path)
         entry = _lookup(params, path)
         entry = entry if isinstance(entry, Mapping) else {}
         kernel, bias = entry.get("kernel"), entry.get("bias")
-        kind = "conv" if isinstance(m, nn.Conv) else "linear"
-        reason = _reason(m)
+        kind, flat, reason = _describe(m, seen_shape, call)
         if kernel is None or tuple(np.shape(kernel)) != seen_shape:
             found = "none" if kernel is None else f"shape {tuple(np.shape(kernel))}"
             reason = reason or (
@@ -330,6 +419,7 @@ def sparsify(
                 0 if bias is None else int(np.size(bias)),
                 reason,
                 dynamic_reason="conv layers have no dynamic layout" if kind == "conv" else None,
+                flat=None if reason else flat,
             )
         )
         paths[name] = path
@@ -346,13 +436,20 @@ def sparsify(
         strict=strict,
     )
     new_variables = dict(variables)
+    dropped, dense_names = {}, []
     for name, plan in plans.items():
         path = paths[name] + ("kernel",)
-        kernel = _core.sparse_kernel(_lookup(params, path), plan.layout)
+        kernel = _core.sparse_kernel(_lookup(params, path), plan.layout, plan.flat)
+        box = _lookup(boxed_params, path)
+        if isinstance(box, meta.AxisMetadata):
+            kernel, dropped[name] = _rebox(box, kernel, plan)
+            dense_names.append((paths[name], tuple(getattr(box, "names", ()) or ())))
         new_variables["params"] = _with(new_variables["params"], path, kernel)
         if plan.dynamic:
             new_variables[LAYOUT_COLLECTION] = _with(new_variables.get(LAYOUT_COLLECTION), path, plan.layout)
-    sparse = SparsifiedModule(module, tuple((paths[name], plan) for name, plan in plans.items()), impl)
+    layers = tuple((paths[name], plan) for name, plan in plans.items())
+    sparse = SparsifiedModule(module, layers, impl, tuple(dense_names))
+    report = report.with_partitioning(dropped)
     return sparse, new_variables, report
 
 
@@ -370,6 +467,7 @@ def densify(sparse: SparsifiedModule, variables):
     if not isinstance(variables, Mapping) or "params" not in variables:
         raise TypeError("variables must be a mapping with a 'params' collection")
     variables = dict(variables)
+    dense_names = dict(sparse.dense_names)
     for path, plan in sparse.layers:
         entry = _lookup(variables["params"], path)
         if not isinstance(entry, Mapping) or "kernel" not in entry:
@@ -383,9 +481,11 @@ def densify(sparse: SparsifiedModule, variables):
                 )
             layout = current
             variables[LAYOUT_COLLECTION] = _without(variables[LAYOUT_COLLECTION], path + ("kernel",))
-        variables["params"] = _with(
-            variables["params"], path + ("kernel",), _core.dense_kernel(entry["kernel"], layout)
-        )
+        box = entry["kernel"]
+        kernel = _core.dense_kernel(meta.unbox(box), layout, plan.flat)
+        if isinstance(box, meta.AxisMetadata):  # the dense kernel's own box and names back
+            kernel = _rebox(box, kernel, plan, dense_names.get(path))[0]
+        variables["params"] = _with(variables["params"], path + ("kernel",), kernel)
     if LAYOUT_COLLECTION in variables and not variables[LAYOUT_COLLECTION]:
         del variables[LAYOUT_COLLECTION]
     return variables

@@ -12,6 +12,7 @@ from flax.typing import PrecisionLike
 
 from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import dense as _core
+from jax_blocksparse.layers.general import FlatLinear, einsum_shape
 from jax_blocksparse.layout import Layout
 from jax_blocksparse.ops.probe import unwrap
 
@@ -154,11 +155,15 @@ class BlockSparseLinear(nnx.Module):
         Returns:
           [..., out_features].
         """
+        bias = self.bias[...] if self.bias is not None else None
+        return _common.place_output(self._product(inputs, bias), out_sharding)
+
+    def _product(self, inputs: Array, bias) -> Array:
+        """[..., in_features] @ the kernel + ``bias`` ([out_features] or None)."""
         layout = _common.layout_for(self.mask, self.block_size, self.capacity)
         _core.check_inputs(inputs, layout, type(self).__name__)
-        bias = self.bias[...] if self.bias is not None else None
         current = self.kernel_layout.get_value() if self.dynamic else None
-        y = _core.forward(
+        return _core.forward(
             inputs,
             self.kernel[...],
             bias,
@@ -170,4 +175,102 @@ class BlockSparseLinear(nnx.Module):
             precision=self.precision,
             impl=self.impl,
         )
-        return _common.place_output(y, out_sharding)
+
+
+def _as_tuple(features) -> tuple[int, ...]:
+    return tuple(int(f) for f in features) if isinstance(features, (tuple, list)) else (int(features),)
+
+
+class BlockSparseLinearGeneral(BlockSparseLinear):
+    """``flax.nnx.LinearGeneral`` over the inputs' trailing axes, with a block-sparse kernel.
+
+    The kernel [*in_features, *out_features] is the [C, K] matrix of
+    :class:`BlockSparseLinear` with ``C = prod(in_features)`` and
+    ``K = prod(out_features)`` (:class:`~jax_blocksparse.layers.general.FlatLinear`):
+    ``mask`` is its block mask, ``kernel`` its stored blocks [capacity, bs, bs]. The
+    bias keeps the shape [*out_features]. Inputs [..., *in_features] give
+    [..., *out_features], as ``nnx.LinearGeneral(in_features, out_features,
+    axis=(-len(in_features), ..., -1))`` does. :func:`jax_blocksparse.nnx.sparsify`
+    makes one of every ``nnx.LinearGeneral`` that fits (the projections of
+    ``nnx.MultiHeadAttention``).
+
+    Example::
+
+        >>> import numpy as np, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from jax_blocksparse.nnx import BlockSparseLinearGeneral
+        >>> mask = np.eye(4, dtype=bool)                          # [64 / 16, (4 * 16) / 16]
+        >>> layer = BlockSparseLinearGeneral(64, (4, 16), mask, 16, rngs=nnx.Rngs(0))
+        >>> layer(jnp.ones((2, 8, 64))).shape, layer.bias.shape
+        ((2, 8, 4, 16), (4, 16))
+
+    Args:
+      in_features: the contracted axes' sizes (an int or a tuple).
+      out_features: the output axes' sizes (an int or a tuple).
+      mask, block_size, ...: as :class:`BlockSparseLinear`, for the [C, K] matrix.
+    """
+
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        mask: Any,
+        block_size: int,
+        *,
+        bias_init: Initializer = nnx.initializers.zeros_init(),
+        **kwargs,
+    ):
+        flat = FlatLinear(_as_tuple(in_features), _as_tuple(out_features))
+        # The bias is drawn in its own shape, [*out_features], not the flattened [K].
+        super().__init__(
+            *flat.features,
+            mask,
+            block_size,
+            bias_init=lambda key, _, dtype: bias_init(key, flat.out_shape, dtype),
+            **kwargs,
+        )
+        self.flat = flat
+        self.in_features, self.out_features = flat.in_shape, flat.out_shape
+        self.axis = tuple(range(-len(flat.in_shape), 0))
+
+    def __call__(self, inputs: Array, out_sharding=None) -> Array:
+        """[..., *in_features] -> [..., *out_features]; ``out_sharding`` as ``nnx.LinearGeneral`` takes it."""
+        name = type(self).__name__
+        bias = self.flat.flat_bias(self.bias[...], name) if self.bias is not None else None
+        y = self._product(self.flat.flat_inputs(inputs, name), bias)
+        return _common.place_output(self.flat.general_outputs(y), out_sharding)
+
+
+class BlockSparseEinsum(BlockSparseLinearGeneral):
+    """``flax.nnx.Einsum`` with a block-sparse kernel, for an equation that is one matrix product.
+
+    ``einsum_str`` must read ``<batch><contracted>,<contracted><features>-><batch><features>``
+    (:func:`~jax_blocksparse.layers.general.einsum_shape`), e.g. ``"btd,dnh->btnh"``;
+    the layer is then a :class:`BlockSparseLinearGeneral` from the contracted axes to
+    the features. ``bias_shape`` (None: no bias) must be the features' shape.
+
+    Args:
+      einsum_str: the equation.
+      kernel_shape: the kernel's shape, as ``nnx.Einsum`` takes it.
+      bias_shape: the bias's shape, or None.
+      mask, block_size, ...: as :class:`BlockSparseLinear`, for the flattened [C, K] matrix.
+    """
+
+    def __init__(self, einsum_str: str, kernel_shape, bias_shape, mask: Any, block_size: int, **kwargs):
+        flat, reason = einsum_shape(einsum_str, kernel_shape, bias_shape)
+        if reason:
+            raise ValueError(f"{type(self).__name__}: einsum_str {einsum_str!r} is not one matrix product: {reason}")
+        super().__init__(flat.in_shape, flat.out_shape, mask, block_size, use_bias=bias_shape is not None, **kwargs)
+        self.einsum_str = einsum_str.replace(" ", "")
+        self.kernel_shape = flat.kernel_shape
+        self.bias_shape = None if bias_shape is None else flat.out_shape
+
+    def __call__(self, inputs: Array, einsum_str: str | None = None, out_sharding=None) -> Array:
+        """``inputs`` contracted as ``einsum_str`` says (None: the layer's), which must be the
+        same product; ``out_sharding`` as ``nnx.Einsum`` takes it."""
+        if einsum_str is not None and einsum_shape(einsum_str, self.kernel_shape, self.bias_shape)[0] != self.flat:
+            raise ValueError(
+                f"{type(self).__name__}: einsum_str {einsum_str!r} is not the product {self.einsum_str!r} "
+                f"the layer was built for ({self.flat})"
+            )
+        return super().__call__(inputs, out_sharding)

@@ -14,12 +14,17 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 
+import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jax_blocksparse.layers import general as _general
 from jax_blocksparse.layers import sparsify as _core
+from jax_blocksparse.layers.general import FlatLinear
 from jax_blocksparse.nnx.conv import BlockSparseConv
-from jax_blocksparse.nnx.linear import BlockSparseLinear
+from jax_blocksparse.nnx.linear import BlockSparseEinsum, BlockSparseLinear, BlockSparseLinearGeneral
 
 __all__ = ["densify", "sparsify"]
 
@@ -28,26 +33,52 @@ def _defaults(cls) -> dict:
     return {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items()}
 
 
+#: The linear-like layers the report lists; the transposed convolution is listed and
+#: left dense.
+LINEAR_LIKE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv, nnx.ConvTranspose)
+_CONVERTIBLE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv)
 # What a layer built with the defaults holds; a layer with another value computes
 # something the block-sparse layer does not.
-_LINEAR_DEFAULTS = _defaults(nnx.Linear)
-_CONV_DEFAULTS = _defaults(nnx.Conv)
+_DEFAULTS = {cls: _defaults(cls) for cls in _CONVERTIBLE}
+_OPTIONS = {
+    nnx.Linear: ("dot_general", "promote_dtype", "preferred_element_type"),
+    nnx.LinearGeneral: ("dot_general", "dot_general_cls", "promote_dtype", "preferred_element_type"),
+    nnx.Einsum: ("einsum_op", "promote_dtype", "preferred_element_type"),
+    nnx.Conv: ("conv_general_dilated", "promote_dtype", "preferred_element_type"),
+}
 
 
-def _linear_reason(layer: nnx.Linear) -> str | None:
-    if type(layer).__call__ is not nnx.Linear.__call__:
-        return f"{type(layer).__name__} overrides nnx.Linear.__call__"
-    return _core.non_default(layer, _LINEAR_DEFAULTS, ("dot_general", "promote_dtype", "preferred_element_type"))
-
-
-def _conv_reason(layer: nnx.Conv) -> str | None:
-    if type(layer).__call__ is not nnx.Conv.__call__:
-        return f"{type(layer).__name__} overrides nnx.Conv.__call__"
-    if layer.feature_group_count != 1:
-        return f"feature_group_count={layer.feature_group_count} (grouped convolution)"
-    if layer.mask is not None:
-        return "a kernel mask (mask=...)"
-    return _core.non_default(layer, _CONV_DEFAULTS, ("conv_general_dilated", "promote_dtype", "preferred_element_type"))
+def _describe(layer) -> tuple[str, FlatLinear | None, str | None]:
+    """``(kind, flat, reason)`` of a linear-like layer: "linear" or "conv"; how a general
+    layer's kernel flattens to [C, K]; why it stays dense (None if it can convert)."""
+    base = next(cls for cls in LINEAR_LIKE if isinstance(layer, cls))
+    kind = "conv" if base in (nnx.Conv, nnx.ConvTranspose) else "linear"
+    if base is nnx.ConvTranspose:
+        return kind, None, "a transposed convolution (ConvTranspose) has no block-sparse counterpart in sparsify"
+    if type(layer).__call__ is not base.__call__:
+        return kind, None, f"{type(layer).__name__} overrides nnx.{base.__name__}.__call__"
+    if base is nnx.Conv:
+        if layer.feature_group_count != 1:
+            return kind, None, f"feature_group_count={layer.feature_group_count} (grouped convolution)"
+        if layer.mask is not None:
+            return kind, None, "a kernel mask (mask=...)"
+    reason = _core.non_default(layer, _DEFAULTS[base], _OPTIONS[base])
+    shape = tuple(np.shape(layer.kernel[...]))
+    stacked = len(shape) != (2 if base is nnx.Linear else len(shape)) or (
+        base is nnx.Conv and len(shape) != len(layer.kernel_size) + 2
+    )
+    if reason is None and stacked:
+        reason = f"its kernel {shape} is stacked (a layer created under nnx.vmap, for nnx.scan)"
+    if reason or base in (nnx.Linear, nnx.Conv):
+        return kind, None, reason
+    if base is nnx.LinearGeneral:
+        flat, reason = _general.dense_general_shape(shape, layer.axis, tuple(layer.batch_axis))
+    elif layer.einsum_str is None:
+        flat, reason = None, "its equation is given at call time (einsum_str=None)"
+    else:
+        bias_shape = None if layer.bias is None else tuple(np.shape(layer.bias[...]))
+        flat, reason = _general.einsum_shape(layer.einsum_str, shape, bias_shape)
+    return kind, flat, reason and f"not one matrix product: {reason}"
 
 
 def _path(parts) -> str:
@@ -55,21 +86,21 @@ def _path(parts) -> str:
 
 
 def _candidates(model):
-    """[(Candidate, layer)] for every nnx.Linear / nnx.Conv of the model, in graph order."""
+    """[(Candidate, layer)] for every linear-like layer of the model, in graph order."""
     found = []
     for parts, node in nnx.iter_graph(model):
-        if isinstance(node, (nnx.Linear, nnx.Conv)):
-            conv = isinstance(node, nnx.Conv)
-            reason = _conv_reason(node) if conv else _linear_reason(node)
+        if isinstance(node, LINEAR_LIKE):
+            kind, flat, reason = _describe(node)
             bias = 0 if node.bias is None else int(np.size(node.bias[...]))
             candidate = _core.Candidate(
                 _path(parts),
-                "conv" if conv else "linear",
+                kind,
                 type(node).__name__,
                 node.kernel[...],
                 bias,
                 reason,
-                dynamic_reason="BlockSparseConv has no dynamic layout" if conv else None,
+                dynamic_reason="BlockSparseConv has no dynamic layout" if kind == "conv" else None,
+                flat=flat,
             )
             found.append((candidate, node))
     return found
@@ -117,13 +148,46 @@ def _constant(value):
     return lambda *_: value
 
 
+#: The metadata keys under which a Flax version keeps a variable's axis names.
+_SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
+#: Where a converted kernel keeps the dense kernel's names, for densify.
+_DENSE_PREFIX = "dense_"
+
+
+def _carry_metadata(old, new, plan: _core.LayerSparsity | None) -> str | None:
+    """``new`` gets ``old``'s variable metadata (``kernel_metadata``, ``nnx.with_partitioning``).
+
+    With ``plan`` (sparsify), axis names become the block kernel's
+    (:func:`~jax_blocksparse.layers.sparsify.block_axis_names`) and the dense ones are
+    kept beside them; without (densify), the kept dense names come back. The value is
+    placed on the mesh the old one was on. Returns the names dropped (None if none).
+    """
+    metadata, dropped = dict(old.get_metadata()), None
+    for key in _SHARDING_KEYS:
+        names = metadata.get(key)
+        if plan is not None and isinstance(names, (tuple, list)) and len(names) == np.ndim(old[...]):
+            metadata[key], dropped = _core.block_axis_names(names, plan)
+            metadata[_DENSE_PREFIX + key] = tuple(names)
+        elif plan is None and _DENSE_PREFIX + key in metadata:
+            metadata[key] = metadata.pop(_DENSE_PREFIX + key)
+    new.set_metadata(**metadata)
+    sharding = getattr(old[...], "sharding", None)
+    names = next((metadata[k] for k in _SHARDING_KEYS if isinstance(metadata.get(k), (tuple, list))), None)
+    if isinstance(sharding, NamedSharding) and names is not None and len(names) == np.ndim(new[...]):
+        if all(n is None or n in sharding.mesh.axis_names for n in names):
+            new.set_value(jax.device_put(new[...], NamedSharding(sharding.mesh, P(*names))))
+    return dropped
+
+
 def _block_sparse(layer, plan: _core.LayerSparsity, impl):
-    """The block-sparse layer holding the selected blocks of ``layer`` (nnx.Linear or nnx.Conv)."""
+    """The block-sparse layer holding the selected blocks of ``layer`` (a converted
+    nnx.Linear, nnx.LinearGeneral, nnx.Einsum or nnx.Conv), and the axis names its
+    kernel dropped."""
     layout = plan.layout
-    kernel = _core.sparse_kernel(layer.kernel[...], layout)
+    # On the host: a kernel sharded over an explicit mesh has no reshape into blocks.
+    kernel = _core.sparse_kernel(np.asarray(layer.kernel[...]), layout, plan.flat)
     bias = None if layer.bias is None else layer.bias[...]
     common = dict(
-        use_bias=bias is not None,
         dtype=layer.dtype,
         param_dtype=layer.param_dtype,
         precision=layer.precision,
@@ -134,7 +198,7 @@ def _block_sparse(layer, plan: _core.LayerSparsity, impl):
         rngs=nnx.Rngs(0),
     )
     if isinstance(layer, nnx.Conv):
-        return BlockSparseConv(
+        new = BlockSparseConv(
             layer.in_features,
             layer.out_features,
             layer.kernel_size,
@@ -144,11 +208,38 @@ def _block_sparse(layer, plan: _core.LayerSparsity, impl):
             padding=layer.padding,
             input_dilation=layer.input_dilation,
             kernel_dilation=layer.kernel_dilation,
+            use_bias=bias is not None,
             **common,
         )
-    return BlockSparseLinear(
-        layer.in_features, layer.out_features, plan.mask, plan.block_size, dynamic=plan.dynamic, **common
-    )
+    elif isinstance(layer, nnx.Einsum):
+        new = BlockSparseEinsum(
+            layer.einsum_str,
+            plan.flat.kernel_shape,
+            None if bias is None else plan.flat.out_shape,
+            plan.mask,
+            plan.block_size,
+            dynamic=plan.dynamic,
+            **common,
+        )
+    elif isinstance(layer, nnx.LinearGeneral):
+        in_shape, out_shape = plan.flat
+        new = BlockSparseLinearGeneral(
+            in_shape, out_shape, plan.mask, plan.block_size, use_bias=bias is not None, dynamic=plan.dynamic, **common
+        )
+    else:
+        new = BlockSparseLinear(
+            layer.in_features,
+            layer.out_features,
+            plan.mask,
+            plan.block_size,
+            use_bias=bias is not None,
+            dynamic=plan.dynamic,
+            **common,
+        )
+    dropped = _carry_metadata(layer.kernel, new.kernel, plan)
+    if bias is not None:
+        _carry_metadata(layer.bias, new.bias, None)
+    return new, dropped
 
 
 def sparsify(
@@ -243,17 +334,19 @@ def sparsify(
     )
     model = nnx.clone(model)
     # The clone holds new layer objects: find them again, by path.
-    layers = {_path(parts): node for parts, node in nnx.iter_graph(model) if isinstance(node, (nnx.Linear, nnx.Conv))}
-    replacements = {id(layers[path]): _block_sparse(layers[path], plan, impl) for path, plan in plans.items()}
-    return _replace_all(model, replacements), report
+    layers = {_path(parts): node for parts, node in nnx.iter_graph(model) if isinstance(node, _CONVERTIBLE)}
+    replacements, dropped = {}, {}
+    for path, plan in plans.items():
+        replacements[id(layers[path])], dropped[path] = _block_sparse(layers[path], plan, impl)
+    return _replace_all(model, replacements), report.with_partitioning(dropped)
 
 
 def _dense(layer):
-    """The nnx.Linear / nnx.Conv equal to a BlockSparseLinear / BlockSparseConv."""
-    kernel = _core.dense_kernel(layer.kernel[...], layer.layout)
+    """The nnx.Linear / LinearGeneral / Einsum / Conv equal to a block-sparse layer."""
+    flat = getattr(layer, "flat", None)
+    kernel = _core.dense_kernel(np.asarray(layer.kernel[...]), layer.layout, flat)
     bias = None if layer.bias is None else layer.bias[...]
     common = dict(
-        use_bias=bias is not None,
         dtype=layer.dtype,
         param_dtype=layer.param_dtype,
         precision=layer.precision,
@@ -263,7 +356,7 @@ def _dense(layer):
     if bias is not None:
         common["bias_init"] = _constant(bias)
     if isinstance(layer, BlockSparseConv):
-        return nnx.Conv(
+        dense = nnx.Conv(
             layer.in_features,
             layer.out_features,
             layer.kernel_size,
@@ -271,9 +364,19 @@ def _dense(layer):
             padding=layer.padding,
             input_dilation=layer.input_dilation,
             kernel_dilation=layer.kernel_dilation,
+            use_bias=bias is not None,
             **common,
         )
-    return nnx.Linear(layer.in_features, layer.out_features, **common)
+    elif isinstance(layer, BlockSparseEinsum):
+        dense = nnx.Einsum(layer.einsum_str, layer.kernel_shape, layer.bias_shape, **common)
+    elif isinstance(layer, BlockSparseLinearGeneral):
+        dense = nnx.LinearGeneral(flat.in_shape, flat.out_shape, axis=layer.axis, use_bias=bias is not None, **common)
+    else:
+        dense = nnx.Linear(layer.in_features, layer.out_features, use_bias=bias is not None, **common)
+    _carry_metadata(layer.kernel, dense.kernel, None)
+    if bias is not None:
+        _carry_metadata(layer.bias, dense.bias, None)
+    return dense
 
 
 def densify(model):
