@@ -406,8 +406,9 @@ def sparsify(
         if kernel is None or tuple(np.shape(kernel)) != seen_shape:
             found = "none" if kernel is None else f"shape {tuple(np.shape(kernel))}"
             reason = reason or (
-                f"its kernel at params/{name}/kernel ({found}) is not the {seen_shape} the layer sees "
-                "(a lifted transform such as nn.scan or nn.vmap)"
+                f"its kernel at params/{name}/kernel ({found}) is not the {seen_shape} the layer sees: "
+                "stacked by a lifted transform (nn.scan, nn.vmap), whose body sees one layer's kernel but "
+                "not the per-layer layouts; stacked layers convert in NNX (nnx.vmap + nnx.scan)"
             )
             kernel = np.zeros(seen_shape or (0, 0), np.float32) if kernel is None else kernel
         candidates.append(

@@ -11,15 +11,18 @@ the blocks, the report) are the framework-neutral core's,
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import general as _general
 from jax_blocksparse.layers import sparsify as _core
 from jax_blocksparse.layers.general import FlatLinear
@@ -48,37 +51,53 @@ _OPTIONS = {
 }
 
 
-def _describe(layer) -> tuple[str, FlatLinear | None, str | None]:
-    """``(kind, flat, reason)`` of a linear-like layer: "linear" or "conv"; how a general
-    layer's kernel flattens to [C, K]; why it stays dense (None if it can convert)."""
+def _layer_ndim(layer, base) -> int:
+    """The rank of one layer's kernel (a stacked one has more axes in front)."""
+    if base is nnx.Linear:
+        return 2
+    if base is nnx.LinearGeneral:
+        return len(layer.batch_axis) + len(layer.in_features) + len(layer.out_features)
+    if base is nnx.Einsum:
+        return len(layer.kernel_shape)
+    return len(layer.kernel_size) + 2
+
+
+def _describe(layer) -> tuple[str, FlatLinear | None, str | None, int]:
+    """``(kind, flat, reason, stack)`` of a linear-like layer: "linear" or "conv"; how a
+    general layer's kernel flattens to [C, K]; why it stays dense (None if it can
+    convert); and the number of layers stacked on the kernel's leading axis (a layer
+    created under ``nnx.vmap`` for ``nnx.scan``; 0 if not stacked)."""
     base = next(cls for cls in LINEAR_LIKE if isinstance(layer, cls))
     kind = "conv" if base in (nnx.Conv, nnx.ConvTranspose) else "linear"
     if base is nnx.ConvTranspose:
-        return kind, None, "a transposed convolution (ConvTranspose) has no block-sparse counterpart in sparsify"
+        return kind, None, "a transposed convolution (ConvTranspose) has no block-sparse counterpart in sparsify", 0
     if type(layer).__call__ is not base.__call__:
-        return kind, None, f"{type(layer).__name__} overrides nnx.{base.__name__}.__call__"
+        return kind, None, f"{type(layer).__name__} overrides nnx.{base.__name__}.__call__", 0
     if base is nnx.Conv:
         if layer.feature_group_count != 1:
-            return kind, None, f"feature_group_count={layer.feature_group_count} (grouped convolution)"
+            return kind, None, f"feature_group_count={layer.feature_group_count} (grouped convolution)", 0
         if layer.mask is not None:
-            return kind, None, "a kernel mask (mask=...)"
+            return kind, None, "a kernel mask (mask=...)", 0
     reason = _core.non_default(layer, _DEFAULTS[base], _OPTIONS[base])
     shape = tuple(np.shape(layer.kernel[...]))
-    stacked = len(shape) != (2 if base is nnx.Linear else len(shape)) or (
-        base is nnx.Conv and len(shape) != len(layer.kernel_size) + 2
-    )
-    if reason is None and stacked:
-        reason = f"its kernel {shape} is stacked (a layer created under nnx.vmap, for nnx.scan)"
-    if reason or base in (nnx.Linear, nnx.Conv):
-        return kind, None, reason
+    extra = len(shape) - _layer_ndim(layer, base)
+    stack = shape[0] if extra == 1 else 0
+    if reason is None and extra and (extra != 1 or kind == "conv"):
+        what = "a stacked convolution" if kind == "conv" else f"{extra} stacking axes"
+        reason = f"its kernel {shape} has {what}; sparsify converts linear layers stacked once (nnx.vmap)"
+    if reason:
+        return kind, None, reason, 0
+    shape = shape[1:] if stack else shape
+    if base in (nnx.Linear, nnx.Conv):
+        return kind, None, None, stack
     if base is nnx.LinearGeneral:
         flat, reason = _general.dense_general_shape(shape, layer.axis, tuple(layer.batch_axis))
     elif layer.einsum_str is None:
         flat, reason = None, "its equation is given at call time (einsum_str=None)"
     else:
-        bias_shape = None if layer.bias is None else tuple(np.shape(layer.bias[...]))
+        bias_shape = None if layer.bias is None else tuple(np.shape(layer.bias[...]))[1 if stack else 0 :]
         flat, reason = _general.einsum_shape(layer.einsum_str, shape, bias_shape)
-    return kind, flat, reason and f"not one matrix product: {reason}"
+    return kind, flat, reason and f"not one matrix product: {reason}", stack if not reason else 0
 
 
 def _path(parts) -> str:
@@ -86,23 +105,32 @@ def _path(parts) -> str:
 
 
 def _candidates(model):
-    """[(Candidate, layer)] for every linear-like layer of the model, in graph order."""
+    """[(Candidate, layer, stack)] for every linear-like layer of the model, in graph order.
+
+    A stacked layer (``stack`` layers on its kernel's leading axis) gives one candidate
+    per layer, at ``path[i]``: each gets its own budget, blocks and layout.
+    """
     found = []
     for parts, node in nnx.iter_graph(model):
         if isinstance(node, LINEAR_LIKE):
-            kind, flat, reason = _describe(node)
+            kind, flat, reason, stack = _describe(node)
             bias = 0 if node.bias is None else int(np.size(node.bias[...]))
-            candidate = _core.Candidate(
-                _path(parts),
-                kind,
-                type(node).__name__,
-                node.kernel[...],
-                bias,
-                reason,
-                dynamic_reason="BlockSparseConv has no dynamic layout" if kind == "conv" else None,
-                flat=flat,
+            kernel = node.kernel[...]
+            members = (
+                [(_path(parts), kernel)] if not stack else [(f"{_path(parts)}[{i}]", kernel[i]) for i in range(stack)]
             )
-            found.append((candidate, node))
+            for path, member in members:
+                candidate = _core.Candidate(
+                    path,
+                    kind,
+                    type(node).__name__,
+                    member,
+                    bias // max(stack, 1),
+                    reason,
+                    dynamic_reason="BlockSparseConv has no dynamic layout" if kind == "conv" else None,
+                    flat=flat,
+                )
+                found.append((candidate, node, stack))
     return found
 
 
@@ -154,19 +182,22 @@ _SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
 _DENSE_PREFIX = "dense_"
 
 
-def _carry_metadata(old, new, plan: _core.LayerSparsity | None) -> str | None:
+def _carry_metadata(old, new, plan: _core.LayerSparsity | None, stacked: bool = False) -> str | None:
     """``new`` gets ``old``'s variable metadata (``kernel_metadata``, ``nnx.with_partitioning``).
 
     With ``plan`` (sparsify), axis names become the block kernel's
     (:func:`~jax_blocksparse.layers.sparsify.block_axis_names`) and the dense ones are
     kept beside them; without (densify), the kept dense names come back. The value is
-    placed on the mesh the old one was on. Returns the names dropped (None if none).
+    placed on the mesh the old one was on; a stacked kernel's leading (layer) axis keeps
+    its name. Returns the names dropped (None if none).
     """
     metadata, dropped = dict(old.get_metadata()), None
     for key in _SHARDING_KEYS:
         names = metadata.get(key)
         if plan is not None and isinstance(names, (tuple, list)) and len(names) == np.ndim(old[...]):
-            metadata[key], dropped = _core.block_axis_names(names, plan)
+            lead = tuple(names[:1]) if stacked else ()
+            block_names, dropped = _core.block_axis_names(names[len(lead) :], plan)
+            metadata[key] = lead + tuple(block_names)
             metadata[_DENSE_PREFIX + key] = tuple(names)
         elif plan is None and _DENSE_PREFIX + key in metadata:
             metadata[key] = metadata.pop(_DENSE_PREFIX + key)
@@ -179,20 +210,27 @@ def _carry_metadata(old, new, plan: _core.LayerSparsity | None) -> str | None:
     return dropped
 
 
-def _block_sparse(layer, plan: _core.LayerSparsity, impl):
+def _block_sparse(layer, plan: _core.LayerSparsity, impl, stacked=None):
     """The block-sparse layer holding the selected blocks of ``layer`` (a converted
     nnx.Linear, nnx.LinearGeneral, nnx.Einsum or nnx.Conv), and the axis names its
-    kernel dropped."""
+    kernel dropped. ``stacked``: for a stacked layer, the plans of its layers (``plan``
+    is then the first layer's, with the stack's capacity and a dynamic layout)."""
     layout = plan.layout
     # On the host: a kernel sharded over an explicit mesh has no reshape into blocks.
-    kernel = _core.sparse_kernel(np.asarray(layer.kernel[...]), layout, plan.flat)
+    dense = np.asarray(layer.kernel[...])
     bias = None if layer.bias is None else layer.bias[...]
+    if stacked:
+        layouts = [_common.layout_for(p.mask, p.block_size, plan.capacity) for p in stacked]
+        kernel = np.stack([np.asarray(_core.sparse_kernel(w, l, plan.flat)) for w, l in zip(dense, layouts)])
+        layout = jax.tree.map(lambda *tables: np.stack(tables), *layouts)
+    else:
+        kernel = _core.sparse_kernel(dense, layout, plan.flat)
     common = dict(
         dtype=layer.dtype,
         param_dtype=layer.param_dtype,
         precision=layer.precision,
-        kernel_init=_constant(kernel),
-        bias_init=_constant(bias),
+        kernel_init=_constant(kernel[0] if stacked else kernel),
+        bias_init=_constant(None if bias is None else (bias[0] if stacked else bias)),
         capacity=plan.capacity,
         impl=impl,
         rngs=nnx.Rngs(0),
@@ -236,7 +274,12 @@ def _block_sparse(layer, plan: _core.LayerSparsity, impl):
             dynamic=plan.dynamic,
             **common,
         )
-    dropped = _carry_metadata(layer.kernel, new.kernel, plan)
+    if stacked:  # the layer-0 layer built above, given the whole stack
+        new.kernel.set_value(jnp.asarray(kernel))
+        new.kernel_layout.set_value(layout)
+        if bias is not None:
+            new.bias.set_value(bias)
+    dropped = _carry_metadata(layer.kernel, new.kernel, plan, stacked=bool(stacked))
     if bias is not None:
         _carry_metadata(layer.bias, new.bias, None)
     return new, dropped
@@ -321,7 +364,7 @@ def sparsify(
     """
     found = _candidates(model)
     plans, report = _core.plan_sparsity(
-        [c for c, _ in found],
+        [c for c, _, _ in found],
         density,
         block_size,
         distribution=distribution,
@@ -337,14 +380,38 @@ def sparsify(
     layers = {_path(parts): node for parts, node in nnx.iter_graph(model) if isinstance(node, _CONVERTIBLE)}
     replacements, dropped = {}, {}
     for path, plan in plans.items():
-        replacements[id(layers[path])], dropped[path] = _block_sparse(layers[path], plan, impl)
+        if path in layers:  # not a member of a stack
+            replacements[id(layers[path])], dropped[path] = _block_sparse(layers[path], plan, impl)
+    for path, stack in _stacks(found).items():
+        members = [plans.get(f"{path}[{i}]") for i in range(stack)]
+        if not any(members):
+            continue
+        if not all(members):
+            dense = [f"{path}[{i}]" for i, p in enumerate(members) if p is None]
+            raise ValueError(
+                f"sparsify: the layers of the stacked {path!r} must all convert or all stay dense (one array "
+                f"holds them), but {dense} stay dense: name the whole stack in keep_dense ({path!r}[*]) or none of it"
+            )
+        capacity = max(int(np.asarray(p.mask).sum()) for p in members)
+        first = dataclasses.replace(members[0], capacity=capacity, dynamic=True)
+        replacements[id(layers[path])], lost = _block_sparse(layers[path], first, impl, stacked=members)
+        dropped.update({f"{path}[{i}]": lost for i in range(stack)})
     return _replace_all(model, replacements), report.with_partitioning(dropped)
+
+
+def _stacks(found) -> dict[str, int]:
+    """``{path: number of layers}`` of the stacked layers among the candidates."""
+    return {c.path.rsplit("[", 1)[0]: stack for c, _, stack in found if stack}
 
 
 def _dense(layer):
     """The nnx.Linear / LinearGeneral / Einsum / Conv equal to a block-sparse layer."""
     flat = getattr(layer, "flat", None)
-    kernel = _core.dense_kernel(np.asarray(layer.kernel[...]), layer.layout, flat)
+    blocks = np.asarray(layer.kernel[...])
+    if isinstance(layer, BlockSparseLinear) and blocks.ndim == 4:  # stacked: one layout per layer
+        kernel = jax.vmap(lambda b, layout: _core.dense_kernel(b, layout, flat))(blocks, layer.layout)
+    else:
+        kernel = _core.dense_kernel(blocks, layer.layout, flat)
     bias = None if layer.bias is None else layer.bias[...]
     common = dict(
         dtype=layer.dtype,
