@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -43,8 +44,9 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import jax_blocksparse as jbs  # noqa: E402
 from _report import git_commit, write_json  # noqa: E402
+
+import jax_blocksparse as jbs  # noqa: E402
 
 
 def _init(names):
@@ -159,10 +161,12 @@ def run(args) -> dict:
                 "step_ms_all": [round(t, 2) for t in times[name]],
             }
         )
-        print(f"{name:>14}  {rows[-1]['converted']:>2} layers  {params:>10,} params  {ms:8.2f} ms  {dense_ms / ms:5.2f}x")
+        print(
+            f"{name:>14}  {rows[-1]['converted']:>2} layers  {params:>10,} params  {ms:8.2f} ms  {dense_ms / ms:5.2f}x"
+        )
     return {
         "benchmark": "sparsify_lm",
-        "device": device.device_kind if device.platform != "cpu" else f"cpu ({cpu_isa()}, {jax.local_device_count()} device)",
+        "device": device.device_kind if device.platform != "cpu" else f"cpu ({cpu_isa()}, {os.cpu_count()} cores)",
         "cpu_isa": cpu_isa(),
         "commit": git_commit(),
         "date": datetime.date.today().isoformat(),

@@ -427,7 +427,15 @@ def test_dynamic_methods_continue_from_the_converted_model(method, density, capa
 # ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dense, sparse", [(nnx.Linear, BlockSparseLinear), (nnx.Conv, BlockSparseConv)])
+@pytest.mark.parametrize(
+    "dense, sparse",
+    [
+        (nnx.Linear, BlockSparseLinear),
+        (nnx.Conv, BlockSparseConv),
+        (nnx.LinearGeneral, jbs.nnx.BlockSparseLinearGeneral),
+        (nnx.Einsum, jbs.nnx.BlockSparseEinsum),
+    ],
+)
 def test_replacements_take_every_call_argument_of_the_layer_they_replace(dense, sparse):
     # Against the installed Flax: an argument a new Flax adds fails here, not in a user's model.
     import inspect
