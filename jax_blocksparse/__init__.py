@@ -16,7 +16,10 @@ Example::
 from jax_blocksparse import _native, config, crossover, export, layouts, sharding, targets
 from jax_blocksparse._native import extension_info, has_cpu_kernels, has_cuda_kernels
 from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
-from jax_blocksparse.ops import attention  # the public namespace jbs.attention is the op's module
+from jax_blocksparse.ops import (
+    attention,  # the public namespace jbs.attention is the op's module
+    moe,  # likewise jbs.moe: the dropless MoE's topology and products
+)
 from jax_blocksparse.ops.conv import (
     bsconv,
     bsconv_reference,
@@ -56,6 +59,7 @@ __all__ = [
     "layers",
     "layouts",
     "mixed_precision",
+    "moe",
     "sharding",
     "targets",
     "nn",

@@ -62,6 +62,10 @@ API_PAGES = {
     ),
     "jax_blocksparse.ops.attention_layout": ("api/attention.html", set()),
     "jax_blocksparse.layers.attention": ("api/layers.html", set()),
+    "jax_blocksparse.layers.general": ("api/layers.html", set()),
+    # jbs.moe is the module jax_blocksparse.ops.moe; the layers' core is on the same page.
+    "jax_blocksparse.ops.moe": ("api/moe.html", set()),
+    "jax_blocksparse.layers.moe": ("api/moe.html", set()),
 }
 
 

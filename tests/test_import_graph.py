@@ -296,6 +296,7 @@ def test_importing_every_submodule_keeps_the_exported_functions():
                 "layers",
                 "layouts",
                 "mixed_precision",
+                "moe",
                 "nn",
                 "nnx",
                 "sharding",

@@ -18,11 +18,12 @@ from jax_blocksparse.layers.sparsify import LayerReport, SparsifyReport
 from jax_blocksparse.nn.attention import BlockSparseSelfAttention
 from jax_blocksparse.nn.conv import BlockSparseConv, BlockSparseConvTranspose
 from jax_blocksparse.nn.dense import BlockSparseDense
+from jax_blocksparse.nn.moe import BlockSparseMoE
 from jax_blocksparse.nn.parallel import ColumnParallelDense
 from jax_blocksparse.nn.recurrent import BlockSparseLSTM, BlockSparseLSTMCell, BlockSparseMLSTMCell
 from jax_blocksparse.nn.sparsify import SparsifiedModule, densify, sparsify
 
 __all__ = ["BlockSparseConv", "BlockSparseConvTranspose", "BlockSparseDense", "StaticMask"]
 __all__ += ["BlockSparseLSTM", "BlockSparseLSTMCell", "BlockSparseMLSTMCell", "ColumnParallelDense"]
-__all__ += ["BlockSparseSelfAttention"]
+__all__ += ["BlockSparseMoE", "BlockSparseSelfAttention"]
 __all__ += ["LayerReport", "SparsifiedModule", "SparsifyReport", "densify", "sparsify"]
