@@ -133,25 +133,46 @@ SPARSIFY_TINY = [
 
 
 def test_sparsify(capsys):
-    rows = load_script("examples/sparsify.py").main(SPARSIFY_TINY)["rows"]
+    script = load_script("examples/sparsify.py")
+    result = script.main(SPARSIFY_TINY)
+    rows = result["rows"]
     out = capsys.readouterr().out
     assert "left dense: input channels 1 not a multiple of block_size 8" in out
     assert "left dense: output features 10 not a multiple of block_size 8" in out
-    assert "dense_accuracy=" in out
+    assert out.strip().splitlines()[-1] == f"dense_accuracy={rows[0]['accuracy']:.4f}"
     assert [(r["model"], r["density"]) for r in rows] == [
         ("dense", 1.0),
         ("one-shot", 0.5),
         ("fine-tuned", 0.5),
+        ("gradual", 0.5),
         ("from scratch", 0.5),
     ]
-    dense, one_shot, tuned, scratch = rows
+    dense, one_shot, tuned, gradual, scratch = rows
     # conv1 (1 -> 8) and the head (16 -> 10) stay dense; the other kernels halve, their biases stay.
     kept, kernels, biases = (9 * 8 + 8) + (16 * 10 + 10), 9 * 8 * 16 + 9 * 16 * 16 + 256 * 16, 16 + 16 + 16
     assert dense["params"] == kept + kernels + biases
     assert one_shot["params"] == kept + kernels // 2 + biases
-    assert one_shot["params"] == tuned["params"] == scratch["params"]
+    # Gradual pruning ends with the one-shot model's blocks per layer, in a static block-sparse model.
+    assert one_shot["params"] == tuned["params"] == gradual["params"] == scratch["params"]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
-    assert one_shot["step_ms"] is None and all(r["step_ms"] > 0 for r in (dense, tuned, scratch))
+    assert one_shot["step_ms"] is None and all(r["step_ms"] > 0 for r in (dense, tuned, gradual, scratch))
+    # One line per density, the recipes side by side.
+    line = next(l for l in out.splitlines() if l.split()[:2] == ["0.5", f"{one_shot['params']:,}"])
+    assert line.split()[2:6] == [f"{r['accuracy']:.4f}" for r in (one_shot, tuned, gradual, scratch)]
+
+    # Several seeds: each row is the mean over them, with the spread and the per-seed values.
+    halved = [dict(r, accuracy=r["accuracy"] / 2) for r in rows]
+    two = script.summarize([rows, halved])
+    for r, one in zip(two, rows, strict=True):
+        assert (r["model"], r["density"], r["params"]) == (one["model"], one["density"], one["params"])
+        assert r["accuracies"] == [one["accuracy"], one["accuracy"] / 2]
+        assert r["accuracy"] == pytest.approx(0.75 * one["accuracy"])
+        assert r["accuracy_std"] == pytest.approx(0.25 * one["accuracy"])
+        assert (r["accuracy_min"], r["accuracy_max"]) == (one["accuracy"] / 2, one["accuracy"])
+    script.print_table(two, 2)
+    out = capsys.readouterr().out
+    assert "mean ±std over 2 seeds" in out and "min-max over 2 seeds" in out
+    assert f"{two[3]['accuracy']:.4f} ±{two[3]['accuracy_std']:.4f}" in out
 
 
 CHAR_TRANSFORMER_TINY = [
