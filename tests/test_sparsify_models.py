@@ -384,3 +384,20 @@ def test_batchnorm_resnet_over_a_named_axis(tmp_path):
     want = sparse.apply(trained, images)
     _close(sparse.apply(_save_restore(tmp_path / "resnet", trained), images), want, atol=0)
     _close(_exported_call(sparse.apply, trained, images), want, atol=1e-5)
+
+
+def test_dynamic_training_moves_the_unstacked_layers_and_leaves_a_stack():
+    from jax_blocksparse import training as jst
+
+    model = ScannedMLPs(nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(0), (2, T), 0, VOCAB)
+    sparse, _ = jbs.nnx.sparsify(model, 0.5, BS, dynamic=True)  # the head: a dynamic layer
+    assert isinstance(sparse.blocks.layers[1].kernel_layout, jbs.nnx.StackedLayout)
+    assert isinstance(sparse.head.kernel_layout, jbs.nnx.BlockLayout)
+    stacked_before = np.asarray(sparse.blocks.layers[1].kernel[...])
+    optimizer = nnx.Optimizer(sparse, optax.adam(1e-2), wrt=nnx.Param)
+    method = jst.get_method("rigl", density=0.5, total_steps=10, update_every=1)
+    grads = jst.nnx_dense_grads(lambda m: _next_token_loss(m(tokens), tokens), sparse)
+    jst.nnx_update(method, 1, sparse, optimizer, grads)
+    np.testing.assert_array_equal(sparse.blocks.layers[1].kernel[...], stacked_before)
+    assert sparse(tokens).shape == (2, T, VOCAB)

@@ -14,13 +14,26 @@ blocks, and :func:`densify` goes back.
 from jax_blocksparse.layers.sparsify import LayerReport, SparsifyReport
 from jax_blocksparse.nnx.attention import BlockSparseSelfAttention
 from jax_blocksparse.nnx.conv import BlockSparseConv, BlockSparseConvTranspose
-from jax_blocksparse.nnx.linear import BlockLayout, BlockSparseEinsum, BlockSparseLinear, BlockSparseLinearGeneral
+from jax_blocksparse.nnx.linear import (
+    BlockLayout,
+    BlockSparseEinsum,
+    BlockSparseLinear,
+    BlockSparseLinearGeneral,
+    StackedLayout,
+)
 from jax_blocksparse.nnx.moe import BlockSparseMoE
 from jax_blocksparse.nnx.parallel import ColumnParallelLinear
 from jax_blocksparse.nnx.recurrent import BlockSparseLSTM, BlockSparseLSTMCell, BlockSparseMLSTMCell
 from jax_blocksparse.nnx.sparsify import densify, sparsify
 
-__all__ = ["BlockLayout", "BlockSparseLinear", "BlockSparseLinearGeneral", "BlockSparseEinsum", "ColumnParallelLinear"]
+__all__ = [
+    "BlockLayout",
+    "StackedLayout",
+    "BlockSparseLinear",
+    "BlockSparseLinearGeneral",
+    "BlockSparseEinsum",
+    "ColumnParallelLinear",
+]
 __all__ += ["BlockSparseConv", "BlockSparseConvTranspose"]
 __all__ += ["BlockSparseLSTM", "BlockSparseLSTMCell", "BlockSparseMLSTMCell"]
 __all__ += ["BlockSparseMoE", "BlockSparseSelfAttention"]

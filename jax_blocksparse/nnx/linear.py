@@ -30,6 +30,18 @@ class BlockLayout(nnx.Variable):
     """
 
 
+class StackedLayout(nnx.Variable):
+    """An nnx variable holding the layouts of a layer stack: one
+    :class:`~jax_blocksparse.Layout` whose tables carry a leading layer axis.
+
+    :func:`jax_blocksparse.nnx.sparsify` gives it to a layer created under ``nnx.vmap``
+    (kernel [layers, capacity, bs, bs]); ``nnx.scan`` slices it with the weights, so each
+    step multiplies with its own layer's layout. It is not a :class:`BlockLayout`: the
+    dynamic sparse training methods (:func:`~jax_blocksparse.training.nnx_update`), which
+    move one layer's blocks at a time, leave a stack's blocks where they are.
+    """
+
+
 class BlockSparseLinear(nnx.Module):
     """A linear transformation over the last axis whose kernel is block-sparse.
 

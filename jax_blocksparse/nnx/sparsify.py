@@ -27,7 +27,7 @@ from jax_blocksparse.layers import general as _general
 from jax_blocksparse.layers import sparsify as _core
 from jax_blocksparse.layers.general import FlatLinear
 from jax_blocksparse.nnx.conv import BlockSparseConv
-from jax_blocksparse.nnx.linear import BlockSparseEinsum, BlockSparseLinear, BlockSparseLinearGeneral
+from jax_blocksparse.nnx.linear import BlockSparseEinsum, BlockSparseLinear, BlockSparseLinearGeneral, StackedLayout
 
 __all__ = ["densify", "sparsify"]
 
@@ -276,7 +276,7 @@ def _block_sparse(layer, plan: _core.LayerSparsity, impl, stacked=None):
         )
     if stacked:  # the layer-0 layer built above, given the whole stack
         new.kernel.set_value(jnp.asarray(kernel))
-        new.kernel_layout.set_value(layout)
+        new.kernel_layout = StackedLayout(layout)
         if bias is not None:
             new.bias.set_value(bias)
     dropped = _carry_metadata(layer.kernel, new.kernel, plan, stacked=bool(stacked))

@@ -14,6 +14,7 @@ and layouts, call the functional API and write the results back::
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
 
 from jax_blocksparse.nnx.linear import BlockLayout
@@ -31,7 +32,9 @@ def nnx_dense_grads(loss_fn, model, *args, has_aux: bool = False):
 
     def loss_of(params, probed_layouts, *args):
         del params
-        return loss_fn(nnx.merge(graphdef, probed_layouts, rest), *args)
+        # Rebuilt here (new variables at this trace level): nnx.scan in the model refuses
+        # variables created outside the transform.
+        return loss_fn(nnx.merge(graphdef, probed_layouts, jax.tree.map(lambda v: v, rest)), *args)
 
     return dense_grads(loss_of, None, layouts, *args, has_aux=has_aux)
 
