@@ -272,3 +272,82 @@ def test_bad_inputs_are_named():
         layer.apply(variables, jnp.ones((4, 16)))
     with pytest.raises(ValueError, match="hold no token"):
         layer.apply(variables, jnp.ones((0, D)))
+
+
+# ---------------------------------------------------------------------------------
+# Expert parallelism on 8 devices
+# ---------------------------------------------------------------------------------
+
+
+def _mesh():
+    return jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@pytest.mark.parametrize("glu", [False, True], ids=["plain", "glu"])
+def test_expert_parallel_layer_equals_one_device_in_values_and_gradients(glu):
+    mesh = _mesh()
+    single = jbs.nn.BlockSparseMoE(num_experts=16, ffn=F, block_size=BS, glu=glu)
+    split = jbs.nn.BlockSparseMoE(num_experts=16, ffn=F, block_size=BS, glu=glu, mesh=mesh, expert_axis="expert")
+    x = jax.random.normal(jax.random.key(0), (4, 16, D))  # 64 tokens, 8 per device
+    variables = single.init(jax.random.key(1), x)
+
+    def loss(layer, params):
+        y, state = layer.apply({"params": params}, x, mutable=["intermediates"])
+        return jnp.sum(y**2) + state["intermediates"]["load_balancing_loss"][0], (y, state["intermediates"])
+
+    with jax.default_matmul_precision("highest"):
+        (l1, (y1, s1)), g1 = jax.value_and_grad(lambda p: loss(single, p), has_aux=True)(variables["params"])
+        (l2, (y2, s2)), g2 = jax.jit(jax.value_and_grad(lambda p: loss(split, p), has_aux=True))(variables["params"])
+    np.testing.assert_allclose(y2, y1, rtol=1e-5, atol=1e-6)
+    assert "all_to_all" in str(jax.make_jaxpr(lambda p: split.apply({"params": p}, x))(variables["params"]))
+    for name in g1:
+        np.testing.assert_allclose(g2[name], g1[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(s2["expert_counts"][0], s1["expert_counts"][0])
+    assert int(s2["overflow"][0]) == 0
+    np.testing.assert_allclose(s2["load_balancing_loss"][0], s1["load_balancing_loss"][0], rtol=1e-6)
+    np.testing.assert_allclose(s2["router_z_loss"][0], s1["router_z_loss"][0], rtol=1e-6)
+
+
+def test_a_capacity_factor_counts_the_choices_it_drops():
+    mesh = _mesh()
+    x = jnp.abs(jax.random.normal(jax.random.key(0), (64, D))) + 0.1
+    # Every token to experts 0 and 1 (positive inputs, logits 10 * sum(x) there), both on
+    # device 0: its buffers overflow.
+    router_init = lambda key, shape, dtype: jnp.zeros(shape, dtype).at[:, :2].set(10.0)  # noqa: E731
+    layer = jbs.nn.BlockSparseMoE(
+        num_experts=16,
+        ffn=F,
+        block_size=BS,
+        mesh=mesh,
+        expert_axis="expert",
+        capacity_factor=2.0,
+        router_init=router_init,
+    )
+    variables = layer.init(jax.random.key(1), x)
+    _, state = jax.jit(lambda v: layer.apply(v, x, mutable=["intermediates"]))(variables)
+    # Each device's 8 tokens make 16 choices for device 0, whose buffer from it holds 2 * 16 / 8 = 4.
+    assert int(state["intermediates"]["overflow"][0]) == 8 * (16 - 4)
+    dropless = layer.clone(capacity_factor=None)
+    _, state = jax.jit(lambda v: dropless.apply(v, x, mutable=["intermediates"]))(variables)
+    assert int(state["intermediates"]["overflow"][0]) == 0
+
+
+def test_expert_parallel_nnx_layer_and_its_errors():
+    mesh = _mesh()
+    x = jax.random.normal(jax.random.key(0), (32, D))
+    model = jbs.nnx.BlockSparseMoE(D, 8, F, block_size=BS, mesh=mesh, expert_axis="expert", rngs=nnx.Rngs(0))
+    plain = jbs.nnx.BlockSparseMoE(D, 8, F, block_size=BS, rngs=nnx.Rngs(0))
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(_call_capturing(model, x)[0], _call_capturing(plain, x)[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="num_experts=4 and the 32 tokens must be multiples of it"):
+        _call_capturing(
+            jbs.nnx.BlockSparseMoE(D, 4, F, block_size=BS, mesh=mesh, expert_axis="expert", rngs=nnx.Rngs(0)), x
+        )
+    with pytest.raises(ValueError, match=r"axis 'model' is not an axis of the mesh \('expert',\)"):
+        _call_capturing(
+            jbs.nnx.BlockSparseMoE(D, 8, F, block_size=BS, mesh=mesh, expert_axis="model", rngs=nnx.Rngs(0)), x
+        )
+    with pytest.raises(ValueError, match="needs both mesh and expert_axis"):
+        _call_capturing(jbs.nnx.BlockSparseMoE(D, 8, F, block_size=BS, expert_axis="expert", rngs=nnx.Rngs(0)), x)
+    with pytest.raises(ValueError, match="capacity_factor applies to expert parallelism"):
+        _call_capturing(jbs.nnx.BlockSparseMoE(D, 8, F, block_size=BS, capacity_factor=1.0, rngs=nnx.Rngs(0)), x)

@@ -21,25 +21,31 @@ input projection is ``w_in[:, e]``); ``w_gate`` [D, E, F] for a gated (GLU) MLP;
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jax_blocksparse.layers.common import canonicalize_dtype
 from jax_blocksparse.layout import check_block_size
 from jax_blocksparse.ops import moe as _moe
+from jax_blocksparse.sharding import shard_map
 
 __all__ = [
     "GATES",
     "MoEConfig",
     "MoEStats",
     "Routed",
+    "apply",
     "check_moe",
     "default_init",
+    "exchange_rows",
     "forward",
+    "forward_expert_parallel",
     "load_balancing_loss",
     "param_shapes",
     "route",
@@ -175,11 +181,26 @@ class MoEStats(NamedTuple):
       expert_counts: int32 [E]: tokens routed to each expert (choices counted).
       load_balancing_loss: float32 scalar (:func:`load_balancing_loss`).
       router_z_loss: float32 scalar (:func:`router_z_loss`).
+      overflow: int32 scalar: the choices dropped because an expert-parallel exchange
+        buffer was full (:func:`forward_expert_parallel` with a ``capacity_factor``);
+        0 for a dropless layer.
     """
 
     expert_counts: jax.Array
     load_balancing_loss: jax.Array
     router_z_loss: jax.Array
+    overflow: jax.Array
+
+
+def _experts(rows, weights: dict, topology, config: MoEConfig, activation, precision, impl):
+    """The experts' MLPs on the dispatched rows [R, D] -> [R, D]: the up product (and the
+    gate's, with ``glu``), the activation, the down product. ``weights``: [D, E * F] each."""
+    hidden = _moe.expert_up(rows, weights["w_in"], topology, precision=precision, impl=impl)
+    if config.glu:
+        hidden = activation(_moe.expert_up(rows, weights["w_gate"], topology, precision=precision, impl=impl)) * hidden
+    else:
+        hidden = activation(hidden)
+    return _moe.expert_down(hidden, weights["w_out"], topology, precision=precision, impl=impl)
 
 
 def forward(
@@ -208,6 +229,27 @@ def forward(
     Returns:
       ``(outputs [..., D] in the compute dtype, MoEStats)``.
     """
+    inputs, d = _check_inputs(inputs, params, config, layer)
+    x = inputs.reshape(-1, d)
+    logits = jnp.dot(x.astype(jnp.float32), params["router"].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    routed = route(logits, config.top_k, config.gate, config.renormalize)
+
+    compute = canonicalize_dtype(inputs, params["w_in"], dtype=dtype)
+    flat = {n: params[n].astype(compute).reshape(d, -1) for n in ("w_in", "w_out", "w_gate") if n in params}
+    topology = _moe.route_topology(routed.experts, config.num_experts, config.ffn, config.block_size)
+    out_rows = _experts(_moe.dispatch(x.astype(compute), topology), flat, topology, config, activation, precision, impl)
+    out = _moe.combine(out_rows, routed.gates.astype(compute), topology)
+    stats = MoEStats(
+        topology.counts,
+        load_balancing_loss(routed.probs, routed.experts, config.num_experts),
+        router_z_loss(routed.logits),
+        jnp.zeros((), jnp.int32),
+    )
+    return out.reshape(inputs.shape).astype(compute), stats
+
+
+def _check_inputs(inputs, params: dict, config: MoEConfig, layer: str):
+    """inputs [..., D] and the parameters' shapes checked; returns (inputs, D)."""
     inputs = jnp.asarray(inputs)
     d = params["router"].shape[0]
     if inputs.ndim < 1 or inputs.shape[-1] != d:
@@ -215,27 +257,145 @@ def forward(
     for name, shape in param_shapes(config, d).items():
         if tuple(params[name].shape) != shape:
             raise ValueError(f"{layer}: parameter {name!r} must have shape {shape}, got {tuple(params[name].shape)}")
-    x = inputs.reshape(-1, d)
-    tokens = x.shape[0]
-    if tokens == 0:
+    if inputs.size == 0:
         raise ValueError(f"{layer}: inputs {inputs.shape} hold no token")
-    logits = jnp.dot(x.astype(jnp.float32), params["router"].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    routed = route(logits, config.top_k, config.gate, config.renormalize)
+    return inputs, d
 
+
+def exchange_rows(tokens_per_device: int, top_k: int, devices: int, capacity_factor=None) -> int:
+    """B: the rows each device sends to each other device in an expert-parallel exchange.
+
+    Dropless (``capacity_factor=None``): ``tokens_per_device * top_k``, the worst case
+    (every choice of a device's tokens to one device's experts). With a capacity factor:
+    ``ceil(capacity_factor * tokens_per_device * top_k / devices)``; choices past it are
+    dropped and counted (:attr:`MoEStats.overflow`).
+    """
+    routed = tokens_per_device * top_k
+    if capacity_factor is None:
+        return routed
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be a positive number or None, got {capacity_factor!r}")
+    return max(1, min(routed, math.ceil(capacity_factor * routed / devices)))
+
+
+def forward_expert_parallel(
+    inputs,
+    params: dict,
+    config: MoEConfig,
+    *,
+    mesh,
+    axis: str,
+    capacity_factor=None,
+    activation: Callable = jax.nn.gelu,
+    dtype=None,
+    precision=None,
+    impl: str | None = None,
+    layer: str = "BlockSparseMoE",
+) -> tuple[jax.Array, MoEStats]:
+    """The MoE layer with its experts split over the mesh axis ``axis``: :func:`forward`'s values.
+
+    The n devices of ``axis`` each hold E / n experts (``w_in`` / ``w_gate`` / ``w_out``
+    split on their expert axis, ``P(None, axis, None)``) and T / n of the tokens (the
+    leading axis of ``inputs`` split on ``axis``). Under ``shard_map``, each device
+    routes its tokens, sends every (token, choice) to the device of its expert in one
+    ``all_to_all`` (exchange buffers [n, B, D], :func:`exchange_rows`), runs the dropless
+    block-sparse MLP of its experts on what it received, and sends the results back in
+    a second ``all_to_all``; the gates combine them at the token's device.
+
+    Memory per device, D the width: the two exchange buffers hold ``n * B * D`` values
+    each way. Dropless (``capacity_factor=None``, B = (T / n) * k) that is n times the
+    device's routed rows, the price of never dropping; with a capacity factor c it is
+    ``c * (T / n) * k * D``, and choices past a full buffer are dropped and counted in
+    :attr:`MoEStats.overflow` (never silently). A device's hidden activation then has
+    :func:`~jax_blocksparse.ops.moe.padded_rows` ``(n * B, 1, E / n, bs)`` rows of its
+    experts' F units, as in :func:`forward`.
+
+    Args:
+      inputs: [T, D] or [..., D] whose leading axis is split over ``axis`` (T a multiple
+        of the axis size).
+      params, config, activation, dtype, precision, impl, layer: as :func:`forward`.
+      mesh: the ``jax.sharding.Mesh``.
+      axis: the mesh axis name the experts (and the tokens) are split over.
+      capacity_factor: None (dropless) or a positive number (see :func:`exchange_rows`).
+
+    Returns:
+      ``(outputs, MoEStats)``: outputs like ``inputs``, split the same way; the stats over
+      all devices.
+    """
+    inputs, d = _check_inputs(inputs, params, config, layer)
+    if axis not in mesh.axis_names:
+        raise ValueError(f"{layer}: axis {axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+    n = mesh.shape[axis]
+    shape = inputs.shape
+    x = inputs.reshape(-1, d)
+    if config.num_experts % n or x.shape[0] % n:
+        raise ValueError(
+            f"{layer}: the mesh axis {axis!r} has {n} devices; num_experts={config.num_experts} and the "
+            f"{x.shape[0]} tokens must be multiples of it"
+        )
+    local_experts, k = config.num_experts // n, config.top_k
+    rows = exchange_rows(x.shape[0] // n, k, n, capacity_factor)
     compute = canonicalize_dtype(inputs, params["w_in"], dtype=dtype)
-    flat = {n: params[n].astype(compute).reshape(d, -1) for n in ("w_in", "w_out", "w_gate") if n in params}
-    topology = _moe.route_topology(routed.experts, config.num_experts, config.ffn, config.block_size)
-    rows = _moe.dispatch(x.astype(compute), topology)
-    hidden = _moe.expert_up(rows, flat["w_in"], topology, precision=precision, impl=impl)
-    if config.glu:
-        hidden = activation(_moe.expert_up(rows, flat["w_gate"], topology, precision=precision, impl=impl)) * hidden
-    else:
-        hidden = activation(hidden)
-    out_rows = _moe.expert_down(hidden, flat["w_out"], topology, precision=precision, impl=impl)
-    out = _moe.combine(out_rows, routed.gates.astype(compute), topology)
-    stats = MoEStats(
-        topology.counts,
-        load_balancing_loss(routed.probs, routed.experts, config.num_experts),
-        router_z_loss(routed.logits),
+    local = config._replace(num_experts=local_experts, top_k=1)
+    weights = [name for name in ("w_in", "w_gate", "w_out") if name in params]
+
+    def per_device(x, router, *expert_weights):
+        logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        routed = route(logits, k, config.gate, config.renormalize)
+        flat = routed.experts.reshape(-1)
+        dest = flat // local_experts
+        # Each choice's place in its destination's buffer: stable by (token, choice).
+        order = jnp.argsort(dest, stable=True)
+        per_dest = jnp.zeros(n, jnp.int32).at[dest].add(1)
+        first = jnp.cumsum(per_dest) - per_dest
+        place = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.size, dtype=jnp.int32) - first[dest[order]])
+        kept = place < rows
+        slot = jnp.where(kept, dest * rows + place, n * rows)  # past the end: dropped
+        token = jnp.arange(flat.size) // k
+        send = jnp.zeros((n * rows + 1, d), compute).at[slot].set(x.astype(compute)[token])[:-1]
+        send_expert = jnp.full(n * rows + 1, -1, jnp.int32).at[slot].set(flat % local_experts)[:-1]
+        received = jax.lax.all_to_all(send.reshape(n, rows, d), axis, 0, 0).reshape(n * rows, d)
+        received_expert = jax.lax.all_to_all(send_expert.reshape(n, rows), axis, 0, 0).reshape(n * rows, 1)
+        weights_here = dict(zip(weights, (w.astype(compute).reshape(d, -1) for w in expert_weights)))
+        valid = received_expert >= 0
+        topology = _moe.route_topology(
+            jnp.maximum(received_expert, 0), local_experts, config.ffn, config.block_size, valid
+        )
+        out_rows = _experts(
+            _moe.dispatch(received, topology), weights_here, topology, local, activation, precision, impl
+        )
+        results = out_rows.at[topology.row_of[:, 0]].get(mode="fill", fill_value=0)
+        back = jax.lax.all_to_all(results.reshape(n, rows, d), axis, 0, 0).reshape(n * rows, d)
+        per_choice = jnp.concatenate([back, jnp.zeros((1, d), compute)])[slot]
+        out = jnp.einsum("tkd,tk->td", per_choice.reshape(-1, k, d), routed.gates.astype(compute))
+        counts = jax.lax.psum(jnp.zeros(config.num_experts, jnp.int32).at[flat].add(1), axis)
+        mean_probs = jax.lax.pmean(jnp.mean(routed.probs, axis=0), axis)
+        balance = config.num_experts * jnp.sum(counts / (counts.sum()) * mean_probs)
+        stats = MoEStats(
+            counts,
+            balance,
+            jax.lax.pmean(router_z_loss(routed.logits), axis),
+            jax.lax.psum(jnp.sum(~kept).astype(jnp.int32), axis),
+        )
+        return out, stats
+
+    expert_spec = P(None, axis, None)
+    specs = (P(axis), P(), *([expert_spec] * len(weights)))
+    run = shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=(P(axis), MoEStats(P(), P(), P(), P())))
+    out, stats = run(x, params["router"], *(params[name] for name in weights))
+    return out.reshape(shape).astype(compute), stats
+
+
+def apply(inputs, params: dict, config: MoEConfig, *, mesh=None, expert_axis=None, capacity_factor=None, **kwargs):
+    """The layers' one entry: :func:`forward` on one device, or
+    :func:`forward_expert_parallel` when ``mesh`` and ``expert_axis`` are both given."""
+    layer = kwargs.get("layer", "BlockSparseMoE")
+    if (mesh is None) != (expert_axis is None):
+        raise ValueError(f"{layer}: expert parallelism needs both mesh and expert_axis, got {mesh=}, {expert_axis=}")
+    if mesh is None:
+        if capacity_factor is not None:
+            raise ValueError(f"{layer}: capacity_factor applies to expert parallelism (mesh, expert_axis) only")
+        return forward(inputs, params, config, **kwargs)
+    return forward_expert_parallel(
+        inputs, params, config, mesh=mesh, axis=expert_axis, capacity_factor=capacity_factor, **kwargs
     )
-    return out.reshape(inputs.shape).astype(compute), stats

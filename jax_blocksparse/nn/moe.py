@@ -57,6 +57,15 @@ class BlockSparseMoE(nn.Module):
       param_dtype: the dtype of the parameters (default float32).
       precision: numerical precision of the experts' products (as ``nn.Dense``'s).
       impl: the products' ``impl`` (see :func:`jax_blocksparse.bsmm`).
+      mesh, expert_axis: expert parallelism: with both set, the experts are split over
+        the mesh axis ``expert_axis`` (the parameters ``w_in`` / ``w_gate`` / ``w_out`` on
+        their expert axis) and so are the tokens (the inputs' leading axis); tokens
+        travel to their experts' devices and back with ``all_to_all``
+        (:func:`jax_blocksparse.layers.moe.forward_expert_parallel`). Default None: one
+        device's layer (data parallelism needs nothing).
+      capacity_factor: with expert parallelism, None (dropless: exchange buffers sized
+        for the worst case) or a number c: buffers of ``c * tokens * top_k / devices``
+        rows, choices past them dropped and counted (sown as ``overflow``).
       router_init, kernel_init: initializers; None for the defaults
         (:func:`jax_blocksparse.layers.moe.default_init`: LeCun normal over each
         expert's fan-in). ``kernel_init`` is called for ``w_in``, ``w_gate`` and
@@ -76,6 +85,9 @@ class BlockSparseMoE(nn.Module):
     param_dtype: Any = jnp.float32
     precision: PrecisionLike = None
     impl: str | None = None
+    mesh: Any = None
+    expert_axis: str | None = None
+    capacity_factor: float | None = None
     router_init: Callable | None = None
     kernel_init: Callable | None = None
 
@@ -95,7 +107,7 @@ class BlockSparseMoE(nn.Module):
         for param, shape in _core.param_shapes(config, jnp.shape(inputs)[-1]).items():
             init = self.router_init if param == "router" else self.kernel_init
             params[param] = self.param(param, init or _core.default_init(param), shape, self.param_dtype)
-        out, stats = _core.forward(
+        out, stats = _core.apply(
             inputs,
             params,
             config,
@@ -104,6 +116,9 @@ class BlockSparseMoE(nn.Module):
             precision=precision,
             impl=impl,
             layer=name,
+            mesh=self.mesh,
+            expert_axis=self.expert_axis,
+            capacity_factor=self.capacity_factor,
         )
         for field, value in stats._asdict().items():
             self.sow("intermediates", field, value)

@@ -38,7 +38,8 @@ class BlockSparseMoE(nnx.Module):
       in_features: D, the model width (inputs and outputs [..., D]).
       num_experts: E; the other keyword arguments (``ffn``, ``top_k``, ``block_size``,
         ``gate``, ``renormalize``, ``glu``, ``activation``, ``dtype``, ``param_dtype``,
-        ``precision``, ``impl``, ``router_init``, ``kernel_init``) are
+        ``precision``, ``impl``, ``mesh``, ``expert_axis``, ``capacity_factor``,
+        ``router_init``, ``kernel_init``) are
         :class:`jax_blocksparse.nn.BlockSparseMoE`'s attributes.
       rngs: rng key.
     """
@@ -59,6 +60,9 @@ class BlockSparseMoE(nnx.Module):
         param_dtype: Any = jnp.float32,
         precision: PrecisionLike = None,
         impl: str | None = None,
+        mesh: Any = None,
+        expert_axis: str | None = None,
+        capacity_factor: float | None = None,
         router_init: Callable | None = None,
         kernel_init: Callable | None = None,
         rngs: nnx.Rngs,
@@ -67,6 +71,7 @@ class BlockSparseMoE(nnx.Module):
         self.config = _core.check_moe(num_experts, ffn, top_k, block_size, gate, renormalize, glu, name)
         self.precision, self.impl = _common.check_options(precision, impl, name)
         self.in_features, self.activation, self.dtype, self.param_dtype = in_features, activation, dtype, param_dtype
+        self.mesh, self.expert_axis, self.capacity_factor = mesh, expert_axis, capacity_factor
         for param, shape in _core.param_shapes(self.config, in_features).items():
             init = (router_init if param == "router" else kernel_init) or _core.default_init(param)
             setattr(self, param, nnx.Param(init(rngs.params(), shape, param_dtype)))
@@ -74,7 +79,7 @@ class BlockSparseMoE(nnx.Module):
     def __call__(self, inputs):
         """[..., D] -> [..., D]."""
         params = {name: getattr(self, name)[...] for name in _core.param_shapes(self.config, self.in_features)}
-        out, stats = _core.forward(
+        out, stats = _core.apply(
             inputs,
             params,
             self.config,
@@ -83,6 +88,9 @@ class BlockSparseMoE(nnx.Module):
             precision=self.precision,
             impl=self.impl,
             layer=type(self).__name__,
+            mesh=self.mesh,
+            expert_axis=self.expert_axis,
+            capacity_factor=self.capacity_factor,
         )
         for field, value in stats._asdict().items():
             self.sow(nnx.Intermediate, field, value)

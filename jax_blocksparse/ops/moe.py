@@ -83,7 +83,7 @@ class Topology(NamedTuple):
     layout: Layout
 
 
-def route_topology(experts, num_experts: int, ffn: int, block_size: int) -> Topology:
+def route_topology(experts, num_experts: int, ffn: int, block_size: int, valid=None) -> Topology:
     """The :class:`Topology` of a routing, built with jnp (inside jit: no recompile per routing).
 
     Rows are sorted by expert, and within an expert by (token, choice): a stable order,
@@ -95,6 +95,10 @@ def route_topology(experts, num_experts: int, ffn: int, block_size: int) -> Topo
       num_experts: E.
       ffn: F, the hidden units of one expert (a multiple of ``block_size``).
       block_size: the block edge, one of 8, 16, 32, 64, 128.
+      valid: bool [T, k] or None (all valid): choices that are not valid take no row
+        (their ``row_of`` is R, past the rows; :func:`combine` reads zeros there) and
+        are not counted. Expert parallelism uses it for the empty places of its
+        exchange buffers.
     """
     experts = jnp.asarray(experts)
     if experts.ndim != 2 or not jnp.issubdtype(experts.dtype, jnp.integer):
@@ -108,14 +112,21 @@ def route_topology(experts, num_experts: int, ffn: int, block_size: int) -> Topo
     row_blocks, ffn_blocks = rows // block_size, ffn // block_size
 
     flat = experts.reshape(-1).astype(jnp.int32)
+    if valid is not None:  # an invalid choice sorts past every expert and is not counted
+        flat = jnp.where(jnp.asarray(valid).reshape(-1), flat, num_experts)
     counts = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
     padded = (counts + block_size - 1) // block_size * block_size
     first_row = jnp.cumsum(padded) - padded  # each expert's first row
     first_sorted = jnp.cumsum(counts) - counts  # its first position among the sorted choices
     order = jnp.argsort(flat, stable=True)  # the choices sorted by expert, then (token, choice)
-    rank = jnp.arange(flat.size, dtype=jnp.int32) - first_sorted[flat[order]]
-    row_of = jnp.zeros(flat.size, jnp.int32).at[order].set(first_row[flat[order]] + rank)
-    token_of = jnp.full(rows, tokens, jnp.int32).at[row_of].set(jnp.arange(flat.size, dtype=jnp.int32) // top_k)
+    sorted_experts = flat[order]
+    known = sorted_experts < num_experts
+    expert = jnp.minimum(sorted_experts, num_experts - 1)
+    rank = jnp.arange(flat.size, dtype=jnp.int32) - first_sorted[expert]
+    row = jnp.where(known, first_row[expert] + rank, rows)
+    row_of = jnp.zeros(flat.size, jnp.int32).at[order].set(row)
+    token = jnp.arange(flat.size, dtype=jnp.int32) // top_k
+    token_of = jnp.full(rows, tokens, jnp.int32).at[row_of].set(token, mode="drop")
 
     # Row block r belongs to the expert whose padded rows cover it; past the last, to none.
     ends = jnp.cumsum(padded) // block_size
@@ -134,7 +145,7 @@ def dispatch(x, topology: Topology):
 
 def combine(rows, gates, topology: Topology):
     """Rows back to tokens: ``out[t] = sum_j gates[t, j] * rows[row_of[t, j]]``, [R, D] -> [T, D]."""
-    picked = rows[topology.row_of]  # [T, k, D]
+    picked = rows.at[topology.row_of].get(mode="fill", fill_value=0)  # [T, k, D]; zeros for no row
     return jnp.einsum("tkd,tk->td", picked, gates.astype(picked.dtype))
 
 
