@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The examples this file runs, one test each (or more).
 RUN_HERE = (
     "char_lstm.py",
+    "char_moe.py",
     "char_transformer.py",
     "data_parallel.py",
     "quickstart.py",
@@ -209,6 +210,20 @@ def test_char_transformer(capsys):
     sample = results[128]["sample"]
     assert len(sample["text"]) == 24 and sample["ms_per_char"] > 0 and "T=128 sparse sample" in out
     assert sample["logit_error"] < 1e-4  # decoding with the cache gives the full forward's logits
+
+
+def test_char_moe(capsys):
+    tiny = ["--steps", "3", "--seq-len", "32", "--d-model", "32", "--d-ff", "32", "--block-size", "16"]
+    results = load_script("examples/char_moe.py").main([*tiny, "--eval-windows", "2", "--batch", "2"])
+    out = capsys.readouterr().out
+    assert "dense_bpc=" in out and "moe_bpc=" in out and "tokens per expert" in out
+    dense, moe = results["dense"], results["moe"]
+    for row in (dense, moe):
+        assert 0 < row["bpc"] < 8 and row["ms"] > 0
+    # Equal active feed-forward sizes; the MoE holds experts / top_k times the feed-forward weights.
+    assert moe["params"] > dense["params"]
+    # Every validation token reaches 2 experts in each of the 2 layers: 2 windows of 2 x 32 tokens.
+    assert sum(moe["expert_counts"]) == 2 * 2 * 2 * 32 and len(moe["expert_counts"]) == 8
 
 
 def test_char_transformer_skips_dense_over_budget(capsys):
