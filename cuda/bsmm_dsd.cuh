@@ -3,7 +3,7 @@
 // Work decomposition (both kernels): one CTA computes a tile of TN rows x one output
 // block (BS columns). The 1-D grid is (position in `order`) major, row tile minor, so
 // the CTAs of the longest output blocks are issued first (`order` sorts the output
-// blocks longest-first; it is computed on the device in the lowering).
+// blocks longest-first; the layout builds it with its other tables, layout.py).
 //
 // The reduction of one output block runs over the concatenated k-ranges of its entries
 // (nent * BS values of k). It is cut into stages of KC consecutive k values. A stage is

@@ -119,6 +119,16 @@ def split_chunks(data: np.ndarray, chunk: int):
     return np.concatenate(train), np.concatenate(valid)
 
 
+def encode(path: str | None, chunk: int):
+    """``(text, chars, train, valid)``: the text (:func:`load_text`), its sorted characters,
+    and its character ids split into training and validation (:func:`split_chunks`)."""
+    text = load_text(path)
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    data = np.fromiter((lookup[c] for c in text), np.int32, len(text))
+    return (text, chars, *split_chunks(data, chunk))
+
+
 def windows(data: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
     return data[starts[:, None] + np.arange(length + 1)[None, :]]
 
@@ -194,11 +204,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    text = load_text(args.data)
-    chars = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(chars)}
-    data = np.fromiter((lookup[c] for c in text), np.int32, len(text))
-    train, valid = split_chunks(data, args.chunk)
+    text, chars, train, valid = encode(args.data, args.chunk)
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}; text: {len(text):,} chars "
         f"({'stdlib: ' + ', '.join(STDLIB_MODULES) if args.data is None else args.data}), "

@@ -39,7 +39,7 @@ import optax
 import jax_blocksparse as jbs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from char_lstm import load_text, split_chunks, windows  # noqa: E402
+from char_lstm import encode, windows  # noqa: E402
 from char_transformer import DenseSelfAttention, sinusoid  # noqa: E402
 
 
@@ -166,11 +166,7 @@ def main(argv=None) -> dict:
     if args.d_ff % args.block_size:
         parser.error(f"--d-ff {args.d_ff} must be a multiple of --block-size {args.block_size}")
 
-    text = load_text(args.data)
-    chars = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(chars)}
-    data = np.fromiter((lookup[c] for c in text), np.int32, len(text))
-    train, valid = split_chunks(data, args.chunk)
+    text, chars, train, valid = encode(args.data, args.chunk)
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}; {len(text):,} chars, vocab {len(chars)}; "
         f"{args.layers} layers, d_model {args.d_model}, T {args.seq_len}, batch {args.batch}, {args.steps} steps; "

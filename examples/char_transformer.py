@@ -48,7 +48,7 @@ import optax
 import jax_blocksparse as jbs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from char_lstm import STDLIB_MODULES, load_text, split_chunks, windows
+from char_lstm import STDLIB_MODULES, encode, windows
 
 
 class DenseSelfAttention(nn.Module):
@@ -238,11 +238,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    text = load_text(args.data)
-    chars = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(chars)}
-    data = np.fromiter((lookup[c] for c in text), np.int32, len(text))
-    train, valid = split_chunks(data, args.chunk)
+    text, chars, train, valid = encode(args.data, args.chunk)
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform} ({jbs.config.get_implementation()} implementation); "
         f"text: {len(text):,} chars ({'stdlib: ' + ', '.join(STDLIB_MODULES) if args.data is None else args.data}), "
