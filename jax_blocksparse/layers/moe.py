@@ -49,6 +49,7 @@ __all__ = [
     "load_balancing_loss",
     "param_shapes",
     "route",
+    "router_logits",
     "router_z_loss",
 ]
 
@@ -157,6 +158,17 @@ def route(logits, top_k: int, gate: str = "softmax", renormalize: bool = False) 
     return Routed(gates, experts.astype(jnp.int32), probs, logits)
 
 
+def router_logits(x, router):
+    """float32 [T, E]: ``x`` [T, D] times the router [D, E], in float32 at HIGHEST precision
+    whatever their dtypes (routing decisions should not round)."""
+    return jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def _balance(fraction, mean_probs, num_experts: int):
+    """``E * sum_e fraction_e * mean_probs_e``: the load-balancing loss from its two factors."""
+    return num_experts * jnp.sum(fraction * mean_probs)
+
+
 def load_balancing_loss(probs, experts, num_experts: int):
     """Switch Transformer's auxiliary loss: ``E * sum_e f_e * P_e``, float32 scalar.
 
@@ -165,13 +177,16 @@ def load_balancing_loss(probs, experts, num_experts: int):
     every token goes to one expert.
     """
     counts = jnp.zeros(num_experts, jnp.float32).at[experts.reshape(-1)].add(1.0)
-    fraction = counts / experts.size
-    return num_experts * jnp.sum(fraction * jnp.mean(probs.astype(jnp.float32), axis=0))
+    return _balance(counts / experts.size, jnp.mean(probs.astype(jnp.float32), axis=0), num_experts)
 
 
 def router_z_loss(logits):
     """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits) ** 2``, float32 scalar."""
     return jnp.mean(jnp.square(jax.nn.logsumexp(jnp.asarray(logits, jnp.float32), axis=-1)))
+
+
+#: The experts' parameters, [D, E, F] each (``w_gate`` with ``glu`` only).
+_EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")
 
 
 class MoEStats(NamedTuple):
@@ -192,9 +207,11 @@ class MoEStats(NamedTuple):
     overflow: jax.Array
 
 
-def _experts(rows, weights: dict, topology, config: MoEConfig, activation, precision, impl):
-    """The experts' MLPs on the dispatched rows [R, D] -> [R, D]: the up product (and the
-    gate's, with ``glu``), the activation, the down product. ``weights``: [D, E * F] each."""
+def _experts(rows, params: dict, topology, config: MoEConfig, activation, precision, impl):
+    """The experts' MLPs on the dispatched rows [R, D] -> [R, D] in ``rows``' dtype: the up
+    product (and the gate's, with ``glu``), the activation, the down product.
+    ``params``: ``w_in``, ``w_out`` (and ``w_gate``) [D, E, F], the experts here."""
+    weights = {n: params[n].astype(rows.dtype).reshape(rows.shape[-1], -1) for n in _EXPERT_WEIGHTS if n in params}
     hidden = _moe.expert_up(rows, weights["w_in"], topology, precision=precision, impl=impl)
     if config.glu:
         hidden = activation(_moe.expert_up(rows, weights["w_gate"], topology, precision=precision, impl=impl)) * hidden
@@ -231,13 +248,13 @@ def forward(
     """
     inputs, d = _check_inputs(inputs, params, config, layer)
     x = inputs.reshape(-1, d)
-    logits = jnp.dot(x.astype(jnp.float32), params["router"].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    routed = route(logits, config.top_k, config.gate, config.renormalize)
+    routed = route(router_logits(x, params["router"]), config.top_k, config.gate, config.renormalize)
 
     compute = canonicalize_dtype(inputs, params["w_in"], dtype=dtype)
-    flat = {n: params[n].astype(compute).reshape(d, -1) for n in ("w_in", "w_out", "w_gate") if n in params}
     topology = _moe.route_topology(routed.experts, config.num_experts, config.ffn, config.block_size)
-    out_rows = _experts(_moe.dispatch(x.astype(compute), topology), flat, topology, config, activation, precision, impl)
+    out_rows = _experts(
+        _moe.dispatch(x.astype(compute), topology), params, topology, config, activation, precision, impl
+    )
     out = _moe.combine(out_rows, routed.gates.astype(compute), topology)
     stats = MoEStats(
         topology.counts,
@@ -337,18 +354,14 @@ def forward_expert_parallel(
     rows = exchange_rows(x.shape[0] // n, k, n, capacity_factor)
     compute = canonicalize_dtype(inputs, params["w_in"], dtype=dtype)
     local = config._replace(num_experts=local_experts, top_k=1)
-    weights = [name for name in ("w_in", "w_gate", "w_out") if name in params]
+    weights = [name for name in _EXPERT_WEIGHTS if name in params]
 
     def per_device(x, router, *expert_weights):
-        logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-        routed = route(logits, k, config.gate, config.renormalize)
+        routed = route(router_logits(x, router), k, config.gate, config.renormalize)
         flat = routed.experts.reshape(-1)
         dest = flat // local_experts
         # Each choice's place in its destination's buffer: stable by (token, choice).
-        order = jnp.argsort(dest, stable=True)
-        per_dest = jnp.zeros(n, jnp.int32).at[dest].add(1)
-        first = jnp.cumsum(per_dest) - per_dest
-        place = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.size, dtype=jnp.int32) - first[dest[order]])
+        _, place = _moe.group_ranks(dest, n)
         kept = place < rows
         slot = jnp.where(kept, dest * rows + place, n * rows)  # past the end: dropped
         token = jnp.arange(flat.size) // k
@@ -356,24 +369,21 @@ def forward_expert_parallel(
         send_expert = jnp.full(n * rows + 1, -1, jnp.int32).at[slot].set(flat % local_experts)[:-1]
         received = jax.lax.all_to_all(send.reshape(n, rows, d), axis, 0, 0).reshape(n * rows, d)
         received_expert = jax.lax.all_to_all(send_expert.reshape(n, rows), axis, 0, 0).reshape(n * rows, 1)
-        weights_here = dict(zip(weights, (w.astype(compute).reshape(d, -1) for w in expert_weights)))
         valid = received_expert >= 0
         topology = _moe.route_topology(
             jnp.maximum(received_expert, 0), local_experts, config.ffn, config.block_size, valid
         )
-        out_rows = _experts(
-            _moe.dispatch(received, topology), weights_here, topology, local, activation, precision, impl
-        )
-        results = out_rows.at[topology.row_of[:, 0]].get(mode="fill", fill_value=0)
+        rows_here = _moe.dispatch(received, topology)
+        out_rows = _experts(rows_here, dict(zip(weights, expert_weights)), topology, local, activation, precision, impl)
+        results = _moe.collect(out_rows, topology)[:, 0]
         back = jax.lax.all_to_all(results.reshape(n, rows, d), axis, 0, 0).reshape(n * rows, d)
         per_choice = jnp.concatenate([back, jnp.zeros((1, d), compute)])[slot]
         out = jnp.einsum("tkd,tk->td", per_choice.reshape(-1, k, d), routed.gates.astype(compute))
         counts = jax.lax.psum(jnp.zeros(config.num_experts, jnp.int32).at[flat].add(1), axis)
         mean_probs = jax.lax.pmean(jnp.mean(routed.probs, axis=0), axis)
-        balance = config.num_experts * jnp.sum(counts / (counts.sum()) * mean_probs)
         stats = MoEStats(
             counts,
-            balance,
+            _balance(counts / counts.sum(), mean_probs, config.num_experts),
             jax.lax.pmean(router_z_loss(routed.logits), axis),
             jax.lax.psum(jnp.sum(~kept).astype(jnp.int32), axis),
         )

@@ -21,7 +21,9 @@ static, so a new routing does not recompile:
   :func:`~jax_blocksparse.bsmm` (``transpose=True``: ``w_out`` is stored [D, E * F], the
   product's dense operand as it reads it);
 * :func:`dispatch` / :func:`combine`: tokens to rows, and rows back to tokens weighted
-  by their gates.
+  by their gates (:func:`collect`: each choice's row);
+* :func:`group_ranks`: items counted per group and ranked within it, the stable sort
+  behind the rows (and behind expert parallelism's exchange buffers).
 
 Every function is differentiable in its arrays (the products' rules), and works under
 jit, vmap and export; the products follow :func:`~jax_blocksparse.bsmm`'s ``impl``.
@@ -38,7 +40,17 @@ import numpy as np
 from jax_blocksparse.layout import Layout, check_block_size
 from jax_blocksparse.ops.matmul import bsmm, bsmm_updat
 
-__all__ = ["Topology", "combine", "dispatch", "expert_down", "expert_up", "padded_rows", "route_topology"]
+__all__ = [
+    "Topology",
+    "collect",
+    "combine",
+    "dispatch",
+    "expert_down",
+    "expert_up",
+    "group_ranks",
+    "padded_rows",
+    "route_topology",
+]
 
 
 def _positive_int(name: str, value) -> int:
@@ -83,6 +95,20 @@ class Topology(NamedTuple):
     layout: Layout
 
 
+def group_ranks(groups, num_groups: int):
+    """``(counts, rank)``: int32 [G] items per group, and int32 [N] each item's place among
+    its group's items in item order (a stable sort by group).
+
+    ``groups`` is int [N]; an item of group ``num_groups`` or more belongs to none: it is
+    not counted and its rank means nothing.
+    """
+    counts = jnp.zeros(num_groups, jnp.int32).at[groups].add(1, mode="drop")
+    first = jnp.cumsum(counts) - counts  # each group's first place in sorted order
+    order = jnp.argsort(groups, stable=True)
+    sorted_rank = jnp.arange(groups.size, dtype=jnp.int32) - first[jnp.minimum(groups[order], num_groups - 1)]
+    return counts, jnp.zeros(groups.size, jnp.int32).at[order].set(sorted_rank)
+
+
 def route_topology(experts, num_experts: int, ffn: int, block_size: int, valid=None) -> Topology:
     """The :class:`Topology` of a routing, built with jnp (inside jit: no recompile per routing).
 
@@ -114,17 +140,11 @@ def route_topology(experts, num_experts: int, ffn: int, block_size: int, valid=N
     flat = experts.reshape(-1).astype(jnp.int32)
     if valid is not None:  # an invalid choice sorts past every expert and is not counted
         flat = jnp.where(jnp.asarray(valid).reshape(-1), flat, num_experts)
-    counts = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
+    counts, rank = group_ranks(flat, num_experts)
     padded = (counts + block_size - 1) // block_size * block_size
     first_row = jnp.cumsum(padded) - padded  # each expert's first row
-    first_sorted = jnp.cumsum(counts) - counts  # its first position among the sorted choices
-    order = jnp.argsort(flat, stable=True)  # the choices sorted by expert, then (token, choice)
-    sorted_experts = flat[order]
-    known = sorted_experts < num_experts
-    expert = jnp.minimum(sorted_experts, num_experts - 1)
-    rank = jnp.arange(flat.size, dtype=jnp.int32) - first_sorted[expert]
-    row = jnp.where(known, first_row[expert] + rank, rows)
-    row_of = jnp.zeros(flat.size, jnp.int32).at[order].set(row)
+    known = flat < num_experts
+    row_of = jnp.where(known, first_row[jnp.minimum(flat, num_experts - 1)] + rank, rows)
     token = jnp.arange(flat.size, dtype=jnp.int32) // top_k
     token_of = jnp.full(rows, tokens, jnp.int32).at[row_of].set(token, mode="drop")
 
@@ -143,9 +163,14 @@ def dispatch(x, topology: Topology):
     return padded[topology.token_of]
 
 
+def collect(rows, topology: Topology):
+    """The row of every (token, choice): [R, D] -> [T, k, D], zeros for a choice without a row."""
+    return rows.at[topology.row_of].get(mode="fill", fill_value=0)
+
+
 def combine(rows, gates, topology: Topology):
     """Rows back to tokens: ``out[t] = sum_j gates[t, j] * rows[row_of[t, j]]``, [R, D] -> [T, D]."""
-    picked = rows.at[topology.row_of].get(mode="fill", fill_value=0)  # [T, k, D]; zeros for no row
+    picked = collect(rows, topology)
     return jnp.einsum("tkd,tk->td", picked, gates.astype(picked.dtype))
 
 
