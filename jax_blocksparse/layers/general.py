@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-__all__ = ["FlatLinear", "dense_general_shape", "einsum_shape"]
+__all__ = ["FlatLinear", "as_tuple", "dense_general_shape", "einsum_shape"]
 
 
 class FlatLinear(NamedTuple):
@@ -86,8 +86,9 @@ class FlatLinear(NamedTuple):
         return jnp.reshape(bias, (self.features[1],))
 
 
-def _as_tuple(value) -> tuple:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+def as_tuple(value) -> tuple[int, ...]:
+    """An int or a sequence of ints (axes, sizes) as a tuple of ints."""
+    return tuple(int(v) for v in value) if isinstance(value, (tuple, list)) else (int(value),)
 
 
 def dense_general_shape(kernel_shape, axis, batch_dims=(), ndim: int | None = None):
@@ -100,7 +101,7 @@ def dense_general_shape(kernel_shape, axis, batch_dims=(), ndim: int | None = No
       ndim: the inputs' rank where known (linen sees the call); None where it is not
         (then ``axis`` must be negative: ``-1`` or ``(-2, -1)``).
     """
-    axis, batch_dims = _as_tuple(axis), _as_tuple(batch_dims) if batch_dims is not None else ()
+    axis, batch_dims = as_tuple(axis), as_tuple(batch_dims) if batch_dims is not None else ()
     if batch_dims:
         return None, f"batch axes {batch_dims} (a kernel per batch index)"
     n = len(axis)

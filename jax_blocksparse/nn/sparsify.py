@@ -274,26 +274,20 @@ def _record(module: nn.Module, variables, args, apply_kwargs) -> list[tuple[tupl
 
     def recorder(next_fun, call_args, call_kwargs, context):
         m = context.module
-        if context.method_name == "__call__" and isinstance(m, LINEAR_LIKE):
-            path = tuple(m.path)
-            if path not in seen:
-                _, call = _call_arguments(m, call_args, call_kwargs)
-                seen[path] = (m, call)
-            out = next_fun(*call_args, **call_kwargs)
-            m_, call = seen[path]
-            if "kernel" not in call:  # the variables exist once the call has run (init creates them)
-                kernel = m.get_variable("params", "kernel") if m.has_variable("params", "kernel") else None
-                bias = m.get_variable("params", "bias") if m.has_variable("params", "bias") else None
-                call["kernel"] = None if kernel is None else tuple(np.shape(kernel))
-                call["bias_shape"] = None if bias is None else tuple(np.shape(bias))
-            return out
+        if context.method_name == "__call__" and isinstance(m, LINEAR_LIKE) and tuple(m.path) not in seen:
+            _, call = _call_arguments(m, call_args, call_kwargs)
+            kernel, bias = (
+                m.get_variable("params", n) if m.has_variable("params", n) else None for n in ("kernel", "bias")
+            )
+            call["bias_shape"] = None if bias is None else tuple(np.shape(bias))
+            seen[tuple(m.path)] = (m, None if kernel is None else tuple(np.shape(kernel)), call)
         return next_fun(*call_args, **call_kwargs)
 
     kwargs = dict(apply_kwargs)
     kwargs.setdefault("mutable", True)  # a model that updates batch statistics runs too
     with nn.intercept_methods(recorder):
         jax.eval_shape(lambda v: module.apply(v, *args, **kwargs), variables)
-    return [(path, m, call.pop("kernel", None), call) for path, (m, call) in seen.items()]
+    return [(path, m, shape, call) for path, (m, shape, call) in seen.items()]
 
 
 def _rebox(box, value, plan: _core.LayerSparsity, names=None) -> tuple[Any, str | None]:

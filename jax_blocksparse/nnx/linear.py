@@ -12,7 +12,7 @@ from flax.typing import PrecisionLike
 
 from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import dense as _core
-from jax_blocksparse.layers.general import FlatLinear, einsum_shape
+from jax_blocksparse.layers.general import FlatLinear, as_tuple, einsum_shape
 from jax_blocksparse.layout import Layout
 from jax_blocksparse.ops.probe import unwrap
 
@@ -189,10 +189,6 @@ class BlockSparseLinear(nnx.Module):
         )
 
 
-def _as_tuple(features) -> tuple[int, ...]:
-    return tuple(int(f) for f in features) if isinstance(features, (tuple, list)) else (int(features),)
-
-
 class BlockSparseLinearGeneral(BlockSparseLinear):
     """``flax.nnx.LinearGeneral`` over the inputs' trailing axes, with a block-sparse kernel.
 
@@ -232,7 +228,7 @@ class BlockSparseLinearGeneral(BlockSparseLinear):
         bias_init: Initializer = nnx.initializers.zeros_init(),
         **kwargs,
     ):
-        flat = FlatLinear(_as_tuple(in_features), _as_tuple(out_features))
+        flat = FlatLinear(as_tuple(in_features), as_tuple(out_features))
         # The bias is drawn in its own shape, [*out_features], not the flattened [K].
         super().__init__(
             *flat.features,
