@@ -1,4 +1,4 @@
-"""What every benchmark's JSON report shares: the commit it measured and an atomic write."""
+"""What every benchmark's JSON report shares: the commit and the device it measured, and an atomic write."""
 
 from __future__ import annotations
 
@@ -33,3 +33,29 @@ def write_json(path: Path, report: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     tmp.replace(path)
+
+
+def measured_on() -> dict:
+    """``{"device", "cpu_isa"}`` of the first device: on a CPU the crossover table's name
+    for it, ``"cpu:<isa>:<cores>"`` (the instruction set the CPU kernels dispatch to), and
+    that instruction set; an accelerator's device kind, and None."""
+    import jax
+
+    from jax_blocksparse import crossover
+
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        return {"device": device.device_kind, "cpu_isa": None}
+    kind = crossover.cpu_device_kind()
+    return {"device": kind, "cpu_isa": kind.split(":")[1]}
+
+
+def write_report(path, benchmark: str, report: dict) -> Path:
+    """Writes ``report`` to ``path``, by default ``bench/results/<benchmark>-<device>-<date>.json``
+    (the device of :func:`measured_on`, file-name friendly); prints and returns the path."""
+    if path is None:
+        device = "".join(ch if ch.isalnum() else "-" for ch in report["device"].lower()).strip("-")
+        path = Path(__file__).resolve().parent / "results" / f"{benchmark}-{device}-{report['date']}.json"
+    write_json(path, report)
+    print(f"wrote {path}")
+    return Path(path)

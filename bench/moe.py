@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import os
 import statistics
 import sys
 import time
@@ -43,8 +42,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import git_commit, write_json  # noqa: E402
-from sparsify_lm import cpu_isa  # noqa: E402
+from _report import git_commit, measured_on, write_report  # noqa: E402
 
 from jax_blocksparse.layers import moe as moe_core  # noqa: E402
 from jax_blocksparse.ops import moe as moe_ops  # noqa: E402
@@ -53,8 +51,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def _router(x, router, top_k):
-    logits = jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
-    return moe_core.route(logits, top_k)
+    return moe_core.route(moe_core.router_logits(x, router), top_k)
 
 
 def block_sparse(params, x, args, dtype):
@@ -166,10 +163,7 @@ def run(args) -> dict:
             print(f"{dtype_name:>9} {name:>13} {ms:9.2f} ms  {ms / ours:6.2f}x the block-sparse layer's time")
     return {
         "benchmark": "moe",
-        "device": jax.devices()[0].device_kind
-        if jax.devices()[0].platform != "cpu"
-        else f"cpu ({cpu_isa()}, {os.cpu_count()} cores)",
-        "cpu_isa": cpu_isa(),
+        **measured_on(),
         "commit": git_commit(),
         "date": datetime.date.today().isoformat(),
         "jax": jax.__version__,
@@ -207,12 +201,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     report = run(args)
-    platform = jax.devices()[0].platform
-    path = args.json or Path(__file__).resolve().parent / "results" / (
-        f"moe-{platform}-{report['cpu_isa']}-{report['date']}.json"
-    )
-    write_json(path, report)
-    print(f"wrote {path}")
+    write_report(args.json, "moe", report)
     return report
 
 

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import statistics
 import sys
 import time
@@ -44,7 +42,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import git_commit, write_json  # noqa: E402
+from _report import git_commit, measured_on, write_report  # noqa: E402
 
 import jax_blocksparse as jbs  # noqa: E402
 
@@ -104,18 +102,7 @@ def make_step(apply, optimizer):
     return step
 
 
-def cpu_isa() -> str:
-    """The CPU's widest vector ISA and matrix units, from /proc/cpuinfo (Linux)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split())
-    except (OSError, IndexError):
-        return platform.machine()
-    isa = "avx512" if "avx512f" in flags else ("avx2" if "avx2" in flags else platform.machine())
-    return isa + ("+amx" if "amx_bf16" in flags else "")
-
-
 def run(args) -> dict:
-    device = jax.devices()[0]
     model = LM(args.vocab, args.emb, args.mlp, args.heads, args.layers)
     tokens = jax.random.randint(jax.random.key(0), (args.batch, args.seq + 1), 0, args.vocab)
     variables = model.init(jax.random.key(1), tokens[:, :-1])
@@ -166,8 +153,7 @@ def run(args) -> dict:
         )
     return {
         "benchmark": "sparsify_lm",
-        "device": device.device_kind if device.platform != "cpu" else f"cpu ({cpu_isa()}, {os.cpu_count()} cores)",
-        "cpu_isa": cpu_isa(),
+        **measured_on(),
         "commit": git_commit(),
         "date": datetime.date.today().isoformat(),
         "jax": jax.__version__,
@@ -204,12 +190,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     report = run(args)
-    platform_name = "cpu" if jax.devices()[0].platform == "cpu" else jax.devices()[0].platform
-    path = args.json or Path(__file__).resolve().parent / "results" / (
-        f"sparsify_lm-{platform_name}-{report['cpu_isa']}-{report['date']}.json"
-    )
-    write_json(path, report)
-    print(f"wrote {path}")
+    write_report(args.json, "sparsify_lm", report)
     return report
 
 
