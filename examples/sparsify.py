@@ -62,6 +62,7 @@ from sklearn.model_selection import train_test_split
 import jax_blocksparse as jbs
 from jax_blocksparse.layers import common as layer_common
 from jax_blocksparse.layers import conv as conv_core
+from jax_blocksparse.layers.sparsify import block_scores
 from jax_blocksparse.nnx import BlockSparseConv, BlockSparseLinear
 
 # ---------------------------------------------------------------------------------
@@ -199,10 +200,7 @@ def _name(path) -> str:
 
 def conv_block_norms(layer: BlockSparseConv) -> np.ndarray:
     """float64 [C // bs, K // bs]: the L2 norm of every block of a conv, over all its taps."""
-    w = np.asarray(jbs.conv_to_dense(layer.kernel[...], layer.layout), np.float64)
-    bs = layer.block_size
-    c, k = w.shape[-2:]
-    return np.sqrt(np.square(w.reshape(-1, c // bs, bs, k // bs, bs)).sum(axis=(0, 2, 4)))
+    return block_scores(jbs.conv_to_dense(layer.kernel[...], layer.layout), layer.block_size)
 
 
 def conv_slot_mask(layer: BlockSparseConv, mask: np.ndarray):

@@ -321,3 +321,15 @@ def load_script(relpath: str, name: str | None = None):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def save_restore(path, state, target=None):
+    """``state`` saved by orbax's StandardCheckpointer and restored (into ``target`` if
+    given: e.g. ``jax.tree.map(orbax.checkpoint.utils.to_shape_dtype_struct, state)``).
+    Callers skip first when orbax-checkpoint (the checkpoint extra) is missing."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, state)
+        checkpointer.wait_until_finished()
+        return checkpointer.restore(path, target)

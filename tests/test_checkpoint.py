@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 import checkpoint_resume
 import children
 import jax_blocksparse as jbs
-from helpers import cpu_mesh
+from helpers import cpu_mesh, save_restore
 from jax_blocksparse import mixed_precision as jmp
 
 ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint (the checkpoint extra) is not installed")
@@ -34,14 +34,6 @@ ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint (the chec
 BS = 8
 TIMEOUT = 300  # seconds per child process (about 10 s each on 2 idle cores)
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
-
-
-def _save_restore(path, state, target=None):
-    """``state`` saved by a StandardCheckpointer and restored (into ``target`` if given)."""
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, state)
-        checkpointer.wait_until_finished()
-        return checkpointer.restore(path, target)
 
 
 def _assert_same_tree(got, want):
@@ -65,7 +57,7 @@ def _layouts():
 
 def test_layouts_round_trip(tmp_path):
     layouts = _layouts()
-    restored = _save_restore(tmp_path / "layouts", layouts, jax.eval_shape(lambda: layouts))
+    restored = save_restore(tmp_path / "layouts", layouts, jax.eval_shape(lambda: layouts))
     _assert_same_tree(restored, layouts)
     for name, layout in layouts.items():
         assert isinstance(restored[name], jbs.Layout) and repr(restored[name]) == repr(layout)
@@ -74,7 +66,7 @@ def test_layouts_round_trip(tmp_path):
     np.testing.assert_array_equal(jbs.bsmm(x, w, restored["padded"]), jbs.bsmm(x, w, layouts["padded"]))
 
     # Without a target: the tables by name, as the checkpoint stores them.
-    raw = _save_restore(tmp_path / "raw", {"layout": layouts["padded"]})["layout"]
+    raw = save_restore(tmp_path / "raw", {"layout": layouts["padded"]})["layout"]
     assert set(raw) == set(jbs.layout.LayoutTables._fields)
     np.testing.assert_array_equal(raw["col_ptr"], layouts["padded"].tables.col_ptr)
 
@@ -101,7 +93,7 @@ def test_nnx_model_and_optimizer_round_trip(tmp_path):
 
     _, abstract = nnx.split(nnx.eval_shape(create))
     new_model, new_optimizer = create()
-    nnx.update((new_model, new_optimizer), _save_restore(tmp_path / "nnx", state, abstract))
+    nnx.update((new_model, new_optimizer), save_restore(tmp_path / "nnx", state, abstract))
     _assert_same_tree(nnx.state((new_model, new_optimizer)), state)
     assert isinstance(new_model.kernel_layout.get_value(), jbs.Layout)
     assert float(jmp.loss_scale(new_optimizer.opt_state)) == 2.0**9
@@ -129,7 +121,7 @@ def test_sharded_state_restores_onto_the_target_shardings(tmp_path):
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(lambda: state), target
     )
-    restored = _save_restore(tmp_path / "sharded", state, target)
+    restored = save_restore(tmp_path / "sharded", state, target)
     _assert_same_tree(restored, state)
     assert restored["params"]["kernel"].sharding.spec == P("model", None, None, None)
     assert restored["layout"].tables.col_ptr.sharding == replicated

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import jax_blocksparse as jbs
+from helpers import save_restore
 from jax_blocksparse.layers import moe as core
 from jax_blocksparse.ops import moe
 
@@ -230,18 +231,14 @@ def test_bf16_layer_is_within_bf16_rounding_of_float32():
 
 
 def test_layer_exports_and_checkpoints(tmp_path):
-    ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint (the checkpoint extra) is not installed")
+    pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint (the checkpoint extra) is not installed")
     layer = jbs.nn.BlockSparseMoE(num_experts=E, ffn=F, block_size=BS, glu=True)
     x = jax.random.normal(jax.random.key(0), (12, D))
     variables = layer.init(jax.random.key(1), x)
     want = layer.apply(variables, x)
     exported = jbs.export.export(jax.jit(layer.apply), platforms=("cpu",))(variables, x)
     np.testing.assert_allclose(jax.export.deserialize(exported.serialize()).call(variables, x), want, rtol=1e-6)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(tmp_path / "moe", variables)
-        checkpointer.wait_until_finished()
-        restored = checkpointer.restore(tmp_path / "moe")
-    np.testing.assert_array_equal(layer.apply(restored, x), want)
+    np.testing.assert_array_equal(layer.apply(save_restore(tmp_path / "moe", variables), x), want)
 
 
 @pytest.mark.parametrize(

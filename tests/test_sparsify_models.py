@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jax_blocksparse as jbs
+from helpers import save_restore
 from jax_blocksparse.layers.sparsify import block_scores
 
 ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint (the checkpoint extra) is not installed")
@@ -50,10 +51,8 @@ def _close(got, want, atol=1e-5):
 
 
 def _save_restore(path, state):
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, state)
-        checkpointer.wait_until_finished()
-        return checkpointer.restore(path, jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+    """``state`` through an orbax checkpoint, restored into its own shapes and dtypes."""
+    return save_restore(path, state, jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
 
 
 def _exported_call(fun, *args):
