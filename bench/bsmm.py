@@ -109,7 +109,7 @@ PRESETS = {
     ),
     "gpu": dict(
         size=(4096, 4096, 4096),
-        block_sizes=[8, 16, 32, 64, 128],
+        block_sizes=list(jbs.SUPPORTED_BLOCK_SIZES),
         densities=[1.0, 0.5, 0.25, 0.1, 0.05, 0.01],
         dtypes=["bfloat16", "float16", "float32"],
         ops=list(OPS),
@@ -132,7 +132,7 @@ PRESETS = {
     # N = 1024 (the committed AVX2 file of 2026-11-25 was measured at 2048 x 2048, N = 512).
     "crossover-cpu": dict(
         size=(1024, 1024, 1024),
-        block_sizes=[8, 16, 32, 64, 128],
+        block_sizes=list(jbs.SUPPORTED_BLOCK_SIZES),
         densities=[1.0, 0.5, 0.25, 0.1, 0.05],
         dtypes=["float32", "bfloat16"],
         ops=list(OPS),
