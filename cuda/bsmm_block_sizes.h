@@ -20,7 +20,7 @@
 namespace jbs {
 
 inline constexpr int kBlockSizes[] = {JBS_BLOCK_SIZES};
-// "{8, 16, 32, 64, 128}", for error messages.
+// The table as text in braces, for error messages.
 inline constexpr char kBlockSizesText[] = JBS_BLOCK_SIZES_TEXT;
 
 constexpr bool SupportedBlockSize(int64_t bs) {

@@ -48,7 +48,7 @@ struct DsdParams {
   int nin;                  // number of input blocks
   int nseg;                 // number of output blocks
   int cap;                  // capacity (number of slots)
-  int bs;                   // block size: 8, 16, 32, 64 or 128
+  int bs;                   // block size: one of kBlockSizes (bsmm_block_sizes.h)
 };
 
 struct SddParams {

@@ -34,6 +34,11 @@ extensions = [
     "sphinx.ext.viewcode",
 ]
 
+# The block sizes as the package reads them (block_sizes.json), for every page: write
+# |block_sizes| (the sizes, the last joined by "or"), never the list by hand.
+_SIZES = [str(bs) for bs in jax_blocksparse.SUPPORTED_BLOCK_SIZES]
+rst_epilog = f"\n.. |block_sizes| replace:: {', '.join(_SIZES[:-1])} or {_SIZES[-1]}\n"
+
 exclude_patterns = ["_build"]
 root_doc = "index"
 html_theme = "alabaster"

@@ -146,7 +146,7 @@ class Crossover:
         (:func:`cpu_device_kind`), JAX's ``device_kind`` on CUDA ("NVIDIA H100 80GB HBM3").
       target: the FFI target of the kernel ("jbs_bsmm_fprop", "jbs_bsmm_updat_sm90", ...).
       mode: the kernel's arithmetic: "float32", "tf32", "bfloat16" or "float16".
-      block_size: 8, 16, 32, 64 or 128.
+      block_size: one of :data:`~jax_blocksparse.SUPPORTED_BLOCK_SIZES`.
       crossover: a density in [0, 1]: the kernel runs for block capacities up to it.
       source: the benchmark result it was computed from (a path under bench/results/, or
         where ``tune`` measured it).

@@ -286,7 +286,7 @@ class Layout:
         Args:
           mask: bool (or 0/1 int) array [C // block_size, K // block_size], numpy
             or jax. May be traced (inside jit) when ``capacity`` is given.
-          block_size: one of 8, 16, 32, 64, 128.
+          block_size: one of :data:`SUPPORTED_BLOCK_SIZES`.
           capacity: number of storage slots, >= the number of blocks. Defaults to
             the number of blocks (requires a concrete mask). With a traced mask,
             blocks beyond ``capacity`` in storage order are dropped.

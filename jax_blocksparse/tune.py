@@ -18,7 +18,7 @@ where its time meets the dense product's, interpolated between the measured dens
 samples of back-to-back calls of one compiled program (:func:`call_time`), the dense path
 timed beside each kernel product: on a shared machine a burst of load then moves neither.
 
-Defaults: blocks 8 to 128, float32 and bfloat16, under 4 minutes on a 2-core CPU;
+Defaults: every supported block size, float32 and bfloat16, under 4 minutes on a 2-core CPU;
 ``--quick``: blocks 16 to 64, float32, under a minute. A progress bar goes to stderr.
 
     python -m jax_blocksparse tune            # measure, write the cache, print the table

@@ -11,6 +11,8 @@ Everything runs on the CPU backend, whatever the default backend is: lowered for
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,10 +65,14 @@ def _tables(layout):
     return [jnp.asarray(a) for a in (t.block_rows, t.block_cols, t.col_ptr, t.row_ptr, t.row_slots)]
 
 
+# The handlers' kBlockSizesText: the table in braces.
+SIZES_TEXT = "{" + ", ".join(map(str, jbs.SUPPORTED_BLOCK_SIZES)) + "}"
+
+
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("w_shape", "w must be \\[capacity=.*bs in \\{8, 16, 32, 64, 128\\}"),
+        ("w_shape", "w must be \\[capacity=.*bs in " + re.escape(SIZES_TEXT)),
         ("features", "need lhs \\[\\.\\.\\., 48\\] and out"),
         ("dtypes", "inputs must share one dtype"),
         ("out_dtype", "output dtype must be the input dtype or float32"),

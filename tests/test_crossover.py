@@ -139,13 +139,13 @@ def test_package_table_is_the_one_computed_from_committed_results():
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_every_cpu_kernel_has_a_measured_crossover_per_instruction_set(isa):
-    """The committed CPU measurements (one machine per instruction set) cover blocks 8 to
-    128, float32 and bfloat16, all three ops, keyed by the machine's signature."""
+    """The committed CPU measurements (one machine per instruction set) cover every
+    supported block size, float32 and bfloat16, all three ops, keyed by the machine's signature."""
     shipped = crossover_script.package_table()["entries"]
     cpu = [e for e in shipped if e["platform"] == "cpu" and e["family"] == isa]
     assert all(e["device_kind"].startswith(f"cpu:{isa}") for e in cpu)
     got = {(e["target"], e["mode"], e["block_size"]) for e in cpu}
-    want = {(t, m, bs) for t in TARGETS.values() for m in ("float32", "bfloat16") for bs in (8, 16, 32, 64, 128)}
+    want = {(t, m, bs) for t in TARGETS.values() for m in ("float32", "bfloat16") for bs in jbs.SUPPORTED_BLOCK_SIZES}
     assert want <= got
 
 

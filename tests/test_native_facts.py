@@ -139,12 +139,12 @@ def test_tf32_is_on_for_every_product_and_block_size(native):
 def test_sm90_helpers_follow_what_the_extension_reports(monkeypatch):
     facts = {
         "plan_sms": 7,
-        "tf32_block_sizes": {"fprop": (8, 16, 32, 64, 128), "bprop": (16,), "updat": (64,)},
+        "tf32_block_sizes": {"fprop": jbs.SUPPORTED_BLOCK_SIZES, "bprop": (16,), "updat": (64,)},
         "tf32_off": {"bprop": {8: "a reason"}},
         "tf32_row_multiple": 8,
     }
     monkeypatch.setattr(jbs._native, "extension_info", lambda: {"sm90": facts})
-    assert _sm90.tf32_block_sizes("jbs_bsmm_fprop_sm90") == (8, 16, 32, 64, 128)
+    assert _sm90.tf32_block_sizes("jbs_bsmm_fprop_sm90") == jbs.SUPPORTED_BLOCK_SIZES
     assert _sm90.tf32_block_sizes("bprop") == (16,)
     assert _sm90.use_tf32("jbs_bsmm_updat", np.float32, 64, None)
     assert not _sm90.use_tf32("jbs_bsmm_updat", np.float32, 16, None)

@@ -395,7 +395,7 @@ def test_v2_targets_take_the_layouts_work_list(monkeypatch, op):
     assert _variant_attr(line) == "baseline" and "tf32 = false" in line
 
 
-@pytest.mark.parametrize("bs", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("bs", jbs.SUPPORTED_BLOCK_SIZES)
 @pytest.mark.parametrize("op", ["fprop", "bprop"])
 def test_variant_env_asks_for_a_variant_where_it_runs(monkeypatch, op, bs):
     monkeypatch.setenv(_sm90.HOPPER_ENV, "1")

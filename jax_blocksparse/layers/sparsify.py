@@ -548,7 +548,7 @@ def plan_sparsity(
       candidates: the model's dense and conv layers, in model order.
       density: the target density (fraction of the converted layers' weights
         kept), in (0, 1]; 1 keeps every block.
-      block_size: the block edge, one of 8, 16, 32, 64, 128.
+      block_size: the block edge, one of :data:`~jax_blocksparse.SUPPORTED_BLOCK_SIZES`.
       distribution: ``"uniform"`` (every converted layer at ``density``) or
         ``"erk"`` (Erdos-Renyi(-Kernel): small layers denser, the same total).
       selection: which blocks: None or ``"magnitude"`` (the largest norms under the

@@ -213,7 +213,8 @@ def blocksparse_attention(
         broadcasts; patterns in :mod:`jax_blocksparse.layouts`), or a :class:`BlockMask`
         (from :func:`create_block_mask`, :func:`block_mask_from_segments`, or traced
         inside ``jit`` with a capacity). Its layout is cached per concrete mask.
-      block_size: the tile edge (8, 16, 32, 64, 128); a BlockMask carries its own.
+      block_size: the tile edge, one of :data:`~jax_blocksparse.SUPPORTED_BLOCK_SIZES`; a
+        BlockMask carries its own.
       bias: None or a float bias broadcastable to [batch, heads, T_q, T_kv], added to
         the scaled scores (as ``jax.nn.dot_product_attention``'s; only its present tiles
         are read). For long sequences prefer ``score_fn``, which is never T_q x T_kv.

@@ -106,7 +106,7 @@ class BlockMask:
         T_q / block_size and n_kv = T_kv / block_size: ``blocks[..., i, j]`` lets query
         block i see key block j. numpy or jax; traced (inside ``jit``) when ``capacity``
         is given.
-      block_size: the tile edge: 8, 16, 32, 64 or 128.
+      block_size: the tile edge, one of :data:`~jax_blocksparse.SUPPORTED_BLOCK_SIZES`.
       full: None, or bool of ``blocks``' shape: tiles where ``mask_fn`` holds at every
         element (it is then not evaluated there). Without it every present tile is
         partial. Ignored without ``mask_fn``.

@@ -120,7 +120,7 @@ def route_topology(experts, num_experts: int, ffn: int, block_size: int, valid=N
         or not).
       num_experts: E.
       ffn: F, the hidden units of one expert (a multiple of ``block_size``).
-      block_size: the block edge, one of 8, 16, 32, 64, 128.
+      block_size: the block edge, one of :data:`~jax_blocksparse.SUPPORTED_BLOCK_SIZES`.
       valid: bool [T, k] or None (all valid): choices that are not valid take no row
         (their ``row_of`` is R, past the rows; :func:`combine` reads zeros there) and
         are not counted. Expert parallelism uses it for the empty places of its
