@@ -346,3 +346,32 @@ def test_four_spatial_dims_run_as_bsmm_products():
     assert calls and calls <= {"jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat"}, calls
     for got, want in zip(jax.tree.leaves(fk(x, w)), jax.tree.leaves(fr(x, w))):
         assert_close(got, want, F32, 8 * 16)
+
+
+# ---------------------------------------------------------------------------------
+# The lowering policy: bsmm's seam (ops/_lowering.register_lowerings) with the
+# convolution's kernel calls, platforms and compositions
+# ---------------------------------------------------------------------------------
+
+
+def test_auto_runs_the_kernels_at_any_density():
+    """The crossover table measures the bsmm targets only: under "auto" a full layout still
+    runs the convolution's own kernels on CPU, not the dense product."""
+    layout, w = _problem("full", 8, (2, 2), (3, 3), F32, capacity_extra=0)
+    x = rand((2, 5, 5, 16), F32, 2)
+    calls = kernel_calls(_fwd_and_grads(jbs.bsconv, layout, "auto").lower(x, w).as_text())
+    assert calls == KERNELS, calls
+
+
+def test_the_seam_rejects_unknown_target_platforms():
+    from jax.extend.core import Primitive
+
+    from jax_blocksparse.ops import _lowering
+
+    def reference(a, *_, **__):
+        return a
+
+    with pytest.raises(ValueError, match="target_platforms must be among"):
+        _lowering.register_lowerings(
+            Primitive("bsconv_test_only"), reference, target="jbs_bsconv", dense=reference, target_platforms=("tpu",)
+        )

@@ -20,6 +20,11 @@ native extension, which registers the same target names for both platforms
   beats the dense product up to the highest density, and the dense product where the
   layout's block capacity exceeds that density (:func:`auto_choice`).
 
+An op whose kernel exists on only some platforms, or does not take every parameter, names
+a composition of other primitives for the rest (``register_lowerings``' ``composed``: the
+convolution runs as bsmm products on CUDA, ops/conv_primitives.py); those primitives then
+pick their own paths here.
+
 The kernel lowering is itself ``mlir.lower_fun`` of a small jnp function
 (:func:`_kernel_call`): it picks the operands a target takes (see
 :data:`_KERNEL_OPERANDS`), calls ``jax.ffi.ffi_call`` and casts the result to the
@@ -315,6 +320,18 @@ def native_conversions(platform: str) -> bool:
     return _native.has_kernels(platform) and names <= _native.registered_targets(platform)
 
 
+def _bsmm_choice(platform: str, impl: str, target: str, ctx, params: dict) -> str | None:
+    """What runs one bsmm product whose ``target`` is selected on ``platform`` under
+    ``impl`` ("kernels" or "auto"): a kernel target's name (a :func:`_sm90.kernel_key`),
+    :data:`DENSE`, or None for the reference."""
+    # precision: the Hopper targets run float32 on TF32 below HIGHEST (ops/_sm90.py).
+    precision, bs = params.get("precision"), params["block_size"]
+    if impl == "kernels":
+        fraction = block_fraction(ctx.avals_in[2:])
+        return kernels_target(platform, target, ctx.avals_in[0].dtype, bs, precision, fraction)
+    return auto_choice(platform, target, ctx, block_size=bs, precision=precision)
+
+
 def register_lowerings(
     primitive,
     reference: Callable,
@@ -323,26 +340,50 @@ def register_lowerings(
     dense: Callable,
     cpu_reference: Callable | None = None,
     cpu_dense: Callable | None = None,
+    kernel: Callable | None = None,
+    target_platforms: tuple[str, ...] = KERNEL_PLATFORMS,
+    composed: Callable[[str, dict], Callable | None] | None = None,
 ) -> None:
     """Registers the reference and dense lowerings everywhere and the kernel seam on 'cpu'
     and 'cuda'.
 
     Args:
-      primitive: the primitive; its params must include ``impl``, ``block_size`` and
-        ``precision``.
+      primitive: the primitive; its params must include ``impl`` and ``precision`` (and
+        ``block_size`` where ``kernel`` is None).
       reference: pure-JAX function ``(*operands, **params) -> out``.
       target: the kernel's short name (its versioned FFI target, registered by the native
-        extension for both platforms, is ``targets.target_name(target)``).
+        extension, is ``targets.target_name(target)``).
       dense: pure-JAX function ``(*operands, **params) -> out``: the product through a
         dense weight and XLA's dot (``impl="dense"``, and "auto" above the crossover).
       cpu_reference: an optional CPU-tuned variant of ``reference``.
       cpu_dense: an optional variant of ``dense`` for CPU, whose conversions between the
         blocks and the dense matrix the extension runs (where it has them:
         :func:`native_conversions`).
+      kernel: pure-JAX function ``(*operands, **params) -> out`` calling ``target``'s FFI
+        target; it runs wherever the target is selected (:func:`kernels_selected`). None:
+        a bsmm target, whose kernel (portable or Hopper, and its variant) or the dense
+        product is chosen per product (:func:`kernels_target`, :func:`auto_choice`: the
+        crossover table measures the bsmm targets).
+      target_platforms: the platforms whose native kernels include ``target`` (the bsmm
+        targets': both; the convolution's: "cpu").
+      composed: ``composed(platform, params)``: the op as a pure-JAX composition of other
+        primitives, which pick their own paths, for a lowering platform and the
+        primitive's params, or None. Under "auto" and "kernels" it runs on a platform
+        outside ``target_platforms``, and in place of the op's selected kernel where it
+        answers (params the kernel does not take).
+
+    Raises:
+      ValueError: ``target_platforms`` names a platform outside :data:`KERNEL_PLATFORMS`.
     """
+    unknown = sorted(set(target_platforms) - set(KERNEL_PLATFORMS))
+    if unknown:
+        raise ValueError(
+            f"register_lowerings({primitive}): target_platforms must be among {KERNEL_PLATFORMS}, got {unknown}"
+        )
     reference_rule = _reference_rule(reference)
     dense_rule = _reference_rule(dense)
     cpu_dense_rule = _reference_rule(cpu_dense) if cpu_dense is not None else None
+    kernel_rule = _reference_rule(kernel) if kernel is not None else None
 
     def portable_rule(ctx, *operands, impl, **params):
         rule = dense_rule if impl == "dense" else reference_rule
@@ -360,29 +401,46 @@ def register_lowerings(
                 dense_here = cpu_dense_rule
             if impl == "dense":
                 return dense_here(ctx, *operands, impl=impl, **params)
-            if kernels_selected(_platform, impl, target):
-                # precision: the Hopper targets run float32 on TF32 below HIGHEST (ops/_sm90.py).
-                precision, bs = params.get("precision"), params["block_size"]
-                if impl == "kernels":
-                    fraction = block_fraction(ctx.avals_in[2:])
-                    name = kernels_target(_platform, target, ctx.avals_in[0].dtype, bs, precision, fraction)
-                else:
-                    name = auto_choice(_platform, target, ctx, block_size=bs, precision=precision)
-                if name == DENSE:
-                    return dense_here(ctx, *operands, impl=impl, **params)
-                if name is not None:
-                    return _kernel_rule(name)(ctx, *operands, precision=precision)
-            return _fallback(ctx, *operands, impl=impl, **params)
+            own = _platform in target_platforms  # the op's own kernel exists here
+            if impl == "reference" or (own and not kernels_selected(_platform, impl, target)):
+                return _fallback(ctx, *operands, impl=impl, **params)
+            composition = composed(_platform, params) if composed is not None else None
+            if composition is not None:
+                return _reference_rule(composition)(ctx, *operands, impl=impl, **params)
+            if not own:
+                return _fallback(ctx, *operands, impl=impl, **params)
+            if kernel_rule is not None:
+                return kernel_rule(ctx, *operands, impl=impl, **params)
+            name = _bsmm_choice(_platform, impl, target, ctx, params)
+            if name == DENSE:
+                return dense_here(ctx, *operands, impl=impl, **params)
+            if name is None:
+                return _fallback(ctx, *operands, impl=impl, **params)
+            return _kernel_rule(name)(ctx, *operands, precision=params.get("precision"))
 
         mlir.register_lowering(primitive, partitioned(primitive, rule), platform=platform)
+
+
+# A device's ``platform`` attribute names CUDA "gpu"; JAX's lowering platforms say "cuda".
+_DEVICE_PLATFORMS = {"gpu": "cuda"}
+
+
+def lowering_platform(platform: str) -> str:
+    """The lowering platform of a device's ``platform`` attribute ("gpu" -> "cuda"); a
+    lowering platform is itself."""
+    return _DEVICE_PLATFORMS.get(platform, platform)
 
 
 def describe_path(platform: str, impl: str) -> str:
     """One line saying which path bsmm takes on ``platform`` under ``impl`` (for reports).
 
     ``platform`` is a lowering platform ("cpu", "cuda") or a device's ``platform``
-    attribute ("gpu" names CUDA there)."""
-    platform = {"gpu": "cuda"}.get(platform, platform)
+    attribute ("gpu" names CUDA there); ``impl`` one of
+    :data:`jax_blocksparse.config.IMPLEMENTATIONS`. The public entry, with defaults and
+    argument checks, is :func:`jax_blocksparse.ops.paths.describe_path`."""
+    platform = lowering_platform(platform)
+    if impl == "dense":
+        return "dense product (implementation 'dense': the blocks scattered into a dense weight, then XLA's dot)"
     if platform not in KERNEL_PLATFORMS:
         return "pure-JAX reference (no native kernels for this platform)"
     kind = "CUDA kernels" if platform == "cuda" else "native CPU kernels"

@@ -36,6 +36,9 @@ Lowerings (the ``impl`` parameter, :mod:`jax_blocksparse.config`):
   kernels; the weight gradient is the composition's linear transpose (one
   ``bsmm_updat`` over the tap-stacked layout).
 
+The policy is bsmm's (:func:`~jax_blocksparse.ops._lowering.register_lowerings`), given
+the convolution's kernel calls, its platforms and where the compositions run.
+
 Batching: an extra batch axis of ``a`` alone (``bsconv``) folds into N; anything else
 batched runs as a ``lax.map`` of the primitive over that axis. Under ``jit`` with
 sharded inputs both primitives are split over N (:mod:`jax_blocksparse.ops._partitioning`).
@@ -50,13 +53,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, batching
 from jax.sharding import PartitionSpec as P
 
 from jax_blocksparse import targets
 from jax_blocksparse.layout import Layout, LayoutTables
-from jax_blocksparse.ops._lowering import KERNEL_PLATFORMS, kernels_selected
-from jax_blocksparse.ops._partitioning import mark_partitioned, partitioned
+from jax_blocksparse.ops._lowering import register_lowerings
+from jax_blocksparse.ops._partitioning import mark_partitioned
 from jax_blocksparse.ops.conv_im2col import Geometry, Precision, conv_col2im, conv_im2col, conv_to_dense
 from jax_blocksparse.ops.conv_spec import ConvSpec, dimension_numbers, dual, output_spatial
 from jax_blocksparse.ops.matmul import _matchvarying_axes
@@ -291,27 +294,17 @@ def wgrad_kernel(a, b, *tables, spec, kernel_size, block_size, compute_dtype, ou
     return call(a, b, *t[:5], **_geometry_attrs(spec)).astype(out_dtype)
 
 
-def _register_lowerings(primitive, reference, kernel, composed, target: str) -> None:
-    """Reference (and dense) everywhere; the kernels on "cpu", the compositions on "cuda"."""
-    reference_rule = mlir.lower_fun(reference, multiple_results=False)
-    mlir.register_lowering(primitive, partitioned(primitive, reference_rule))
-    kernel_rule = mlir.lower_fun(kernel, multiple_results=False)
-    composed_rule = mlir.lower_fun(composed, multiple_results=False)
-    for platform in KERNEL_PLATFORMS:
+def _composed_where(composed):
+    """The ``composed`` hook of :func:`~jax_blocksparse.ops._lowering.register_lowerings`:
+    the bsmm composition on "cuda" (no convolution kernels there) and on "cpu" beyond the
+    kernels' :data:`MAX_KERNEL_DIMS` spatial dims; elsewhere None (the op's own path)."""
 
-        def rule(ctx, *operands, _platform=platform, **params):
-            impl = params["impl"]
-            if impl in ("reference", "dense"):
-                return reference_rule(ctx, *operands, **params)
-            if _platform == "cuda":
-                return composed_rule(ctx, *operands, **params)
-            if kernels_selected(_platform, impl, target):
-                # The CPU kernels take 1 to 3 spatial dims; more run as bsmm products.
-                rule = kernel_rule if params["spec"].ndim <= MAX_KERNEL_DIMS else composed_rule
-                return rule(ctx, *operands, **params)
-            return reference_rule(ctx, *operands, **params)
+    def where(platform: str, params: dict):
+        if platform == "cuda" or params["spec"].ndim > MAX_KERNEL_DIMS:
+            return composed
+        return None
 
-        mlir.register_lowering(primitive, partitioned(primitive, rule), platform=platform)
+    return where
 
 
 # ---------------------------------------------------------------------------------
@@ -447,14 +440,31 @@ def _eager_impl(prim):
 
 bsconv_p.def_impl(_eager_impl(bsconv_p))
 bsconv_p.def_abstract_eval(_conv_abstract_eval)
-_register_lowerings(bsconv_p, conv_reference, conv_kernel, conv_composed, CONV_TARGET)
+# The reference is the dense path too: lax.conv_general_dilated on the dense kernel.
+register_lowerings(
+    bsconv_p,
+    conv_reference,
+    target=CONV_TARGET,
+    dense=conv_reference,
+    kernel=conv_kernel,
+    target_platforms=("cpu",),
+    composed=_composed_where(conv_composed),
+)
 batching.primitive_batchers[bsconv_p] = _conv_batch
 ad.primitive_jvps[bsconv_p] = _jvp(bsconv_p)
 ad.primitive_transposes[bsconv_p] = _conv_transpose
 
 bsconv_wgrad_p.def_impl(_eager_impl(bsconv_wgrad_p))
 bsconv_wgrad_p.def_abstract_eval(_wgrad_abstract_eval)
-_register_lowerings(bsconv_wgrad_p, wgrad_reference, wgrad_kernel, wgrad_composed, WGRAD_TARGET)
+register_lowerings(
+    bsconv_wgrad_p,
+    wgrad_reference,
+    target=WGRAD_TARGET,
+    dense=wgrad_reference,
+    kernel=wgrad_kernel,
+    target_platforms=("cpu",),
+    composed=_composed_where(wgrad_composed),
+)
 batching.primitive_batchers[bsconv_wgrad_p] = _wgrad_batch
 ad.primitive_jvps[bsconv_wgrad_p] = _jvp(bsconv_wgrad_p)
 ad.primitive_transposes[bsconv_wgrad_p] = _wgrad_transpose

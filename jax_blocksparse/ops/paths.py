@@ -95,7 +95,7 @@ def lowering_platform(platform: str | None = None) -> str:
         platform = jax.default_backend()
     if not isinstance(platform, str):
         raise TypeError(f"platform must be a str such as 'cpu', 'cuda' or 'gpu', got {platform!r}")
-    return {"gpu": "cuda"}.get(platform, platform)
+    return _lowering.lowering_platform(platform)
 
 
 def describe_path(platform: str | None = None, impl: str | None = None) -> str:
@@ -105,10 +105,7 @@ def describe_path(platform: str | None = None, impl: str | None = None) -> str:
     not available: ...)", or, for ``impl="kernels"`` without them, the error the lowering
     will raise.
     """
-    platform, impl = lowering_platform(platform), config.canonical_impl(impl)
-    if impl == "dense":
-        return "dense product (implementation 'dense': the blocks scattered into a dense weight, then XLA's dot)"
-    return _lowering.describe_path(platform, impl)
+    return _lowering.describe_path(lowering_platform(platform), config.canonical_impl(impl))
 
 
 def kernels_selected(platform: str | None = None, impl: str | None = None, kernel: str | None = None) -> bool:
