@@ -17,6 +17,8 @@ here imports Flax:
 * :mod:`~jax_blocksparse.layers.sparsify`: turning a dense model's layers block-sparse,
   framework-neutral (what fits, the budget, the blocks, the report) under
   ``jbs.nn.sparsify`` and ``jbs.nnx.sparsify``.
+* :mod:`~jax_blocksparse.layers.attribute_docs`: what each layer attribute means,
+  written once; the linen and NNX docstrings are filled from it.
 """
 
 from jax_blocksparse.layers.common import StaticMask

@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 
 from jax_blocksparse.layers import attention as _core
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.nn.dense import BlockSparseDense
 
 Array = jax.Array
 Initializer = Callable[..., Array]
 
 
+@attribute_docs.fill
 class BlockSparseSelfAttention(nn.Module):
     """Multi-head self-attention over a block-sparse attention pattern (linen).
 
@@ -56,13 +58,14 @@ class BlockSparseSelfAttention(nn.Module):
         ((2, 1, 64), 1)
 
     Attributes:
-      num_heads: number of query heads; ``qkv_features`` must be divisible by it.
+      {num_heads}
       mask: static block mask: a bool grid [T/bs, T/bs] (shared by the heads) or
         [num_heads, T/bs, T/bs], ``mask[i, j]`` letting query block i see key block j (see
         :mod:`jax_blocksparse.layouts`: ``local``, ``strided``, ``fixed``, ``bigbird``), or
         a concrete :class:`~jax_blocksparse.ops.attention.BlockMask` (e.g. from
         :func:`~jax_blocksparse.ops.attention.create_block_mask`).
-      block_size: the attention tile edge (8, 16, 32, 64 or 128); a BlockMask carries its own.
+      {block_size}
+        Here: the attention tile edge; a BlockMask carries its own.
       is_causal: query i sees keys j <= i only (autoregressive); tiles above the
         diagonal are dropped.
       num_kv_heads: key/value heads (default num_heads): grouped-query attention with
@@ -74,9 +77,9 @@ class BlockSparseSelfAttention(nn.Module):
       qkv_features: features of the projected queries (default: the input features);
         head_dim = qkv_features // num_heads; keys and values have num_kv_heads * head_dim.
       out_features: output features (default: the input features).
-      dtype: computation dtype (default: inferred from inputs and params). float32,
-        bfloat16 or float16; the softmax statistics are float32 in any case.
-      param_dtype: dtype of the parameters (default float32).
+      {dtype}
+        The softmax statistics are float32 in any case.
+      {param_dtype}
       dropout_rate: dropout on the attention probabilities (the "dropout" rng).
       deterministic: no dropout if True; may also be passed to ``__call__``.
       kernel_init: initializer of the projection kernels (default: LeCun normal for
@@ -88,8 +91,8 @@ class BlockSparseSelfAttention(nn.Module):
       out_mask: block mask [qkv_features / pbs, out_features / pbs] of the output
         projection, or None for a dense one.
       projection_block_size: ``pbs``, the projections' block edge (default block_size).
-      precision: as in :func:`jax.lax.dot_general`, for the attention products and the
-        dense projections.
+      {precision}
+        Here: the attention products and the dense projections.
     """
 
     num_heads: int

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.layers import conv as _core
 from jax_blocksparse.layers.common import check_options
 from jax_blocksparse.layout import Layout
@@ -29,6 +30,7 @@ Array = jax.Array
 Initializer = Callable[..., Array]
 
 
+@attribute_docs.fill
 class BlockSparseConv(nn.Module):
     """A convolution whose kernel mixes channels through a block-sparse matrix.
 
@@ -51,37 +53,22 @@ class BlockSparseConv(nn.Module):
 
     Attributes:
       features: the number of output channels K; must be ``mask.shape[1] * block_size``.
-      kernel_size: the spatial shape of the kernel; an int means a 1-D kernel ``(k,)``.
-      mask: the block mask, bool [C // block_size, K // block_size], static (numpy;
-        stored as a hashable :class:`~jax_blocksparse.layers.StaticMask`). Inputs must have
-        C channels. The same blocks are present at every spatial tap.
-      block_size: the block edge, one of 8, 16, 32, 64, 128.
-      strides: an int or a sequence of ``n`` ints (default 1).
-      padding: ``"SAME"``, ``"VALID"``, ``"SAME_LOWER"``, ``"CIRCULAR"``, ``"REFLECT"``,
-        ``"CAUSAL"`` (1-D), an int, or a sequence of ``n`` ints or ``(low, high)``
-        pairs, as in ``flax.linen.Conv``.
-      input_dilation: an int or ``n`` ints (default 1); with values > 1 the padding
-        must be explicit, as in ``flax.linen.Conv``.
-      kernel_dilation: an int or ``n`` ints (default 1).
-      use_bias: whether to add a bias (default: True).
-      dtype: the dtype of the computation (default: infer from input and params).
-      param_dtype: the dtype passed to parameter initializers (default: float32).
-      kernel_init: initializer for the stored blocks, called as
-        ``kernel_init(key, (capacity, *kernel_size, bs, bs), param_dtype)``. The default
-        (None) is LeCun normal with the layer's true fan-in: the average number of
-        blocks per non-empty output block column, times ``block_size * prod(kernel_size)``.
-      bias_init: initializer for the bias, ``bias_init(key, (features,), param_dtype)``.
-      capacity: number of storage slots (default: the number of blocks in ``mask``);
-        padding slots initialise to zero and do not contribute.
-      float32_dw: keep the kernel's gradient in float32 when ``dtype`` is 16-bit,
-        straight from the float32 accumulator of its weight-gradient product (see
-        :class:`~jax_blocksparse.nn.BlockSparseDense`). Needs ``param_dtype`` float32.
-      precision: numerical precision of the products, forward and backward, as in
-        ``flax.linen.Conv``: None (the default: ``jax.default_matmul_precision`` when
-        traced), a :class:`jax.lax.Precision`, its name, or a pair.
-      impl: how the products are lowered (:mod:`jax_blocksparse.config`):
-        ``"auto"``, ``"reference"``, ``"kernels"`` or ``"dense"``, forward and backward; None (the
-        default) reads :func:`jax_blocksparse.config.get_implementation` when traced.
+      {kernel_size}
+      {conv.mask}
+      {block_size}
+      {strides}
+      {padding}
+      {input_dilation}
+      {kernel_dilation}
+      {use_bias}
+      {dtype}
+      {param_dtype}
+      {conv.kernel_init}
+      {bias_init}
+      {capacity}
+      {float32_dw}
+      {precision}
+      {impl}
     """
 
     features: int
@@ -151,6 +138,7 @@ class BlockSparseConv(nn.Module):
         return _core.apply_layer(self, inputs, kernel, bias, layout)
 
 
+@attribute_docs.fill
 class BlockSparseConvTranspose(nn.Module):
     """A transposed convolution whose kernel mixes channels through a block-sparse matrix.
 
@@ -171,23 +159,16 @@ class BlockSparseConvTranspose(nn.Module):
 
     Attributes:
       features: the number of output channels.
-      kernel_size: the spatial shape of the kernel; an int means ``(k,)``.
-      mask: the block mask, static: [C // bs, features // bs], or
-        [features // bs, C // bs] with ``transpose_kernel=True``.
-      block_size: the block edge, one of 8, 16, 32, 64, 128.
-      strides: the fractional strides, an int or ``n`` ints (default 1).
-      padding: ``"SAME"``, ``"VALID"``, ``"CIRCULAR"``, an int, or ``n`` ints or
-        ``(low, high)`` pairs, as in ``flax.linen.ConvTranspose`` (strings name the
-        forward conv's padding; pairs pad the stride-dilated input).
-      kernel_dilation: an int or ``n`` ints (default 1).
+      {kernel_size}
+      {conv_transpose.mask}
+      {block_size}
+      {conv_transpose.strides}
+      {conv_transpose.padding}
+      {kernel_dilation}
+      {conv_transpose.kernel_init}
+      {transpose_kernel}
       use_bias, dtype, param_dtype, bias_init, capacity, float32_dw: as in
         :class:`BlockSparseConv`.
-      kernel_init: as in :class:`BlockSparseConv`; the default's fan-in counts the
-        blocks that feed an output channel (per block column of the mask, or per
-        block row with ``transpose_kernel=True``).
-      transpose_kernel: flip the kernel's spatial axes and swap its channel axes, as
-        ``lax.conv_transpose`` (the layer is then the input gradient of a
-        :class:`BlockSparseConv` with the same kernel).
       precision, impl: as in :class:`BlockSparseConv`.
     """
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import dense as _core
 from jax_blocksparse.layout import Layout
@@ -21,6 +22,7 @@ Array = jax.Array
 Initializer = Callable[..., Array]
 
 
+@attribute_docs.fill
 class BlockSparseDense(nn.Module):
     """A linear transformation over the last axis whose kernel is block-sparse.
 
@@ -45,30 +47,15 @@ class BlockSparseDense(nn.Module):
 
     Attributes:
       features: the number of output features K; must be ``mask.shape[1] * block_size``.
-      mask: the block mask, bool [C // block_size, K // block_size], static (numpy;
-        stored as a hashable :class:`~jax_blocksparse.layers.StaticMask`). Inputs must have C features.
-      block_size: the block edge, one of 8, 16, 32, 64, 128.
-      use_bias: whether to add a bias to the output (default: True).
-      dtype: the dtype of the computation (default: infer from input and params).
-        float32, bfloat16 or float16.
-      param_dtype: the dtype passed to parameter initializers (default: float32).
-      float32_dw: keep the kernel's gradient in float32 when ``dtype`` is 16-bit:
-        computed from the float32 accumulator of the weight-gradient product
-        (``bsmm_updat(x, dy, out_dtype=float32)``) rather than rounded to ``dtype``
-        and widened, which is what autodiff of the usual cast-then-multiply gives
-        (see :func:`jax_blocksparse.bsmm`). Needs ``param_dtype`` float32. Default False.
-      kernel_init: initializer for the stored blocks, called as
-        ``kernel_init(key, (capacity, block_size, block_size), param_dtype)``; slot
-        ``s`` holds block ``(layout.tables.block_rows[s], layout.tables.block_cols[s])``.
-        Shape-based initializers see that [capacity, bs, bs] shape, not [C, K]: e.g.
-        ``nn.initializers.lecun_normal()`` would take fan_in = capacity * bs. The
-        default (None) is LeCun normal with the layer's true fan-in (the average
-        number of blocks per non-empty output block column, times ``block_size``),
-        so outputs have unit variance for unit-variance inputs.
-      bias_init: initializer for the bias, ``bias_init(key, (features,), param_dtype)``.
-      capacity: number of storage slots (default: the number of blocks in ``mask``).
-        Slots beyond the blocks of ``mask`` are padding; they initialise to zero and
-        do not contribute to the output.
+      {mask}
+      {block_size}
+      {use_bias}
+      {dtype}
+      {param_dtype}
+      {float32_dw}
+      {kernel_init}
+      {bias_init}
+      {capacity}
       dynamic: if True, the layout is data, not configuration: it lives in the
         ``"layout"`` variable collection (``variables["layout"][...]["kernel"]``, a
         :class:`~jax_blocksparse.Layout` of fixed ``capacity``), initialised from
@@ -77,15 +64,9 @@ class BlockSparseDense(nn.Module):
         jit without recompiling. ``mask`` is then only the initial layout (and sets
         the default init's fan-in). Apply with
         ``model.apply({"params": params, "layout": layouts}, x)``.
-      precision: numerical precision of the products, forward and backward (and a
-        dynamic layer's dense-gradient probe), as in ``flax.linen.Dense``: None (the
-        default: ``jax.default_matmul_precision`` when traced), a
-        :class:`jax.lax.Precision`, its name, or a pair (the higher one applies).
-      impl: how the products are lowered (:mod:`jax_blocksparse.config`):
-        ``"auto"``, ``"reference"`` (XLA ops), ``"kernels"`` (the native kernels) or
-        ``"dense"`` (a dense weight and XLA's dot),
-        for the forward and backward pass; None (the default) reads
-        :func:`jax_blocksparse.config.get_implementation` when traced.
+      {precision}
+        Also a dynamic layer's dense-gradient probe.
+      {impl}
 
     Dynamic example::
 

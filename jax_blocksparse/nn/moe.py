@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import moe as _core
 
 
+@attribute_docs.fill
 class BlockSparseMoE(nn.Module):
     """A dropless mixture-of-experts MLP: every token through its ``top_k`` experts.
 
@@ -45,18 +47,19 @@ class BlockSparseMoE(nn.Module):
       num_experts: E.
       ffn: each expert's hidden units F, a multiple of ``block_size``.
       top_k: experts per token (default 2).
-      block_size: the block edge of the products, one of 8, 16, 32, 64, 128 (default
-        64). Each expert's rows are padded to a multiple of it.
+      {block_size}
+        The products' block edge (default 64); each expert's rows are padded to a multiple of it.
       gate: the router's scores, ``"softmax"`` (default) or ``"sigmoid"``.
       renormalize: divide each token's gates by their sum (default False).
       glu: a gated MLP, ``activation(x @ w_gate) * (x @ w_in)`` (default False:
         ``activation(x @ w_in)``).
       activation: the nonlinearity (default ``jax.nn.gelu``).
-      dtype: the dtype of the computation (default: infer from input and params); the
-        router is float32 whatever it is.
-      param_dtype: the dtype of the parameters (default float32).
-      precision: numerical precision of the experts' products (as ``nn.Dense``'s).
-      impl: the products' ``impl`` (see :func:`jax_blocksparse.bsmm`).
+      {dtype}
+        The router is float32 whatever it is.
+      {param_dtype}
+      {precision}
+        Here: the experts' products.
+      {impl}
       mesh, expert_axis: expert parallelism: with both set, the experts are split over
         the mesh axis ``expert_axis`` (the parameters ``w_in`` / ``w_gate`` / ``w_out`` on
         their expert axis) and so are the tokens (the inputs' leading axis); tokens

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import dense as _dense
 from jax_blocksparse.layers import parallel as _core
@@ -19,6 +20,7 @@ Array = jax.Array
 Initializer = Callable[..., Array]
 
 
+@attribute_docs.fill
 class ColumnParallelDense(nn.Module):
     """:class:`~jax_blocksparse.nn.BlockSparseDense` split by output block columns (model parallel).
 
@@ -73,38 +75,21 @@ class ColumnParallelDense(nn.Module):
 
     Attributes:
       features: the number of output features K; must be ``mask.shape[1] * block_size``.
-      mask: the block mask, bool [C // block_size, K // block_size], static (numpy).
-      block_size: the block edge, one of 8, 16, 32, 64, 128.
-      mesh: a :class:`jax.sharding.Mesh` whose axes used here are ``AxisType.Auto``
-        (the default of ``Mesh(devices, names)``) or ``Explicit`` (the default of
-        ``jax.make_mesh``; then call the layer under ``jax.set_mesh(mesh)``).
-      axis: the mesh axis the output block columns are split over; its size must
-        divide ``mask.shape[1]``.
-      batch_axis: optional mesh axis (not ``axis``) that the first dim of the inputs
-        is split over: data and model parallel at once. The inputs then need a
-        leading batch dim divisible by its size.
-      gather_output: True: the output [..., K] is replicated over ``axis`` (one
-        all-gather). False: its last dim stays split over ``axis`` (no
-        communication), e.g. to feed a row-parallel layer.
-      use_bias: whether to add a bias to the output (default: True).
-      dtype: the dtype of the computation (default: infer from input and params).
-        float32, bfloat16 or float16.
-      param_dtype: the dtype passed to parameter initializers (default: float32).
-      kernel_init: initializer for the unsplit kernel, called as
-        ``kernel_init(key, (nnz, block_size, block_size), param_dtype)`` exactly as
-        in ``BlockSparseDense``; default (None) its LeCun normal with the true fan-in.
-      bias_init: initializer for the bias, ``bias_init(key, (features,), param_dtype)``.
-      float32_dw: as in ``BlockSparseDense``: with a 16-bit ``dtype``, keep the
-        kernel's gradient in float32 (needs ``param_dtype`` float32).
-      shard_capacity: storage slots per shard (default: the block count of the
-        fullest shard); padding slots are zero and do not contribute.
-      precision: numerical precision of every device's products, forward and
-        backward, as in ``flax.linen.Dense``: None (the default:
-        ``jax.default_matmul_precision`` when traced), a :class:`jax.lax.Precision`,
-        its name, or a pair.
-      impl: how the products are lowered: ``"auto"``, ``"reference"``, ``"kernels"``, ``"dense"``,
-        or None (the default) for :func:`jax_blocksparse.config.get_implementation`
-        when traced.
+      {parallel.mask}
+      {block_size}
+      {mesh}
+      {axis}
+      {batch_axis}
+      {gather_output}
+      {use_bias}
+      {dtype}
+      {param_dtype}
+      {parallel.kernel_init}
+      {bias_init}
+      {parallel.float32_dw}
+      {shard_capacity}
+      {parallel.precision}
+      {impl}
     """
 
     features: int

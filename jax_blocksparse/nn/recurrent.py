@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.layers import recurrent as _core
 from jax_blocksparse.layers.common import check_float32_dw, check_options
 from jax_blocksparse.layout import Layout
@@ -72,6 +73,7 @@ Initializer = Callable[..., Array]
 __all__ = ["BlockSparseLSTM", "BlockSparseLSTMCell", "BlockSparseMLSTMCell"]
 
 
+@attribute_docs.fill
 class BlockSparseLSTMCell(nn.RNNCellBase):
     """An LSTM cell with block-sparse recurrent weights, internal steps and layer norm.
 
@@ -98,47 +100,25 @@ class BlockSparseLSTMCell(nn.RNNCellBase):
 
     Attributes:
       features: hidden size H, a multiple of ``block_size``.
-      mask: recurrent block mask, bool [H/bs, H/bs] shared by the four gates (the
-        gate weight [H, 4H] uses it tiled four times), or [H/bs, 4H/bs] for one
-        mask per gate (order i, f, g, o). A concrete :class:`~jax_blocksparse.Layout`
-        is accepted too.
-      block_size: 8, 16, 32, 64 or 128.
-      internal_steps: number of internal steps per timestep (default 0).
-      step_masks: one [H/bs, H/bs] mask per internal step; default ``mask``.
-      input_mask: None for a dense input projection [D, 4H]; else a block mask
-        [D/bs, H/bs] (tiled for the four gates) or [D/bs, 4H/bs].
-      layer_norm: layer norm on the input projection (per gate), the recurrent gate
-        product (per gate) and every internal step (default True).
-      internal_activation: the nonlinearity after each internal step (default
-        ``nn.relu``, as OpenAI's mLSTM); None for none.
-      gate_fn, activation_fn: as ``nn.LSTMCell`` (sigmoid, tanh).
-      kernel_init: initializer of the input kernel; None means LeCun normal (with
-        the true fan-in when ``input_mask`` is given).
-      recurrent_kernel_init: initializer of the block-sparse recurrent kernels,
-        called as ``init(key, (capacity, bs, bs), dtype)``; None means LeCun normal
-        with the true fan-in.
-      bias_init: initializer of the gate bias [4H] (default zeros).
-      dtype: computation dtype of the products (default: inferred from inputs and
-        params); elementwise math and the cell state stay in float32.
-      param_dtype: parameter (and carry) dtype (default float32).
-      carry_init: initializer of the carry (default zeros).
-      epsilon: layer-norm epsilon.
-      float32_dw: keep every kernel gradient in float32 when ``dtype`` is 16-bit,
-        straight from the float32 accumulator of its weight-gradient product (see
-        :func:`jax_blocksparse.bsmm`); also in :class:`BlockSparseLSTM`. Needs
-        ``param_dtype`` float32. Default False: each kernel gradient is rounded to
-        ``dtype``, then widened; on a GPU with XLA's default flags the input kernel's
-        rounding (an XLA cast widened straight back) may be skipped, see docs/guide/mixed_precision.rst
-        ("16-bit roundings on GPUs"; ``XLA_FLAGS=--xla_allow_excess_precision=false`` keeps it).
-      precision: numerical precision of every product (input projection, mLSTM
-        factor, internal steps, gates), forward and backward, as in
-        ``flax.linen.LSTMCell``'s dense layers: None (the default:
-        ``jax.default_matmul_precision`` when traced), a :class:`jax.lax.Precision`,
-        its name, or a pair.
-      impl: how the block-sparse products are lowered (:mod:`jax_blocksparse.config`):
-        ``"auto"``, ``"reference"``, ``"kernels"`` or ``"dense"``, forward and backward (also in
-        :class:`BlockSparseLSTM`'s custom backward pass); None (the default) reads
-        :func:`jax_blocksparse.config.get_implementation` when traced.
+      {lstm.mask}
+      {block_size}
+      {internal_steps}
+      {step_masks}
+      {input_mask}
+      {layer_norm}
+      {internal_activation}
+      {gate_fn}
+      {activation_fn}
+      {lstm.kernel_init}
+      {recurrent_kernel_init}
+      {lstm.bias_init}
+      {lstm.dtype}
+      {lstm.param_dtype}
+      {carry_init}
+      {epsilon}
+      {lstm.float32_dw}
+      {lstm.precision}
+      {lstm.impl}
     """
 
     multiplicative: ClassVar[bool] = False
@@ -336,6 +316,7 @@ class BlockSparseMLSTMCell(BlockSparseLSTMCell):
         super().__post_init__()
 
 
+@attribute_docs.fill
 class BlockSparseLSTM(nn.Module):
     """A block-sparse LSTM over a whole sequence: ``nn.RNN(cell)``, fused.
 
@@ -360,14 +341,11 @@ class BlockSparseLSTM(nn.Module):
         ((4, 10, 128), (4, 128))
 
     Attributes:
-      cell: the cell (its configuration and parameters).
-      time_major: inputs are [T, *batch, D] instead of [*batch, T, D].
-      return_carry: also return the final carry: ``(carry, outputs)``.
-      precision: numerical precision of every product of the sequence, forward and
-        backward, as the cell's ``precision``; None (the default) keeps the cell's.
-      impl: ``"auto"``, ``"reference"``, ``"kernels"`` or ``"dense"`` for every block-sparse
-        product of the sequence, forward and custom backward; None (the default)
-        keeps the cell's (whose own None reads the default when traced).
+      {cell}
+      {time_major}
+      {return_carry}
+      {sequence.precision}
+      {sequence.impl}
     """
 
     cell: BlockSparseLSTMCell

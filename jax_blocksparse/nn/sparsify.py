@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from flax.core import meta
 
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import conv as _conv
 from jax_blocksparse.layers import dense as _dense
@@ -304,6 +305,7 @@ def _rebox(box, value, plan: _core.LayerSparsity, names=None) -> tuple[Any, str 
     return dataclasses.replace(box, value=value, names=tuple(names)), dropped
 
 
+@attribute_docs.fill
 def sparsify(
     module: nn.Module,
     variables,
@@ -338,23 +340,23 @@ def sparsify(
       variables: its variables, ``{"params": ..., ...}`` with concrete arrays.
       *args: example inputs for one call of ``module.apply(variables, *args)``
         (only their shapes and dtypes are used).
-      density: the target fraction of the converted layers' weights, in (0, 1].
-      block_size: the block edge, one of 8, 16, 32, 64, 128.
-      distribution: the per-layer budget, ``"uniform"`` or ``"erk"``.
+      {density}
+      {block_size}
+      {distribution}
       selection: which blocks each layer keeps, as in
         :func:`jax_blocksparse.nnx.sparsify`; paths are the linen module
         paths, "/"-joined (``"Dense_0"``, ``"encoder/fc"``).
-      keep_dense: layers to leave dense: glob patterns on those paths, or a callable.
+      {keep_dense}
       dynamic: give the converted dense layers a dynamic layout: a
         :class:`~jax_blocksparse.Layout` of fixed capacity in the ``"layout"``
         collection (``variables["layout"][...path]["kernel"]``), as
         ``jbs.nn.BlockSparseDense(dynamic=True)`` keeps it, so
         :mod:`jax_blocksparse.training`'s methods continue from them. Conv layers
         keep a static layout.
-      capacity_factor: a dynamic layer's capacity over its blocks (>= 1).
-      norm: the block norm of the magnitude rule, ``"l2"`` or ``"l1"``.
-      impl: the products' ``impl``.
-      strict: raise a ValueError naming every layer that does not fit.
+      {capacity_factor}
+      {norm}
+      {sparsify.impl}
+      {strict}
       apply_kwargs: keyword arguments of that one call (``{"train": False}``,
         ``{"method": ...}``, ``{"rngs": ...}``); all collections are mutable in it.
 

@@ -10,12 +10,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_blocksparse.layers import attention as _core
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.nnx.linear import BlockSparseLinear
 
 Array = jax.Array
 Initializer = Callable[..., Array]
 
 
+@attribute_docs.fill
 class BlockSparseSelfAttention(nnx.Module):
     """Multi-head self-attention over a block-sparse attention pattern (NNX).
 
@@ -50,7 +52,7 @@ class BlockSparseSelfAttention(nnx.Module):
     layer's attributes of those names mean.
 
     Args:
-      num_heads: number of query heads.
+      {num_heads}
       in_features: input features.
       deterministic: default of ``__call__``'s ``deterministic`` (no dropout if True).
       decode: default of ``__call__``'s ``decode``.

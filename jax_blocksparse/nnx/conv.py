@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.layers import conv as _core
 from jax_blocksparse.layers.common import check_options, place_output
 from jax_blocksparse.layout import Layout
@@ -24,6 +25,7 @@ Array = jax.Array
 Initializer = Callable[..., Array]
 
 
+@attribute_docs.fill
 class BlockSparseConv(nnx.Module):
     """A convolution whose kernel mixes channels through a block-sparse matrix.
 
@@ -48,33 +50,22 @@ class BlockSparseConv(nnx.Module):
     Args:
       in_features: input channels C; must be ``mask.shape[0] * block_size``.
       out_features: output channels K; must be ``mask.shape[1] * block_size``.
-      kernel_size: the spatial shape of the kernel; an int means a 1-D kernel ``(k,)``.
-      mask: the block mask, bool [C // block_size, K // block_size], static.
-      block_size: the block edge, one of 8, 16, 32, 64, 128.
-      strides: an int or ``n`` ints (default 1).
-      padding: as ``flax.nnx.Conv``: ``"SAME"``, ``"VALID"``, ``"SAME_LOWER"``,
-        ``"CIRCULAR"``, ``"REFLECT"``, ``"CAUSAL"`` (1-D), an int, or ``n`` ints or
-        ``(low, high)`` pairs.
-      input_dilation: an int or ``n`` ints (default 1).
-      kernel_dilation: an int or ``n`` ints (default 1).
-      use_bias: whether to add a bias (default: True).
-      dtype: the dtype of the computation (default: infer from input and params).
-      param_dtype: the dtype passed to parameter initializers (default: float32).
-      kernel_init: initializer called as
-        ``kernel_init(key, (capacity, *kernel_size, bs, bs), param_dtype)``. The default
-        (None) is LeCun normal with the true fan-in (average blocks per non-empty
-        output block column times ``block_size * prod(kernel_size)``).
-      bias_init: initializer for the bias, ``bias_init(key, (out_features,), param_dtype)``.
-      capacity: number of storage slots (default: the number of blocks in ``mask``).
-      float32_dw: keep the kernel's gradient in float32 when ``dtype`` is 16-bit,
-        straight from the float32 accumulator of its weight-gradient product (see
-        :class:`~jax_blocksparse.nnx.BlockSparseLinear`). Needs ``param_dtype`` float32.
-      precision: numerical precision of the products, forward and backward, as in
-        ``flax.nnx.Conv``: None (the default: ``jax.default_matmul_precision`` when
-        traced), a :class:`jax.lax.Precision`, its name, or a pair.
-      impl: how the products are lowered: ``"auto"``, ``"reference"``, ``"kernels"``, ``"dense"``,
-        or None (the default) for :func:`jax_blocksparse.config.get_implementation`
-        when traced.
+      {kernel_size}
+      {conv.mask}
+      {block_size}
+      {strides}
+      {padding}
+      {input_dilation}
+      {kernel_dilation}
+      {use_bias}
+      {dtype}
+      {param_dtype}
+      {conv.kernel_init}
+      {bias_init}
+      {capacity}
+      {float32_dw}
+      {precision}
+      {impl}
       rngs: rng key.
     """
 
@@ -155,6 +146,7 @@ class BlockSparseConv(nnx.Module):
         return place_output(y, out_sharding)
 
 
+@attribute_docs.fill
 class BlockSparseConvTranspose(nnx.Module):
     """A transposed convolution whose kernel mixes channels through a block-sparse matrix.
 
@@ -176,18 +168,17 @@ class BlockSparseConvTranspose(nnx.Module):
 
     Args:
       in_features, out_features: channels of the input and the output.
-      kernel_size: the spatial shape of the kernel; an int means ``(k,)``.
-      mask: the block mask, static: [in // bs, out // bs], or [out // bs, in // bs]
-        with ``transpose_kernel=True``.
-      block_size: the block edge, one of 8, 16, 32, 64, 128.
-      strides: the fractional strides, an int or ``n`` ints (default 1).
-      padding: ``"SAME"``, ``"VALID"``, ``"CIRCULAR"``, an int, or ``n`` ints or
-        ``(low, high)`` pairs, as ``flax.nnx.ConvTranspose``.
-      kernel_dilation: an int or ``n`` ints (default 1).
-      use_bias, dtype, param_dtype, kernel_init, bias_init, capacity, float32_dw: as
+      {kernel_size}
+      {conv_transpose.mask}
+      {block_size}
+      {conv_transpose.strides}
+      {conv_transpose.padding}
+      {kernel_dilation}
+      {conv_transpose.kernel_init}
+      {transpose_kernel}
+      use_bias, dtype, param_dtype, bias_init, capacity, float32_dw: as in
         :class:`BlockSparseConv`.
-      precision, impl: as :class:`BlockSparseConv`.
-      transpose_kernel: flip the kernel's spatial axes and swap its channel axes.
+      precision, impl: as in :class:`BlockSparseConv`.
       rngs: rng key.
     """
 

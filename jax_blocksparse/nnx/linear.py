@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import dense as _core
 from jax_blocksparse.layers.general import FlatLinear, as_tuple, einsum_shape
@@ -42,6 +43,7 @@ class StackedLayout(nnx.Variable):
     """
 
 
+@attribute_docs.fill
 class BlockSparseLinear(nnx.Module):
     """A linear transformation over the last axis whose kernel is block-sparse.
 
@@ -68,35 +70,23 @@ class BlockSparseLinear(nnx.Module):
     Args:
       in_features: the number of input features C; must be ``mask.shape[0] * block_size``.
       out_features: the number of output features K; must be ``mask.shape[1] * block_size``.
-      mask: the block mask, bool [C // block_size, K // block_size], static (numpy;
-        stored as a hashable :class:`~jax_blocksparse.layers.StaticMask`).
-      block_size: the block edge, one of 8, 16, 32, 64, 128.
-      use_bias: whether to add a bias to the output (default: True).
-      dtype: the dtype of the computation (default: infer from input and params).
-      param_dtype: the dtype passed to parameter initializers (default: float32).
-      float32_dw: keep the kernel's gradient in float32 when ``dtype`` is 16-bit:
-        computed from the float32 accumulator of the weight-gradient product
-        (``bsmm_updat(x, dy, out_dtype=float32)``) rather than rounded to ``dtype``
-        and widened, which is what autodiff of the usual cast-then-multiply gives
-        (see :func:`jax_blocksparse.bsmm`). Needs ``param_dtype`` float32. Default False.
-      kernel_init: initializer for the stored blocks, called as
-        ``kernel_init(key, (capacity, block_size, block_size), param_dtype)``.
-        The default (None) is LeCun normal with the layer's true fan-in (the average
-        number of blocks per non-empty output block column, times ``block_size``).
-      bias_init: initializer for the bias, ``bias_init(key, (out_features,), param_dtype)``.
-      capacity: number of storage slots (default: the number of blocks in ``mask``);
-        padding slots initialise to zero and do not contribute to the output.
+      {mask}
+      {block_size}
+      {use_bias}
+      {dtype}
+      {param_dtype}
+      {float32_dw}
+      {kernel_init}
+      {bias_init}
+      {capacity}
       dynamic: if True, the layout is state: the attribute ``kernel_layout`` (a
         :class:`BlockLayout` variable holding a :class:`~jax_blocksparse.Layout` of
         fixed ``capacity``), initialised from ``mask``. Dynamic sparse training
         (:mod:`jax_blocksparse.training`, e.g. :func:`~jax_blocksparse.training.nnx_update`)
         replaces it inside ``nnx.jit`` without recompiling; ``layout`` returns it.
-      precision: numerical precision of the products, forward and backward, as in
-        ``flax.nnx.Linear``: None (the default: ``jax.default_matmul_precision`` when
-        traced), a :class:`jax.lax.Precision`, its name, or a pair.
-      impl: how the products are lowered: ``"auto"``, ``"reference"``, ``"kernels"``, ``"dense"``,
-        or None (the default) for :func:`jax_blocksparse.config.get_implementation`
-        when traced (see :class:`jax_blocksparse.nn.BlockSparseDense`).
+      {precision}
+        Also a dynamic layer's dense-gradient probe.
+      {impl}
       rngs: rng key.
     """
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import dense as _dense
 from jax_blocksparse.layers import parallel as _core
@@ -19,6 +20,7 @@ Array = jax.Array
 Initializer = Callable[..., Array]
 
 
+@attribute_docs.fill
 class ColumnParallelLinear(nnx.Module):
     """:class:`~jax_blocksparse.nnx.BlockSparseLinear` split by output block columns (model parallel).
 
@@ -66,32 +68,21 @@ class ColumnParallelLinear(nnx.Module):
     Args:
       in_features: the number of input features C; must be ``mask.shape[0] * block_size``.
       out_features: the number of output features K; must be ``mask.shape[1] * block_size``.
-      mask: the block mask, bool [C // block_size, K // block_size], static (numpy).
-      block_size: the block edge, one of 8, 16, 32, 64, 128.
-      mesh: a :class:`jax.sharding.Mesh` whose axes used here are ``AxisType.Auto``
-        (the default of ``Mesh(devices, names)``) or ``Explicit`` (the default of
-        ``jax.make_mesh``; then call the layer under ``jax.set_mesh(mesh)``).
-      axis: the mesh axis the output block columns are split over; its size must
-        divide ``mask.shape[1]``.
-      batch_axis: optional mesh axis (not ``axis``) that the inputs' first dim is
-        split over (data and model parallel at once).
-      gather_output: True: the output [..., K] is replicated over ``axis`` (one
-        all-gather). False: its last dim stays split over ``axis`` (no communication).
-      use_bias: whether to add a bias to the output (default: True).
-      dtype: the dtype of the computation (default: infer from input and params).
-      param_dtype: the dtype passed to parameter initializers (default: float32).
-      kernel_init: initializer for the unsplit kernel, called as
-        ``kernel_init(key, (nnz, block_size, block_size), param_dtype)`` as in
-        ``BlockSparseLinear``; default (None) its LeCun normal with the true fan-in.
-      bias_init: initializer for the bias, ``bias_init(key, (out_features,), param_dtype)``.
-      float32_dw: as in ``BlockSparseLinear``: with a 16-bit ``dtype``, keep the
-        kernel's gradient in float32 (needs ``param_dtype`` float32).
-      shard_capacity: storage slots per shard (default: the block count of the
-        fullest shard); padding slots are zero and do not contribute.
-      precision, impl: the precision (as ``flax.nnx.Linear``'s) and the lowering
-        (``"auto"``, ``"reference"``, ``"kernels"``, ``"dense"``) of every device's products, forward
-        and backward, as in :class:`jax_blocksparse.nn.ColumnParallelDense`; None (the
-        defaults) reads the global defaults when traced.
+      {parallel.mask}
+      {block_size}
+      {mesh}
+      {axis}
+      {batch_axis}
+      {gather_output}
+      {use_bias}
+      {dtype}
+      {param_dtype}
+      {parallel.kernel_init}
+      {bias_init}
+      {parallel.float32_dw}
+      {shard_capacity}
+      {parallel.precision}
+      {impl}
       rngs: rng key.
     """
 

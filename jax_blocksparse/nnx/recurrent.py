@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import PrecisionLike
 
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.layers import recurrent as _core
 from jax_blocksparse.layers.common import check_float32_dw, check_options
 from jax_blocksparse.layout import Layout
@@ -37,6 +38,7 @@ Initializer = Callable[..., Array]
 __all__ = ["BlockSparseLSTM", "BlockSparseLSTMCell", "BlockSparseMLSTMCell"]
 
 
+@attribute_docs.fill
 class BlockSparseLSTMCell(nnx.RNNCellBase):
     """An LSTM cell with block-sparse recurrent weights, internal steps and layer norm.
 
@@ -62,37 +64,25 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
     Args:
       in_features: input size D.
       hidden_features: hidden size H, a multiple of ``block_size``.
-      mask: recurrent block mask, bool [H/bs, H/bs] shared by the four gates, or
-        [H/bs, 4H/bs] with one mask per gate (order i, f, g, o).
-      block_size: 8, 16, 32, 64 or 128.
-      internal_steps: internal steps per timestep (default 0).
-      step_masks: one [H/bs, H/bs] mask per internal step (default ``mask``).
-      input_mask: None for a dense input projection, else [D/bs, H/bs] (tiled for
-        the gates) or [D/bs, 4H/bs].
-      layer_norm: layer norm on the input projection, the gate product (per gate)
-        and every internal step (default True).
-      internal_activation: nonlinearity after each internal step (default ReLU).
-      gate_fn, activation_fn: sigmoid and tanh by default.
-      kernel_init, recurrent_kernel_init, bias_init: as the linen cell (None means
-        LeCun normal with the true fan-in for block-sparse kernels).
-      dtype: computation dtype of the products (default: inferred).
-      param_dtype: parameter and carry dtype (default float32).
-      carry_init: default initializer of the carry (zeros).
-      epsilon: layer-norm epsilon.
-      float32_dw: keep every kernel gradient in float32 when ``dtype`` is 16-bit, as
-        the linen cell's ``float32_dw``. Needs ``param_dtype`` float32. Without it
-        each kernel gradient is rounded to ``dtype``; on a GPU with XLA's default
-        flags some of those roundings may be skipped (the linen cell's docstring;
-        docs/guide/mixed_precision.rst).
-      precision: numerical precision of every product (input projection, mLSTM
-        factor, internal steps, gates), forward and backward, as in
-        ``flax.nnx.LSTMCell``'s linear layers: None (the default:
-        ``jax.default_matmul_precision`` when traced), a :class:`jax.lax.Precision`,
-        its name, or a pair.
-      impl: how the block-sparse products are lowered: ``"auto"``, ``"reference"``,
-        ``"kernels"``, ``"dense"`` (forward and backward, also in :class:`BlockSparseLSTM`'s custom
-        backward pass), or None (the default) for
-        :func:`jax_blocksparse.config.get_implementation` when traced.
+      {lstm.mask}
+      {block_size}
+      {internal_steps}
+      {step_masks}
+      {input_mask}
+      {layer_norm}
+      {internal_activation}
+      {gate_fn}
+      {activation_fn}
+      {lstm.kernel_init}
+      {recurrent_kernel_init}
+      {lstm.bias_init}
+      {lstm.dtype}
+      {lstm.param_dtype}
+      {carry_init}
+      {epsilon}
+      {lstm.float32_dw}
+      {lstm.precision}
+      {lstm.impl}
       rngs: parameter initialisation keys.
     """
 
@@ -256,6 +246,7 @@ class BlockSparseMLSTMCell(BlockSparseLSTMCell):
     multiplicative = True
 
 
+@attribute_docs.fill
 class BlockSparseLSTM(nnx.Module):
     """A block-sparse (m)LSTM cell over a whole sequence: ``nnx.RNN(cell)``, fused.
 
@@ -276,14 +267,11 @@ class BlockSparseLSTM(nnx.Module):
         ((4, 10, 128), (4, 128))
 
     Args:
-      cell: a :class:`BlockSparseLSTMCell` or :class:`BlockSparseMLSTMCell`.
-      time_major: inputs are [T, *batch, D] instead of [*batch, T, D].
-      return_carry: also return the final carry: ``(carry, outputs)``.
-      precision: numerical precision of every product of the sequence, forward and
-        backward, as the cell's ``precision``; None (the default) keeps the cell's.
-      impl: ``"auto"``, ``"reference"``, ``"kernels"`` or ``"dense"`` for every block-sparse
-        product of the sequence, forward and custom backward; None (the default)
-        keeps the cell's (whose own None reads the default when traced).
+      {cell}
+      {time_major}
+      {return_carry}
+      {sequence.precision}
+      {sequence.impl}
     """
 
     def __init__(

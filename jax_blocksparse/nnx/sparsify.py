@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_blocksparse.layers import attribute_docs
 from jax_blocksparse.layers import common as _common
 from jax_blocksparse.layers import general as _general
 from jax_blocksparse.layers import sparsify as _core
@@ -285,6 +286,7 @@ def _block_sparse(layer, plan: _core.LayerSparsity, impl, stacked=None):
     return new, dropped
 
 
+@attribute_docs.fill
 def sparsify(
     model,
     density,
@@ -315,26 +317,22 @@ def sparsify(
 
     Args:
       model: an ``nnx.Module`` (or any nnx graph node) with concrete weights.
-      density: the target fraction of the converted layers' weights, in (0, 1].
-      block_size: the block edge, one of 8, 16, 32, 64, 128.
-      distribution: the per-layer budget, ``"uniform"`` or ``"erk"``.
+      {density}
+      {block_size}
+      {distribution}
       selection: which blocks each layer keeps: by default (None, ``"magnitude"``)
         those of largest norm under its budget; a callable ``fn(grid, density) ->
         bool mask``; or ``{path: mask | callable | "magnitude"}`` per layer (see
         :func:`~jax_blocksparse.layers.sparsify.plan_sparsity`).
-      keep_dense: layers to leave dense (the embedding, the classifier): a glob
-        pattern on the "/"-joined path (``"head"``, ``"blocks/*/out"``), a sequence of
-        them, or a callable ``fn(path) -> bool``.
+      {keep_dense}
       dynamic: give the converted linear layers a dynamic layout (a
         :class:`~jax_blocksparse.nnx.BlockLayout` variable of fixed capacity), so
         :func:`~jax_blocksparse.training.nnx_update` with RigL, SET, sparse momentum
         or magnitude pruning continues from them. Conv layers keep a static layout.
-      capacity_factor: a dynamic layer's capacity over its blocks (>= 1; sparse
-        momentum moves blocks between layers and needs room: e.g. 1.5).
-      norm: the block norm of the magnitude rule, ``"l2"`` or ``"l1"``.
-      impl: the converted layers' ``impl`` (None: :mod:`jax_blocksparse.config`'s default).
-      strict: raise a ValueError naming every layer that does not fit, instead of
-        leaving it dense and listing it in the report.
+      {capacity_factor}
+      {norm}
+      {sparsify.impl}
+      {strict}
 
     Returns:
       ``(sparse_model, report)``: the converted copy and a
