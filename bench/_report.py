@@ -26,6 +26,11 @@ def git_commit() -> str:
         return "unknown"
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one), else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def write_json(path: Path, report: dict) -> None:
     """Writes ``report`` to ``path`` through a temporary file, so a reader never sees half of it."""
     path = Path(path)

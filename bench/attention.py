@@ -60,7 +60,7 @@ import jax_blocksparse as jbs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
 from _report import git_commit, write_json  # noqa: E402
-from bsmm import time_calls  # noqa: E402
+from _timing import time_calls  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PATTERNS = ("fixed", "strided", "local", "bigbird")

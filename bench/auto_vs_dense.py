@@ -41,8 +41,8 @@ from jax_blocksparse.tune import call_time
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _kernel_paths import kernel_target  # noqa: E402
 from _report import git_commit, write_json  # noqa: E402
-from bsmm import kernel_target  # noqa: E402
 
 OPS = ("fprop", "bprop", "updat")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from _report import git_commit
-from bsmm import time_fn
+from _timing import time_fn
 
 import jax_blocksparse as jbs
 

@@ -15,7 +15,7 @@ Kernel paths (one JSON row per path): on CUDA "ampere" (the portable targets
 sm_90a, "hopper" (``jbs_bsmm_*_sm90``); on CPU "native" (the CPU kernels). The Hopper
 gate, ``JAX_BLOCKSPARSE_HOPPER=1``, is read when a call is lowered and jit's caches do
 not know about it, so each path has its own function objects, lowered and compiled
-ahead of time with the gate set as that path needs it (:func:`hopper_gate`); the
+ahead of time with the gate set as that path needs it (bench/_kernel_paths.py); the
 compiled executable is what is timed, and its HLO text says which FFI target ran
 (``target``) and, for float32 on the Hopper targets, whether on TF32 (``mode``).
 
@@ -74,11 +74,6 @@ import time
 _T_START = time.perf_counter()  # --deadline counts from here: imports and device start-up included
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import re
 import sys
 from pathlib import Path
 
@@ -87,16 +82,19 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_blocksparse as jbs
-from jax_blocksparse import targets
 from jax_blocksparse.ops import paths
-from jax_blocksparse.tune import median_call_time
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
-from _report import git_commit, write_json  # noqa: E402
+# The bench's parts beside it (bench/ is not a package): _timing (how a product is timed,
+# its roofline), _kernel_paths (which kernel a path ran), _peers (torch, BCOO),
+# _bsmm_report (the rows, the table, the JSON header), _report (what every bench shares).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bsmm_report import HEADER, add_ratios, json_header, line, product_key, resumed_rows  # noqa: E402
+from _kernel_paths import arithmetic_mode, compile_checked, context_lost, kernel_paths, path_of  # noqa: E402
+from _peers import PEERS, jax_bcoo_peer, torch_bsr_peer  # noqa: E402
+from _report import write_json  # noqa: E402
+from _timing import chained, measure_bandwidth, roofline, time_calls, time_chain  # noqa: E402
 
 OPS = ("fprop", "bprop", "updat")
-PEERS = ("torch_bsr", "jax_bcoo")
-PATHS = ("ampere", "hopper", "native")
 
 PRESETS = {
     # One CPU measurement: 4096 x 4096 weight, block 32, N = 256, float32.
@@ -180,55 +178,6 @@ DEFAULTS = dict(
 
 
 # ---------------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------------
-
-
-def time_calls(fn, *args, repeats: int, min_time: float = 0.05, max_inner: int = 1000) -> float:
-    """Median seconds per call of ``fn(*args)``: calls dispatched back to back, then blocked on
-    (:func:`jax_blocksparse.tune.median_call_time`: ``tune``'s sampling, whose median a row
-    reports; ``tune`` itself keeps the fastest sample).
-
-    This is device time only while a call's host work is shorter than its device work;
-    otherwise it is host time (see :func:`time_chain`).
-    """
-    return median_call_time(fn, *args, repeats=repeats, min_time=min_time, max_inner=max_inner)
-
-
-def time_fn(fn, *args, repeats: int, min_time: float = 0.2) -> float:
-    """Back-to-back calls, per call (kept for bench/bsconv.py)."""
-    return time_calls(fn, *args, repeats=repeats, min_time=min_time, max_inner=200)
-
-
-def _feed(a, out):
-    """The next input of a chain: ``out`` itself where it fits, else ``a`` with one element of
-    ``out`` written in (in place after the first link: one tiny kernel)."""
-    if out.shape == a.shape and out.dtype == a.dtype:
-        return out
-    if out.size == 0:  # an empty layout: nothing to chain through
-        return a
-    return a.at[(0,) * a.ndim].set(out.reshape(-1)[0].astype(a.dtype))
-
-
-def chained(fn, k: int):
-    """``fn`` applied k times, each call's first argument computed from the previous output."""
-
-    def run(a, *rest):
-        out = fn(a, *rest)
-        for _ in range(k - 1):
-            a = _feed(a, out)
-            out = fn(a, *rest)
-        return out
-
-    return run
-
-
-def time_chain(chain_fn, k: int, *args, repeats: int, min_time: float) -> float:
-    """Device seconds per op: back-to-back calls of a jitted k-op chain, divided by k."""
-    return time_calls(chain_fn, *args, repeats=repeats, min_time=min_time) / k
-
-
-# ---------------------------------------------------------------------------------
 # Problems
 # ---------------------------------------------------------------------------------
 
@@ -285,368 +234,14 @@ def _args(op, x, g, W, w, layout):
     return (x, g, layout), (x, g)
 
 
-def problem_cost(op, c, k, n, density, dtype) -> tuple[float, float]:
-    """(FLOPs, bytes) of one product at ``density``: the multiply-adds of the present
-    blocks, and each operand read once and the result written once (the stored blocks
-    are ``density`` of the dense weight)."""
-    item = np.dtype(dtype).itemsize
-    weight = c * k * item * density
-    acts = (n * c + n * k) * item  # fprop: x in, y out; bprop: dy in, dx out; updat: x, dy in
-    return 2.0 * n * c * k * density, acts + weight
-
-
-def roofline(op, c, k, n, density, dtype, *, dense_s, bandwidth) -> dict:
-    """The floor of one product from this run's own ceilings: its FLOPs at the dense
-    product's measured rate (``2 N C K / dense_s``) and its bytes at the measured memory
-    bandwidth; the larger of the two times is the floor. Returns ``roofline_s`` (None
-    where a ceiling is missing) and ``roofline_speedup_bound`` (``dense_s / roofline_s``:
-    the best speedup over dense a perfect kernel could reach)."""
-    if not dense_s or not bandwidth:
-        return dict(roofline_s=None, roofline_speedup_bound=None)
-    flops, nbytes = problem_cost(op, c, k, n, density, dtype)
-    rate = 2.0 * n * c * k / dense_s
-    floor = max(flops / rate, nbytes / bandwidth)
-    return dict(roofline_s=floor, roofline_speedup_bound=dense_s / floor)
-
-
-def measure_bandwidth(device, *, nbytes: int = 1 << 30, repeats: int = 3) -> float | None:
-    """Device memory bandwidth in bytes/s (bytes read plus bytes written) of one large
-    elementwise update on ``device``: the median of back-to-back single calls (one pass
-    over ``nbytes`` takes far longer than a dispatch; a chain of them in one program would
-    be fused into a single pass by XLA). None where it fails."""
-    try:
-        n = nbytes // 4
-        a = jax.device_put(jnp.zeros((n,), jnp.float32), device)
-        per_call = time_calls(jax.jit(lambda v: v + 1.0), a, repeats=repeats, min_time=0.02)
-        return 2.0 * n * 4 / per_call
-    except Exception:  # noqa: BLE001 - the roofline is optional
-        return None
-
-
-# ---------------------------------------------------------------------------------
-# Kernel paths
-# ---------------------------------------------------------------------------------
-
-# A custom call's target in compiled HLO text, or in StableHLO (lowered) text.
-_TARGET_RE = re.compile(r'custom_call_target="(\w+)"|stablehlo\.custom_call @(\w+)\(')
-
-
-def kernel_paths(device) -> list[str]:
-    """The paths to time on ``device``: ["native"] on CPU; on CUDA ["ampere"], plus
-    "hopper" (the Hopper targets' baseline) and one ``"hopper:<variant>"`` per other variant
-    where the extension has the sm_90 targets and the GPU is compute 9.x: every variant in
-    the same process, on the same operands."""
-    if device.platform != "gpu":
-        return ["native"]
-    if not paths.hopper_available():
-        return ["ampere"]
-    return ["ampere", "hopper", *(f"hopper:{v}" for v in paths.hopper_variants())]
-
-
-def hopper_gate(path: str):
-    """The Hopper gate as ``path`` needs it while its functions are lowered:
-    ``JAX_BLOCKSPARSE_HOPPER=1`` for "hopper" and its variants (with
-    ``JAX_BLOCKSPARSE_SM90_VARIANT`` naming the variant: "baseline" for "hopper"), ``=0``
-    for the others (the portable kernels, also where the gate verified the Hopper ones);
-    restored after."""
-    name, _, variant = path.partition(":")
-    if name != "hopper":
-        return paths.hopper_gate(False)
-    return paths.hopper_gate(True, variant=variant or paths.BASELINE)
-
-
-def kernel_target(hlo_text: str) -> str | None:
-    """The kernel a program calls (its short name, ``jbs_bsmm_fprop``, read from the
-    versioned FFI target: jax_blocksparse/targets.py), from its compiled HLO (or StableHLO)
-    text; None where it calls none (the pure-JAX reference ran); several are joined by
-    commas. Rows and the crossover table keep these unversioned names."""
-    kernels = sorted(filter(None, (targets.kernel_of(a or b) for a, b in _TARGET_RE.findall(hlo_text))))
-    return ",".join(sorted(set(kernels))) if kernels else None
-
-
-_VARIANT_RE = re.compile(r'variant = "(\w+)"')
-
-
-def path_of(target: str | None, platform_name: str, requested: str, lowered_text: str = "") -> str:
-    """The path a target belongs to: "hopper" for the *_sm90 targets (``"hopper:<variant>"``
-    where the lowered call's ``variant`` attribute names another than the baseline),
-    "ampere" for the other CUDA ones, "native" on CPU; ``requested`` where no kernel ran.
-    A variant asked for where it does not run lowers to the baseline: its row is then the
-    baseline's, and the bench keeps one of the two. updat's call has no ``variant``
-    attribute (its workspace's size selects the variant): its path is the one requested."""
-    if platform_name != "gpu":
-        return "native"
-    if target is None:
-        return requested
-    if not target.endswith("_sm90"):
-        return "ampere"
-    variant = _VARIANT_RE.search(lowered_text)
-    if variant is None:  # updat: its workspace is the variant (where the target has the one asked for)
-        _, _, asked = requested.partition(":")
-        return (
-            requested
-            if requested.startswith("hopper") and (not asked or asked in paths.hopper_variants(target))
-            else "hopper"
-        )
-    return f"hopper:{variant.group(1)}" if variant.group(1) != paths.BASELINE else "hopper"
-
-
-def arithmetic_mode(dtype: str, target: str | None, lowered_text: str, platform_name: str) -> str:
-    """The kernel's arithmetic: the dtype's name, or "tf32" for float32 on TF32 tensor
-    cores (a Hopper target called with ``tf32 = true``; XLA's own dot at default
-    precision on a GPU, where no kernel ran). The portable and CPU kernels compute
-    float32 exactly."""
-    if dtype != "float32":
-        return dtype
-    if target is None:
-        return "tf32" if platform_name == "gpu" else "float32"
-    if target.endswith("_sm90"):
-        return "tf32" if "tf32 = true" in lowered_text else "float32"
-    return "float32"
-
-
-def compile_checked(fn, args, path: str):
-    """``fn`` (a jitted function) lowered and compiled for ``args`` with the Hopper gate
-    as ``path`` needs it: (compiled executable, target, lowered StableHLO text). Calling
-    the executable takes the same C++ fast path as calling a jitted function."""
-    with hopper_gate(path):
-        lowered = fn.lower(*args)
-        compiled = lowered.compile()
-    lowered_text = lowered.as_text()
-    hlo = compiled.as_text() or lowered_text
-    return compiled, kernel_target(hlo), lowered_text
-
-
-def context_lost(err: BaseException) -> bool:
-    """Whether ``err`` says the CUDA context is gone (a kernel fault: misaligned address,
-    illegal access): every later call in this process would fail the same way."""
-    text = str(err)
-    return "CUDA_ERROR_" in text or "CUDA error" in text or "cudaError" in text
-
-
-# ---------------------------------------------------------------------------------
-# Peers
-# ---------------------------------------------------------------------------------
-
-
-def _torch_time(fn, *, repeats, min_time, chain):
-    """(device s, call s, method) of a torch callable on the current CUDA device.
-
-    Call time: back-to-back calls timed with CUDA events. Device time: a CUDA graph of
-    up to ``chain`` calls, replayed (no host work between kernels); where capture fails,
-    the call time ("calls").
-    """
-    import torch
-
-    def timed(run, inner):
-        samples = []
-        for _ in range(max(1, repeats)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                run()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3 / inner)
-        return float(np.median(samples))
-
-    fn()  # compile (Triton) and warm up
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    one = max(time.perf_counter() - t0, 1e-7)
-    if one > 0.05:  # host overhead is noise at this length: one more call, no graph
-        call_s = timed(fn, 1)
-        return call_s, call_s, "calls (slow: no graph)"
-    call_s = timed(fn, int(min(max(1, min_time / one), 1000)))
-    k = int(min(max(1, 0.02 / max(call_s, 1e-7)), chain))  # a replay of at most ~20 ms
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: only this thread's capture-unsafe calls fail (XLA's threads are left alone)
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for _ in range(k):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        replay_s = timed(graph.replay, int(min(max(1, min_time / max(call_s * k, 1e-7)), 1000)))
-        return replay_s / k, call_s, f"cuda_graph({k})"
-    except Exception as e:  # capture is optional: fall back to the call time
-        torch.cuda.synchronize()
-        return call_s, call_s, f"calls (graph capture failed: {type(e).__name__})"
-
-
-def torch_bsr_peer(op, c, k, n, bs, mask, dtype, *, repeats, min_time, chain):
-    """torch's BSR kernels on op's problem: dict of torch_bsr_* fields, or {} where unavailable."""
-    try:
-        import torch
-        from torch.sparse._triton_ops import bsr_dense_mm, sampled_addmm
-
-        if not torch.cuda.is_available():
-            return {}
-    except Exception:
-        return {}
-    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    try:
-        block_mask = torch.from_numpy(np.kron(np.asarray(mask, bool), np.ones((bs, bs), bool))).cuda()  # [C, K]
-        W = torch.randn(c, k, device="cuda", dtype=tdtype) * block_mask
-        if op == "fprop":  # y.T [K, N] = W.T [K, C] @ x.T [C, N]
-            bsr = W.t().contiguous().to_sparse_bsr((bs, bs))
-            rhs = torch.randn(n, c, device="cuda", dtype=tdtype).t().contiguous()
-
-            def fn():
-                return bsr_dense_mm(bsr, rhs)
-        elif op == "bprop":  # dx.T [C, N] = W [C, K] @ dy.T [K, N]
-            bsr = W.to_sparse_bsr((bs, bs))
-            rhs = torch.randn(n, k, device="cuda", dtype=tdtype).t().contiguous()
-
-            def fn():
-                return bsr_dense_mm(bsr, rhs)
-        else:  # dW [C, K] at the blocks = x.T [C, N] @ dy [N, K]
-            pattern = W.to_sparse_bsr((bs, bs))
-            xt = torch.randn(n, c, device="cuda", dtype=tdtype).t().contiguous()
-            dy = torch.randn(n, k, device="cuda", dtype=tdtype)
-
-            def fn():
-                return sampled_addmm(pattern, xt, dy, beta=0.0, alpha=1.0)
-
-        device_s, call_s, method = _torch_time(fn, repeats=repeats, min_time=min_time, chain=chain)
-        return dict(torch_bsr_s=device_s, torch_bsr_call_s=call_s, torch_bsr_method=method)
-    except Exception as e:
-        return dict(torch_bsr_s=None, torch_bsr_error=f"{type(e).__name__}: {str(e)[:200]}")
-
-
-def jax_bcoo_peer(x, W_masked, *, repeats, min_time):
-    """jax.experimental.sparse BCOO (element-sparse) x @ W: seconds per call, or None."""
-    try:
-        from jax.experimental import sparse as jsparse
-
-        W_bcoo = jsparse.BCOO.fromdense(W_masked)
-        fn = jax.jit(lambda x, W: x @ W)
-        return time_calls(fn, x, W_bcoo, repeats=repeats, min_time=min_time)
-    except Exception:
-        return None
-
-
 # ---------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------
 
 
-def _versions(peers) -> dict:
-    out = dict(
-        jax=jax.__version__, jax_blocksparse=jbs.__version__, python=sys.version.split()[0], numpy=np.__version__
-    )
-    if "torch_bsr" in peers:
-        try:
-            import torch
-
-            out["torch"] = torch.__version__
-        except Exception:
-            out["torch"] = None
-    return out
-
-
 def dense_impl_available() -> bool:
     """Whether the package has ``impl="dense"`` (then ``dense_path_s`` is timed)."""
     return "dense" in jbs.config.IMPLEMENTATIONS
-
-
-def _header(args, device, device_kind, paths) -> dict:
-    c, k, n = args.size
-    now = datetime.datetime.now(datetime.UTC)
-    return dict(
-        device=str(device),
-        device_kind=device_kind,
-        platform=device.platform,
-        jax_version=jax.__version__,
-        jax_blocksparse_version=jbs.__version__,
-        versions=_versions(args.peers),
-        implementation=jbs.config.get_implementation(),
-        cuda_kernels=jbs.has_cuda_kernels(),
-        cpu_kernels=jbs.has_cpu_kernels(),
-        extension=jbs.extension_info(),
-        paths=paths,
-        dense_path=dense_impl_available(),
-        commit=git_commit(),
-        date=now.date().isoformat(),
-        datetime=now.isoformat(timespec="seconds"),
-        host=platform.node(),
-        cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        compute_capability=str(getattr(device, "compute_capability", "") or "") or None,
-        python=sys.version.split()[0],
-        size=dict(C=c, K=k, N=n),
-        config=dict(
-            block_sizes=args.block_sizes,
-            densities=args.densities,
-            dtypes=args.dtypes,
-            ops=args.ops,
-            peers=args.peers,
-            peer_densities=args.peer_densities,
-            call_time=args.call_time,
-            dense_path=args.dense_path,
-            seed=args.seed,
-            preset=args.preset,
-        ),
-        timing=dict(
-            chain=args.chain,
-            repeats=args.repeats,
-            min_time_s=args.min_time,
-            statistic="median",
-            layout="jit argument, straight from Layout.from_mask (not device_put, not closed over)",
-            device_time=(
-                f"sparse_s, dense_s, dense_path_s: back-to-back calls of one compiled function applying "
-                f"the op {args.chain} times in a data-dependent chain, per call / {args.chain}"
-            ),
-            call_time="sparse_call_s, dense_call_s: back-to-back calls of the single op, per call "
-            "(host time where that exceeds device time)",
-            paths="each path's functions compiled ahead of time with JAX_BLOCKSPARSE_HOPPER=1 (hopper) or unset "
-            "(ampere, native); target: the jbs FFI target in the compiled HLO that was timed",
-            dense_path="dense_path_s: impl='dense' (blocks scattered into a dense weight, then XLA's dot)",
-            torch="torch_bsr_s: CUDA graph of chained calls, replayed, per call (torch_bsr_method); "
-            "torch_bsr_call_s: back-to-back calls timed with CUDA events",
-            roofline="roofline_s: the larger of the product's FLOPs at the dense product's measured rate and its "
-            "bytes (operands read once, result written once) at bandwidth_Bps, the bandwidth of a large "
-            "elementwise update measured in the same run; roofline_speedup_bound = dense_s / roofline_s",
-        ),
-    )
-
-
-def _ms(v):
-    return f"{v * 1e3:.3f}" if v else "-"
-
-
-def _num(v, spec):
-    return "-" if v is None else format(v, spec)
-
-
-HEADER = (
-    f"{'op':6} {'dtype':9} {'bs':>4} {'density':>8} {'path':7} {'mode':9} {'dense ms':>9} {'sparse ms':>10} "
-    f"{'effic.':>7} {'speedup':>8} {'bound':>6} {'dpath ms':>9} {'call ms':>8} {'call eff':>8} "
-    f"{'torch ms':>9} {'vs torch':>8} {'bcoo ms':>8} {'ref ms':>8}  target"
-)
-
-
-def _line(row) -> str:
-    bound = row.get("roofline_speedup_bound")
-    vs = row.get("speedup_vs_torch_bsr")
-    text = (
-        f"{row['op']:6} {row['dtype']:9} {row['block_size']:>4} {row['density']:>8.3f} {row['path']:7} "
-        f"{row.get('mode') or '-':9} {_ms(row.get('dense_s')):>9} {_ms(row.get('sparse_s')):>10} "
-        f"{_num(row.get('efficiency'), '7.2f'):>7} {_num(row.get('speedup'), '8.2f'):>8} "
-        f"{(f'{bound:.1f}' if bound else 'n/a'):>6} {_ms(row.get('dense_path_s')):>9} "
-        f"{_ms(row.get('sparse_call_s')):>8} {_num(row.get('call_efficiency'), '8.2f'):>8} "
-        f"{_ms(row.get('torch_bsr_s')):>9} {(f'{vs:.2f}x' if vs else '-'):>8} "
-        f"{_ms(row.get('jax_bcoo_s')):>8} {_ms(row.get('reference_s')):>8}  {row.get('target') or '-'}"
-    )
-    if row.get("error"):
-        text += f"  ERROR {row['error']}"
-    return text
 
 
 class Bench:
@@ -659,12 +254,11 @@ class Bench:
         self.platform = device.platform
         self.device_kind = getattr(device, "device_kind", device.platform)
         self.paths = kernel_paths(device)
-        self.report = _header(args, device, self.device_kind, self.paths)
-        self.report.update(results=[], complete=False, stopped=None)
         # impl="kernels": a kernel row times the kernel, wherever "auto" would go dense.
         self.kernels = {path: Jitted(args.chain, impl="kernels") for path in self.paths}
         self.dense_impl = Jitted(args.chain, impl="dense") if args.dense_path and dense_impl_available() else None
-        self.report["dense_path"] = self.dense_impl is not None
+        self.report = json_header(args, device, self.device_kind, self.paths, dense_path=self.dense_impl is not None)
+        self.report.update(results=[], complete=False, stopped=None)
         self.reference = Jitted(1, impl="reference") if args.reference else None
         self.dense_times: dict[tuple, tuple] = {}
         self.timing = dict(repeats=args.repeats, min_time=args.min_time)
@@ -762,7 +356,7 @@ class Bench:
         return out
 
     def _save(self, row) -> None:
-        print(_line(row), flush=True)
+        print(line(row), flush=True)
         if self.args.json:
             write_json(self.args.json, self.report)
 
@@ -801,7 +395,7 @@ class Bench:
                     self.report["stopped"] = f"CUDA context lost at {op} {dtype} bs={bs} {path}: {row['error']}"
             if any(r["path"] == row["path"] and r.get("target") == row.get("target") for r in rows):
                 continue  # the gate could not be closed (a verified sm_90 target): the same kernel twice
-            _ratios(row)
+            add_ratios(row)
             rows.append(row)
             self.report["results"].append(row)
             self._save(row)
@@ -818,41 +412,8 @@ class Bench:
             found = dict(peer_error=f"{type(err).__name__}: {str(err)[:300]}")
         for row in rows:
             row.update(found)
-            _ratios(row)
+            add_ratios(row)
             self._save(row)
-
-
-def _ratios(row) -> None:
-    """Efficiency, speedups and the torch comparison of a row, where its times exist."""
-    sparse, dense, density = row.get("sparse_s"), row.get("dense_s"), row["density"]
-    ok = bool(sparse and dense)
-    row["efficiency"] = dense * density / sparse if ok else None
-    row["speedup"] = dense / sparse if ok else None
-    call, dense_call = row.get("sparse_call_s"), row.get("dense_call_s")
-    row["call_efficiency"] = dense_call * density / call if call and dense_call else None
-    if sparse and row.get("torch_bsr_s"):
-        row["speedup_vs_torch_bsr"] = row["torch_bsr_s"] / sparse
-
-
-def _product_key(op, dtype, bs, density, size) -> tuple:
-    return (op, dtype, int(bs), round(float(density), 6), tuple(int(v) for v in size))
-
-
-def resumed_rows(args, device_kind: str) -> list[dict]:
-    """The rows of an earlier run of the same problem on the same kind of device in
-    ``args.json`` (``--resume``), to keep; [] where there is none or it measured something
-    else. A product with any row there (an error row too: it may have been a fault) is not
-    measured again."""
-    path = args.json
-    if not (args.resume and path and Path(path).exists()):
-        return []
-    try:
-        old = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return []
-    if old.get("device_kind") != device_kind:
-        return []
-    return [r for r in old.get("results", []) if "requested_density" in r and "size" in r]
 
 
 def run(args) -> dict:
@@ -863,7 +424,7 @@ def run(args) -> dict:
     kept = resumed_rows(args, bench.device_kind)
     report["results"].extend(kept)
     report["resumed_rows"] = len(kept)
-    done = {_product_key(r["op"], r["dtype"], r["block_size"], r["requested_density"], r["size"]) for r in kept}
+    done = {product_key(r["op"], r["dtype"], r["block_size"], r["requested_density"], r["size"]) for r in kept}
     deferred_peers = bench.platform == "gpu" and args.peer_densities is not None and bool(args.peers)
     print(
         f"paths: {', '.join(bench.paths)}; dense path (impl='dense'): {bench.dense_impl is not None}; "
@@ -882,7 +443,7 @@ def run(args) -> dict:
                     print(f"skip bs={bs}: {c}x{k} not divisible")
                     continue
                 for density in args.densities:
-                    todo = [op for op in args.ops if _product_key(op, dtype, bs, density, args.size) not in done]
+                    todo = [op for op in args.ops if product_key(op, dtype, bs, density, args.size) not in done]
                     if not todo:
                         continue
                     mask = jbs.layouts.random((c // bs, k // bs), density, seed=args.seed)

@@ -40,9 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _gate  # noqa: E402
-import bsmm as bsmm_script  # noqa: E402
 import crossover as crossover_script  # noqa: E402
 from _report import write_json  # noqa: E402
+from _timing import roofline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -185,9 +185,7 @@ def results_of(folders: list[Path], commit: str | None) -> dict:
     for row in rows:
         size = row.get("size") or [0, 0, 0]
         row.update(
-            bsmm_script.roofline(
-                row["op"], *size, row["density"], row["dtype"], dense_s=row.get("dense_s"), bandwidth=bandwidth
-            )
+            roofline(row["op"], *size, row["density"], row["dtype"], dense_s=row.get("dense_s"), bandwidth=bandwidth)
         )
     return dict(
         benchmark=KIND,

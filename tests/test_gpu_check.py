@@ -597,6 +597,11 @@ def bsmm():
     return _load("bsmm")
 
 
+@pytest.fixture(scope="module")
+def kernel_paths():
+    return _load("_kernel_paths")
+
+
 # The fields bench/crossover.py (and the summary) read from every row.
 ROW_FIELDS = ("op", "dtype", "block_size", "density", "path", "target", "mode", "sparse_s", "dense_s", "dense_path_s")
 
@@ -748,7 +753,7 @@ def test_bench_killed_keeps_every_finished_row(tmp_path):
     assert all(r["sparse_s"] and r["dense_s"] for r in report["results"])
 
 
-def test_bench_paths_lower_to_their_own_targets(bsmm, monkeypatch):
+def test_bench_paths_lower_to_their_own_targets(bsmm, kernel_paths, monkeypatch):
     """The Hopper gate is read at lowering and jit's caches do not know it: each path's own
     function objects, lowered under hopper_gate(path), call that path's targets, in
     either order, whatever the environment had (cross-lowered for CUDA here)."""
@@ -773,18 +778,18 @@ def test_bench_paths_lower_to_their_own_targets(bsmm, monkeypatch):
     for path in ("hopper", "ampere", "hopper", *paths[2:]):
         for op in ("fprop", "bprop", "updat"):
             s_args, _ = bsmm._args(op, x, x, W, w, layout)
-            with bsmm.hopper_gate(path):
+            with kernel_paths.hopper_gate(path):
                 text = jitted[path].chains[op][0].trace(*s_args).lower(lowering_platforms=("cuda",)).as_text()
-            target = bsmm.kernel_target(text)
+            target = kernel_paths.kernel_target(text)
             assert target == f"jbs_bsmm_{op}" + ("_sm90" if path.startswith("hopper") else ""), (path, op)
             # block 32: the stacked variant runs fprop/bprop, the capped one updat
             ran = path if path in ("hopper", "ampere") or (op == "updat") == path.endswith("capped") else "hopper"
-            assert bsmm.path_of(target, "gpu", path, text) == ran, (path, op)
-            assert bsmm.arithmetic_mode("bfloat16", target, text, "gpu") == "bfloat16"
+            assert kernel_paths.path_of(target, "gpu", path, text) == ran, (path, op)
+            assert kernel_paths.arithmetic_mode("bfloat16", target, text, "gpu") == "bfloat16"
             assert os.environ[_sm90.HOPPER_ENV] == "1"
 
 
-def test_bench_target_and_mode_from_hlo(bsmm):
+def test_bench_target_and_mode_from_hlo(kernel_paths):
     compiled = (
         "%custom-call.1 = f32[16,128]{1,0} custom-call(f32[16,128]{1,0} %p0, ...), "
         'custom_call_target="jax_blocksparse_bsmm_fprop_sm90_v1", api_version=API_VERSION_TYPED_FFI, '
@@ -794,35 +799,39 @@ def test_bench_target_and_mode_from_hlo(bsmm):
         '%0 = stablehlo.custom_call @jax_blocksparse_bsmm_updat_sm90_v1(%arg0, %arg1) {backend_config = "", '
         "mhlo.backend_config = {tf32 = true}} : (tensor<16x128xf32>) -> tensor<8x32x32xf32>"
     )
-    assert bsmm.kernel_target(compiled) == "jbs_bsmm_fprop_sm90"
-    assert bsmm.kernel_target(lowered) == "jbs_bsmm_updat_sm90"
-    assert bsmm.kernel_target("%dot.1 = f32[16,128] dot(...)") is None
-    assert bsmm.kernel_target('custom_call_target="lapack_sgetrf_ffi"') is None  # not one of ours
+    assert kernel_paths.kernel_target(compiled) == "jbs_bsmm_fprop_sm90"
+    assert kernel_paths.kernel_target(lowered) == "jbs_bsmm_updat_sm90"
+    assert kernel_paths.kernel_target("%dot.1 = f32[16,128] dot(...)") is None
+    assert kernel_paths.kernel_target('custom_call_target="lapack_sgetrf_ffi"') is None  # not one of ours
     both = compiled + "\n" + compiled.replace("_sm90_v1", "_v1")
-    assert bsmm.kernel_target(both) == "jbs_bsmm_fprop,jbs_bsmm_fprop_sm90"
-    assert bsmm.arithmetic_mode("float32", "jbs_bsmm_updat_sm90", lowered, "gpu") == "tf32"
-    assert bsmm.arithmetic_mode("float32", "jbs_bsmm_updat_sm90", lowered.replace("true", "false"), "gpu") == "float32"
-    assert bsmm.arithmetic_mode("float32", "jbs_bsmm_fprop", "", "gpu") == "float32"  # exact portable kernels
-    assert bsmm.arithmetic_mode("float32", None, "", "gpu") == "tf32"  # XLA's dot at default precision
-    assert bsmm.arithmetic_mode("float32", None, "", "cpu") == "float32"
-    assert bsmm.arithmetic_mode("float16", "jbs_bsmm_fprop_sm90", lowered, "gpu") == "float16"
-    assert [bsmm.path_of(t, "gpu", "ampere") for t in ("jbs_bsmm_bprop_sm90", "jbs_bsmm_bprop", None)] == [
+    assert kernel_paths.kernel_target(both) == "jbs_bsmm_fprop,jbs_bsmm_fprop_sm90"
+    assert kernel_paths.arithmetic_mode("float32", "jbs_bsmm_updat_sm90", lowered, "gpu") == "tf32"
+    assert (
+        kernel_paths.arithmetic_mode("float32", "jbs_bsmm_updat_sm90", lowered.replace("true", "false"), "gpu")
+        == "float32"
+    )
+    assert kernel_paths.arithmetic_mode("float32", "jbs_bsmm_fprop", "", "gpu") == "float32"  # exact portable kernels
+    assert kernel_paths.arithmetic_mode("float32", None, "", "gpu") == "tf32"  # XLA's dot at default precision
+    assert kernel_paths.arithmetic_mode("float32", None, "", "cpu") == "float32"
+    assert kernel_paths.arithmetic_mode("float16", "jbs_bsmm_fprop_sm90", lowered, "gpu") == "float16"
+    assert [kernel_paths.path_of(t, "gpu", "ampere") for t in ("jbs_bsmm_bprop_sm90", "jbs_bsmm_bprop", None)] == [
         "hopper",
         "ampere",
         "ampere",
     ]
-    assert bsmm.path_of("jbs_bsmm_bprop", "cpu", "native") == "native"
+    assert kernel_paths.path_of("jbs_bsmm_bprop", "cpu", "native") == "native"
     # A Hopper variant: from the call's variant attribute (fprop/bprop), or as requested
     # (updat, whose workspace is its variant); a variant that did not run is the baseline.
     stacked = lowered.replace("{tf32 = true}", '{tf32 = false, variant = "stacked"}')
-    assert bsmm.path_of("jbs_bsmm_fprop_sm90", "gpu", "hopper:stacked", stacked) == "hopper:stacked"
+    assert kernel_paths.path_of("jbs_bsmm_fprop_sm90", "gpu", "hopper:stacked", stacked) == "hopper:stacked"
     baseline = stacked.replace('"stacked"', '"baseline"')
-    assert bsmm.path_of("jbs_bsmm_fprop_sm90", "gpu", "hopper:stacked", baseline) == "hopper"
-    assert bsmm.path_of("jbs_bsmm_updat_sm90", "gpu", "hopper:capped", lowered) == "hopper:capped"
+    assert kernel_paths.path_of("jbs_bsmm_fprop_sm90", "gpu", "hopper:stacked", baseline) == "hopper"
+    assert kernel_paths.path_of("jbs_bsmm_updat_sm90", "gpu", "hopper:capped", lowered) == "hopper:capped"
 
 
 def test_bench_chains_keep_every_product(bsmm):
     """XLA must neither merge nor hoist the products of a chain (the device time relies on it)."""
+    timing = _load("_timing")
     import jax
     import jax.numpy as jnp
 
@@ -839,9 +848,9 @@ def test_bench_chains_keep_every_product(bsmm):
         for op in ("fprop", "bprop", "updat"):
             sparse, dense = ops[op]
             s_args, d_args = bsmm._args(op, x, x, W, w, layout)
-            hlo = jax.jit(bsmm.chained(sparse, 3)).lower(*s_args).compile().as_text()
+            hlo = jax.jit(timing.chained(sparse, 3)).lower(*s_args).compile().as_text()
             assert hlo.count(f'custom_call_target="{jbs.targets.target_name(f"jbs_bsmm_{op}")}"') == 3, op
-            hlo = jax.jit(bsmm.chained(dense, 3)).lower(*d_args).compile().as_text()
+            hlo = jax.jit(timing.chained(dense, 3)).lower(*d_args).compile().as_text()
             assert hlo.count(" dot(") == 3, op
 
 

@@ -299,16 +299,17 @@ def test_bsmm_resume_measures_only_what_is_missing(bsmm, tmp_path):
     assert resumed["results"][-1]["op"] == "updat" and resumed["results"][-1]["requested_density"] == 0.25
 
 
-def test_roofline_takes_the_larger_floor(bsmm):
+def test_roofline_takes_the_larger_floor():
+    timing = load_script("bench/_timing.py")
     c = k = n = 1024
     dense_s = 2.0 * n * c * k / 1e12  # 1 TFLOP/s
-    low = bsmm.roofline("fprop", c, k, n, 0.01, "float32", dense_s=dense_s, bandwidth=1e12)
-    flops, nbytes = bsmm.problem_cost("fprop", c, k, n, 0.01, "float32")
+    low = timing.roofline("fprop", c, k, n, 0.01, "float32", dense_s=dense_s, bandwidth=1e12)
+    flops, nbytes = timing.problem_cost("fprop", c, k, n, 0.01, "float32")
     assert nbytes == (n * c + n * k + 0.01 * c * k) * 4 and flops == 2.0 * n * c * k * 0.01
     assert low["roofline_s"] == pytest.approx(max(flops / 1e12, nbytes / 1e12))
-    full = bsmm.roofline("fprop", c, k, n, 1.0, "float32", dense_s=dense_s, bandwidth=1e15)
+    full = timing.roofline("fprop", c, k, n, 1.0, "float32", dense_s=dense_s, bandwidth=1e15)
     assert full["roofline_speedup_bound"] == pytest.approx(1.0)  # compute-bound at density 1: dense is the floor
-    assert bsmm.roofline("fprop", c, k, n, 0.1, "float32", dense_s=None, bandwidth=1e12)["roofline_s"] is None
+    assert timing.roofline("fprop", c, k, n, 0.1, "float32", dense_s=None, bandwidth=1e12)["roofline_s"] is None
 
 
 # ---------------------------------------------------------------------------------
