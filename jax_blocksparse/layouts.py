@@ -49,10 +49,48 @@ def random(grid, density: float, seed: int = 0) -> np.ndarray:
     return flat.reshape(cb, kb)
 
 
-def _adjacency_with_self_loops(graph, n: int) -> np.ndarray:
+def _preferential_attachment(n: int, m: int, rng: np.random.Generator) -> np.ndarray:
+    """bool [n, n] adjacency, no self-loops, of a Barabasi-Albert graph: node m links to the
+    m nodes before it, and each later node t to m distinct nodes of 0..t-1, each drawn with
+    probability proportional to its degree. m * (n - m) edges; connected."""
     mask = np.zeros((n, n), bool)
-    for i, j in graph.edges():
-        mask[i, j] = mask[j, i] = True
+    degree = np.zeros(n, np.float64)
+    for t in range(m, n):
+        if t == m:  # no node has a degree yet: the first one links to all m
+            targets = np.arange(m)
+        else:
+            targets = rng.choice(t, size=m, replace=False, p=degree[:t] / degree[:t].sum())
+        mask[t, targets] = mask[targets, t] = True
+        degree[targets] += 1
+        degree[t] = m
+    return mask
+
+
+def _rewired_ring(n: int, k: int, p: float, rng: np.random.Generator) -> np.ndarray:
+    """bool [n, n] adjacency, no self-loops, of a Watts-Strogatz graph: a ring where each node
+    links to its k // 2 nearest on each side; then each edge (u, u + j), j = 1..k // 2 in
+    turn, moves with probability p to (u, w), w drawn uniformly from the nodes u lacks
+    (kept where u lacks none). n * (k // 2) edges whatever p."""
+    mask = np.zeros((n, n), bool)
+    nodes = np.arange(n)
+    for j in range(1, k // 2 + 1):
+        mask[nodes, (nodes + j) % n] = mask[(nodes + j) % n, nodes] = True
+    for j in range(1, k // 2 + 1):
+        for u in range(n):
+            if rng.random() >= p:
+                continue
+            free = np.flatnonzero(~mask[u])
+            free = free[free != u]
+            if free.size == 0:
+                continue
+            v, w = (u + j) % n, rng.choice(free)
+            # u keeps its degree (so every node keeps its own k // 2 links); v gives one up.
+            mask[u, v] = mask[v, u] = False
+            mask[u, w] = mask[w, u] = True
+    return mask
+
+
+def _with_self_loops(mask: np.ndarray) -> np.ndarray:
     np.fill_diagonal(mask, True)
     return mask
 
@@ -83,12 +121,10 @@ def barabasi_albert(n: int, m: int, seed: int = 0, extra_edges: int = 0) -> np.n
     Returns:
       bool [n, n], symmetric, self-loops included.
     """
-    import networkx as nx
-
     n, m = int(n), int(m)
     if not 1 <= m < n:
         raise ValueError(f"barabasi_albert needs 1 <= m < n, got n={n}, m={m}")
-    mask = _adjacency_with_self_loops(nx.barabasi_albert_graph(n, m, seed=seed), n)
+    mask = _with_self_loops(_preferential_attachment(n, m, np.random.default_rng(seed)))
     return _add_random_edges(mask, int(extra_edges), seed)
 
 
@@ -104,13 +140,11 @@ def watts_strogatz(n: int, k: int, p: float, seed: int = 0, extra_edges: int = 0
     Returns:
       bool [n, n], symmetric, self-loops included.
     """
-    import networkx as nx
-
     n, k = int(n), int(k)
     if not 0 <= k < n:
         raise ValueError(f"watts_strogatz needs 0 <= k < n, got n={n}, k={k}")
     p = _check_fraction(p, "p")
-    mask = _adjacency_with_self_loops(nx.watts_strogatz_graph(n, k, p, seed=seed), n)
+    mask = _with_self_loops(_rewired_ring(n, k, p, np.random.default_rng(seed)))
     return _add_random_edges(mask, int(extra_edges), seed)
 
 

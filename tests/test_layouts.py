@@ -1,5 +1,10 @@
 """Block-mask generators in jax_blocksparse.layouts."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -44,7 +49,7 @@ def test_graph_layouts_symmetric_with_self_loops(name, n):
 
 
 def test_barabasi_albert_edge_count():
-    # Preferential attachment: m edges per node added after the first m (networkx convention).
+    # Preferential attachment: m edges from each node after the first m (node m links to all m).
     n, m = 20, 3
     assert num_undirected_edges(L.barabasi_albert(n, m, seed=0)) == (n - m) * m
 
@@ -75,6 +80,33 @@ def test_extra_edges_adds_exactly_that_many(name, extra):
     assert num_undirected_edges(more) == num_undirected_edges(base) + extra
     np.testing.assert_array_equal(more, more.T)
     np.testing.assert_array_equal(more, make(16, seed=2, extra_edges=extra))
+
+
+# The graph generators are the package's own numpy code: with networkx unimportable the
+# package imports and both run (16 nodes: BA m=2 has 2 * 14 edges, WS k=4 has 16 * 2).
+WITHOUT_NETWORKX = textwrap.dedent(
+    """
+    import sys
+    sys.modules["networkx"] = None  # any import of it raises ImportError
+    import jax_blocksparse as jbs
+    ba = jbs.layouts.barabasi_albert(16, 2, seed=0)
+    ws = jbs.layouts.watts_strogatz(16, 4, 0.3, seed=0)
+    print(int(ba.sum()), int(ws.sum()))
+    """
+)
+
+
+def test_package_and_graph_layouts_need_no_networkx():
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_NETWORKX],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(16 + 2 * 2 * 14), str(16 + 2 * 16 * 2)]
 
 
 def test_extra_edges_can_fill_the_graph():
