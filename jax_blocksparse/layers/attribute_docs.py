@@ -32,7 +32,8 @@ __all__ = ["ATTRIBUTES", "block_sizes_text", "fill"]
 
 
 def block_sizes_text() -> str:
-    """The supported block sizes as prose: ``"8, 16, 32, 64 or 128"`` for the present table."""
+    """The supported block sizes as prose, the last joined by "or" (the docstrings' and the
+    Sphinx pages' ``|block_sizes|``)."""
     *head, last = map(str, SUPPORTED_BLOCK_SIZES)
     return f"{', '.join(head)} or {last}" if head else last
 
