@@ -14,7 +14,8 @@ _FLAG = "--xla_force_host_platform_device_count"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}=8".strip()
 
-# Sphinx's configuration is a script, not a module with examples; docs/_build is the
-# output of a local docs build (docs/guide/development.rst).
-collect_ignore = ["docs/conf.py"]
+# Sphinx's configuration is a script, and its figures' extension needs Sphinx: neither
+# is a module with examples; docs/_build is the output of a local docs build
+# (docs/guide/development.rst).
+collect_ignore = ["docs/conf.py", "docs/_bench_figures.py"]
 collect_ignore_glob = ["docs/_build/*"]

@@ -1,7 +1,9 @@
 """Sphinx configuration: the API reference (autodoc + napoleon) and the user guide.
 
 Build with ``python -m sphinx -W --keep-going -b html docs docs/_build/html``; the
-build needs no network (no intersphinx, only the built-in alabaster theme).
+build needs no network: no intersphinx, the sphinx-book-theme (the theme of the Flax and
+Optax docs; the ``docs`` and ``test`` extras install it), and the benchmark figures drawn
+from ``bench/results/`` with matplotlib (``_plots.py``, placed by ``_bench_figures.py``).
 ``tests/test_docs.py`` runs that command in CI, warnings as errors.
 """
 
@@ -16,11 +18,14 @@ _FLAG = "--xla_force_host_platform_device_count"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}=8".strip()
 
-# Document the source tree next to this file, installed or not.
+# Document the source tree next to this file, installed or not; this folder holds the
+# figures' extension.
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs"))
 
 import jax_blocksparse  # noqa: E402  (after XLA_FLAGS, on purpose)
+from jax_blocksparse.layers.attribute_docs import block_sizes_text  # noqa: E402
 
 project = "jax-blocksparse"
 author = "jax-blocksparse authors"
@@ -32,17 +37,29 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
+    "_bench_figures",
 ]
 
 # The block sizes as the package reads them (block_sizes.json), for every page: write
 # |block_sizes| (the sizes, the last joined by "or"), never the list by hand.
-_SIZES = [str(bs) for bs in jax_blocksparse.SUPPORTED_BLOCK_SIZES]
-rst_epilog = f"\n.. |block_sizes| replace:: {', '.join(_SIZES[:-1])} or {_SIZES[-1]}\n"
+rst_epilog = f"\n.. |block_sizes| replace:: {block_sizes_text()}\n"
 
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "_generated"]
 root_doc = "index"
-html_theme = "alabaster"
-html_static_path = []
+
+html_theme = "sphinx_book_theme"
+html_title = f"jax-blocksparse {release}"
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+html_theme_options = {
+    # Nothing fetched at build or view time: no repository buttons, no launch buttons.
+    "use_download_button": False,
+    "use_fullscreen_button": False,
+    "show_toc_level": 2,
+    "navigation_with_keys": False,
+    # The sidebar has the search field; no second one in a header bar above the page.
+    "navbar_persistent": [],
+}
 
 # Google-style docstrings ("Args:", "Returns:") as the package writes them.
 napoleon_google_docstring = True

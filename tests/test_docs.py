@@ -84,9 +84,11 @@ def _exports(module) -> list:
 
 
 def _require_sphinx():
-    if importlib.util.find_spec("sphinx") is not None:
+    # The build needs the theme and matplotlib (the figures) beside sphinx.
+    missing = [name for name in ("sphinx", "sphinx_book_theme", "matplotlib") if importlib.util.find_spec(name) is None]
+    if not missing:
         return
-    reason = 'sphinx is not installed (pip install -e ".[test]" installs it)'
+    reason = f'{", ".join(missing)} not installed (pip install -e ".[test]" installs them)'
     if os.environ.get("JBS_REQUIRE_TOOLS") == "1":
         pytest.fail(f"JBS_REQUIRE_TOOLS=1 but {reason}")
     pytest.skip(reason)
@@ -124,6 +126,22 @@ def html(tmp_path_factory):
 def test_docs_build_without_warnings(html):
     for page in ["index.html", "guide/index.html", "api/index.html"] + sorted({p for p, _ in API_PAGES.values()}):
         assert (html / page).is_file(), f"the docs build wrote no {page}"
+
+
+def test_the_performance_page_shows_the_benchmark_figures(html, tmp_path):
+    # Drawn at build time from bench/results/ (docs/_plots.py): each whose results are
+    # committed (the GPU one only after a GPU session), none of the others.
+    sys.path.insert(0, str(DOCS))
+    try:
+        import _plots
+    finally:
+        sys.path.remove(str(DOCS))
+    drawn = {name for name, path in _plots.write_all(tmp_path).items() if path is not None}
+    page = (html / "guide" / "performance.html").read_text(encoding="utf-8")
+    for name in _plots.FIGURES:
+        shown = f'src="../_images/{name}.png"' in page
+        assert shown == (name in drawn), f"performance.html {'lacks' if name in drawn else 'shows'} the figure {name}"
+        assert shown <= (html / "_images" / f"{name}.png").is_file()
 
 
 @pytest.mark.parametrize("module_name", sorted(API_PAGES))
