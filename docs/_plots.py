@@ -48,26 +48,35 @@ def _speedup_axes(ax, xlabel: str):
     ax.grid(True, which="major", alpha=0.3)
 
 
-def speedup_by_density(rows: list[dict], title: str):
-    """One panel per op: speedup over dense against density, a line per block size, and
+def speedup_by_density(panels: dict[str, list[dict]], title: str, baseline: str = "dense"):
+    """A panel per entry of ``panels`` (title -> rows with ``density``, ``block_size`` and
+    ``speedup``): speedup over ``baseline`` against density, a line per block size, and
     1 / density (every stored block at dense speed) for scale."""
     plt = _pyplot()
-    ops = [op for op in OPS if any(r["op"] == op for r in rows)]
-    fig, axes = plt.subplots(1, len(ops), figsize=(3.2 * len(ops), 3.2), sharey=True, squeeze=False)
-    for ax, op in zip(axes[0], ops):
-        mine = [r for r in rows if r["op"] == op]
-        densities = sorted({r["requested_density"] for r in mine})
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), sharey=True, squeeze=False)
+    for ax, (name, rows) in zip(axes[0], panels.items()):
+        densities = sorted({r["density"] for r in rows})
         ax.plot(densities, [1 / d for d in densities], color="0.75", linewidth=3, label="1 / density")
-        for bs in sorted({r["block_size"] for r in mine}):
-            points = sorted((r["requested_density"], r["speedup"]) for r in mine if r["block_size"] == bs)
+        for bs in sorted({r["block_size"] for r in rows}):
+            points = sorted((r["density"], r["speedup"]) for r in rows if r["block_size"] == bs)
             ax.plot(*zip(*points), marker="o", markersize=3, label=f"block {bs}")
         _speedup_axes(ax, "density")
-        ax.set_title(op)
-    axes[0][0].set_ylabel("speedup over dense")
+        ax.set_title(name)
+    axes[0][0].set_ylabel(f"speedup over {baseline}")
     axes[0][-1].legend(fontsize=7, loc="upper right")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def by_op(rows: list[dict]) -> dict[str, list[dict]]:
+    """The product rows of ``bench/bsmm.py`` per op, each at the density it asked for (the
+    layout's own differs a little per block size)."""
+    return {
+        op: [dict(r, density=r["requested_density"]) for r in rows if r["op"] == op]
+        for op in OPS
+        if any(r["op"] == op for r in rows)
+    }
 
 
 def cpu_speedup(results: Path = RESULTS):
@@ -83,7 +92,7 @@ def cpu_speedup(results: Path = RESULTS):
         f"{data['cpu_cores']}-core CPU ({data['extension']['cpu_isa']}), float32, W {size['C']} x {size['K']}, "
         f"N = {size['N']}, {data['date']} ({path.name})"
     )
-    return speedup_by_density(rows, title)
+    return speedup_by_density(by_op(rows), title)
 
 
 def gpu_speedup(results: Path = RESULTS):
@@ -104,7 +113,7 @@ def gpu_speedup(results: Path = RESULTS):
         f"{data['device_kind']}, {kernels} kernels, bfloat16, W {size[1]} x {size[2]}, N = {size[0]}, "
         f"{data['date']} ({path.name})"
     )
-    return speedup_by_density(rows, title)
+    return speedup_by_density(by_op(rows), title)
 
 
 def conv_speedup(results: Path = RESULTS):
@@ -113,28 +122,13 @@ def conv_speedup(results: Path = RESULTS):
     if path is None:
         return None
     data = json.loads(path.read_text())
-    plt = _pyplot()
-    passes = sorted({r["pass_"] for r in data["results"]})
-    fig, axes = plt.subplots(1, len(passes), figsize=(3.6 * len(passes), 3.2), sharey=True, squeeze=False)
-    for ax, pass_ in zip(axes[0], passes):
-        mine = [r for r in data["results"] if r["pass_"] == pass_]
-        densities = sorted({r["density"] for r in mine})
-        ax.plot(densities, [1 / d for d in densities], color="0.75", linewidth=3, label="1 / density")
-        for bs in sorted({r["block_size"] for r in mine}):
-            points = sorted((r["density"], r["speedup"]) for r in mine if r["block_size"] == bs)
-            ax.plot(*zip(*points), marker="o", markersize=3, label=f"block {bs}")
-        _speedup_axes(ax, "density")
-        ax.set_title(pass_)
-    axes[0][0].set_ylabel("speedup over lax.conv")
-    axes[0][-1].legend(fontsize=7, loc="upper right")
+    passes = {p: [r for r in data["results"] if r["pass_"] == p] for p in sorted({r["pass_"] for r in data["results"]})}
     shape = data["shape"]
-    fig.suptitle(
+    title = (
         f"{shape['kernel']}x{shape['kernel']} conv, {shape['batch']} x {shape['spatial']} x {shape['spatial']} x "
-        f"{shape['channels']}, float32, CPU, {data['date']} ({path.name})",
-        fontsize=9,
+        f"{shape['channels']}, float32, CPU, {data['date']} ({path.name})"
     )
-    fig.tight_layout()
-    return fig
+    return speedup_by_density(passes, title, baseline="lax.conv")
 
 
 _CASES = {"step": "training step", "gqa": "training step, GQA", "packed": "packed documents", "decode": "decoding"}
