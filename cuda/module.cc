@@ -376,10 +376,26 @@ PYBIND11_MODULE(_jbs_kernels, m) {
         "dw [capacity, bs, bs] of dtype ('float32', 'float16', 'bfloat16'); 0 where the split plan needs none. "
         "variant 'capped': the splits capped so that it is at most the capped budget (bsmm_sm90_variants.h).");
   m.def(
+      "amx_peak_probe",
+      [](int64_t steps) -> py::object {
+        double flops;
+        {
+          py::gil_scoped_release release;
+          flops = jbs::cpu::AmxPeakProbe(steps);
+        }
+        return flops < 0 ? py::object(py::none()) : py::object(py::float_(flops));
+      },
+      py::arg("steps"),
+      "FLOPs of steps x 4 AMX TDPBF16PS on operands held in the tiles, on the calling thread (None without AMX): "
+      "time it for the unit's peak. Releases the GIL, so that one call per core can run at once.");
+  m.def(
       "build_info",
       []() {
         py::dict d;
-        d["cpu_isa"] = py::str(jbs::cpu::KernelIsa());
+        d["cpu_isa"] = py::str(jbs::cpu::KernelIsa());  // in force (JAX_BLOCKSPARSE_CPU_ISA may lower it)
+        d["cpu_isa_detected"] = py::str(jbs::cpu::DetectedIsa());
+        const char* isa_error = jbs::cpu::IsaOverrideError();
+        d["cpu_isa_error"] = isa_error ? py::object(py::str(isa_error)) : py::object(py::none());
 #ifdef JBS_WITH_CUDA
         d["cuda"] = true;
         d["cuda_version"] = py::str(VersionString(jbs::CudaRuntimeVersionBuiltAgainst()));

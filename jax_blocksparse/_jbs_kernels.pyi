@@ -23,7 +23,12 @@ class _Sm90Facts(TypedDict):
     updat_capped_workspace_bytes: int
 
 class _BuildInfo(TypedDict, total=False):
-    cpu_isa: Literal["baseline", "avx2", "avx512"]
+    # the instruction set the CPU kernels run (JAX_BLOCKSPARSE_CPU_ISA may name a lower one
+    # than detected), the widest this CPU and build support, and why the variable cannot
+    # be honoured (None when it is unset or valid)
+    cpu_isa: Literal["baseline", "avx2", "avx512", "avx512_bf16", "amx"]
+    cpu_isa_detected: Literal["baseline", "avx2", "avx512", "avx512_bf16", "amx"]
+    cpu_isa_error: str | None
     cuda: bool
     cuda_version: str
     cudart_version: int
@@ -45,6 +50,11 @@ def registrations() -> dict[str, dict[str, CapsuleType | dict[str, CapsuleType]]
     The names are the versioned targets of jax_blocksparse/targets.py
     (``jax_blocksparse_bsmm_fprop_v1``, ...); the Hopper ones (``*_sm90_v1``, CUDA) only
     in a build for sm_90a."""
+
+def amx_peak_probe(steps: int) -> float | None:
+    """FLOPs of ``steps`` x 4 AMX TDPBF16PS on operands held in the tiles, run on the calling
+    thread with the GIL released (None where the CPU or build has no AMX): timed, the
+    unit's peak; one call per core at once, the machine's."""
 
 def build_info() -> _BuildInfo:
     """Facts about this build: CPU instruction set in use, CUDA version and architectures, block sizes,

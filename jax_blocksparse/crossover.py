@@ -415,10 +415,17 @@ def table_sources() -> list[str]:
 
 def cpu_device_kind(isa: str | None = None, cores: int | None = None) -> str:
     """This machine's CPU as the crossover table names it: ``"cpu:<isa>:<cores>"``, the
-    instruction set the CPU kernels dispatch to (the extension's ``cpu_isa``; "unknown"
-    without it) and the cores this process may run on."""
+    instruction set the CPU kernels dispatch to (the extension's ``cpu_isa``, which
+    ``JAX_BLOCKSPARSE_CPU_ISA`` may lower; "unknown" without it) and the cores this process
+    may run on.
+
+    Raises ValueError naming ``JAX_BLOCKSPARSE_CPU_ISA`` when it names an instruction set
+    that is unknown or that this CPU lacks (the kernels refuse to run then)."""
     if isa is None:
-        isa = _native.extension_info().get("cpu_isa") or "unknown"
+        info = _native.extension_info()
+        if info.get("cpu_isa_error"):
+            raise ValueError(info["cpu_isa_error"])
+        isa = info.get("cpu_isa") or "unknown"
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return f"cpu:{isa}:{cores}"

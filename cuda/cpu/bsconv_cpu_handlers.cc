@@ -176,6 +176,7 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer w, ff
   p.bs = static_cast<int>(bs);
   p.transpose_kernel = transpose_kernel;
   if (out->element_count() == 0) return ffi::Error::Success();
+  if (const char* isa_error = cpu::IsaOverrideError()) return ffi::Error::InvalidArgument(isa_error);
   if (!cpu::RunConv(dt.in, dt.out_f32, p, cpu::Workers(pool, Macs(p.n, p.g, p.nnz, t.cap, bs)))) {
     return Unsupported(op, shapes);
   }
@@ -219,6 +220,7 @@ ffi::Error WgradImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, f
   p.bs = static_cast<int>(bs);
   p.transpose_kernel = transpose_kernel;
   if (t.cap == 0) return ffi::Error::Success();
+  if (const char* isa_error = cpu::IsaOverrideError()) return ffi::Error::InvalidArgument(isa_error);
   if (!cpu::RunConvWgrad(dt.in, dt.out_f32, p, cpu::Workers(pool, Macs(p.n, p.g, p.nnz, t.cap, bs)))) {
     return Unsupported(op, shapes);
   }

@@ -33,8 +33,16 @@ struct Parallel {
 bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Parallel& par);
 // updat.
 bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par);
-// Name of the instruction set the dispatcher chose: "avx512", "avx2" or "baseline".
+// Name of the instruction set the kernels run: "amx", "avx512_bf16", "avx512", "avx2" or
+// "baseline". The widest the CPU supports, or the lower one the environment variable
+// JAX_BLOCKSPARSE_CPU_ISA names (read at every call, so that tests and benchmarks can
+// compare them in one process).
 const char* KernelIsa();
+// The widest instruction set this CPU supports (and, for "amx", this process may use).
+const char* DetectedIsa();
+// Why JAX_BLOCKSPARSE_CPU_ISA cannot be honoured (an unknown name, or one this CPU lacks),
+// or nullptr when it is unset or valid. The handlers fail with it rather than run another.
+const char* IsaOverrideError();
 
 #define JBS_DECLARE_CPU_KERNELS(isa)                                                              \
   namespace isa {                                                                                 \
@@ -46,6 +54,21 @@ JBS_DECLARE_CPU_KERNELS(baseline)
 JBS_DECLARE_CPU_KERNELS(avx2)
 JBS_DECLARE_CPU_KERNELS(avx512)
 #undef JBS_DECLARE_CPU_KERNELS
+
+// The bfloat16 kernels of the matrix units (bsmm_cpu_bf16.cc, x86-64 builds that define
+// JBS_CPU_BF16_KERNELS): AMX tiles, or AVX512-BF16 dot products. bfloat16 operands only;
+// out_f32 as above.
+namespace bf16 {
+enum class Engine { kAmx, kDot };
+bool RunDsd(Engine engine, bool out_f32, bool transpose_w, const DsdParams& p, const Parallel& par);
+bool RunSdd(Engine engine, bool out_f32, const SddParams& p, const Parallel& par);
+// Runs `steps` x 4 TDPBF16PS on operands held in the tiles (no memory traffic) on the
+// calling thread and returns the FLOPs done: divided by the time, the unit's peak.
+double TilePeakFlops(int64_t steps);
+}  // namespace bf16
+// TilePeakFlops where the build has the AMX kernels and this process may use them (the
+// detected instruction set is "amx"), else -1.
+double AmxPeakProbe(int64_t steps);
 
 }  // namespace cpu
 }  // namespace jbs

@@ -1,37 +1,117 @@
-// Picks the widest compiled instruction set the running CPU supports (once).
+// Picks the instruction set the CPU kernels run: the widest the running CPU supports, or a
+// lower one named by JAX_BLOCKSPARSE_CPU_ISA.
 //
 // The build compiles the kernel files (bsmm_cpu_kernels.cc, bsconv_cpu_kernels.cc) for
 // "baseline" everywhere and, on x86-64 (where it defines JBS_CPU_X86_VARIANTS), also for
-// "avx2" (AVX2 + FMA) and "avx512" (AVX-512F).
+// "avx2" (AVX2 + FMA) and "avx512" (AVX-512F). Where the compiler has the AMX and
+// AVX512-BF16 flags it also builds bsmm_cpu_bf16.cc (JBS_CPU_BF16_KERNELS): bfloat16
+// products run there on "amx" (tiles) or "avx512_bf16" (dot products) machines; every
+// other dtype, and the convolutions, run the "avx512" kernels on those machines.
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
 #include "cpu/bsconv_cpu.h"
 #include "cpu/bsmm_cpu.h"
+
+#if defined(JBS_CPU_X86_VARIANTS) && (defined(__x86_64__) || defined(__i386__))
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define JBS_CPU_DETECT_X86 1
+#endif
 
 namespace jbs {
 namespace cpu {
 namespace {
 
-enum class Isa { kBaseline, kAvx2, kAvx512 };
+// Ordered: a forced instruction set must not be above the detected one.
+enum class Isa { kBaseline, kAvx2, kAvx512, kAvx512Bf16, kAmx };
+constexpr const char* kIsaNames[] = {"baseline", "avx2", "avx512", "avx512_bf16", "amx"};
+constexpr int kIsaCount = 5;
 
-Isa DetectIsa() {
-#if defined(JBS_CPU_X86_VARIANTS) && (defined(__x86_64__) || defined(__i386__))
+const char* Name(Isa isa) { return kIsaNames[static_cast<int>(isa)]; }
+
+#if defined(JBS_CPU_DETECT_X86)
+bool CpuidBit(unsigned leaf, unsigned subleaf, int reg, int bit) {
+  unsigned r[4] = {0, 0, 0, 0};
+  if (!__get_cpuid_count(leaf, subleaf, &r[0], &r[1], &r[2], &r[3])) return false;
+  return (r[reg] >> bit) & 1u;
+}
+
+// Linux hands out the AMX tile data (XTILEDATA, state component 18) only on request.
+bool RequestAmxPermission() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+#endif
+
+Isa Detect() {
+#if defined(JBS_CPU_DETECT_X86)
   __builtin_cpu_init();
   // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0).
-  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx512f")) {
+#if defined(JBS_CPU_BF16_KERNELS)
+    constexpr int kEax = 0, kEdx = 3;
+    const bool bw_vl = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    const bool bf16 = bw_vl && CpuidBit(7, 1, kEax, 5);               // AVX512_BF16
+    const bool amx = bf16 && CpuidBit(7, 0, kEdx, 24) && CpuidBit(7, 0, kEdx, 22);  // AMX-TILE, AMX-BF16
+    if (amx && RequestAmxPermission()) return Isa::kAmx;
+    if (bf16) return Isa::kAvx512Bf16;
+#endif
+    return Isa::kAvx512;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
 #endif
   return Isa::kBaseline;
 }
 
-Isa ChosenIsa() {
-  static const Isa isa = DetectIsa();
+Isa Detected() {
+  static const Isa isa = Detect();
   return isa;
+}
+
+// JAX_BLOCKSPARSE_CPU_ISA, read at every call: unset or empty -> the detected set; a name
+// at or below it -> that set; else *error says why and the detected set is returned.
+Isa Chosen(std::string* error = nullptr) {
+  const char* forced = std::getenv("JAX_BLOCKSPARSE_CPU_ISA");
+  if (forced == nullptr || forced[0] == '\0') return Detected();
+  for (int i = 0; i < kIsaCount; ++i) {
+    if (std::strcmp(forced, kIsaNames[i]) != 0) continue;
+    if (i <= static_cast<int>(Detected())) return static_cast<Isa>(i);
+    if (error) {
+      *error = std::string("JAX_BLOCKSPARSE_CPU_ISA=") + forced + ": this CPU (or this build) supports at most '" +
+               Name(Detected()) + "'";
+    }
+    return Detected();
+  }
+  if (error) {
+    *error = std::string("JAX_BLOCKSPARSE_CPU_ISA=") + forced +
+             ": expected one of amx, avx512_bf16, avx512, avx2, baseline (at most '" + Name(Detected()) +
+             "' on this CPU), or unset";
+  }
+  return Detected();
 }
 
 }  // namespace
 
 bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Parallel& par) {
-  switch (ChosenIsa()) {
+  const Isa isa = Chosen();
+#if defined(JBS_CPU_BF16_KERNELS)
+  if (in == DType::kBF16 && isa >= Isa::kAvx512Bf16) {
+    const bf16::Engine engine = isa == Isa::kAmx ? bf16::Engine::kAmx : bf16::Engine::kDot;
+    return bf16::RunDsd(engine, out_f32, transpose_w, p, par);
+  }
+#endif
+  switch (isa) {
 #if defined(JBS_CPU_X86_VARIANTS)
+    case Isa::kAmx:
+    case Isa::kAvx512Bf16:
     case Isa::kAvx512: return avx512::RunDsd(in, out_f32, transpose_w, p, par);
     case Isa::kAvx2: return avx2::RunDsd(in, out_f32, transpose_w, p, par);
 #endif
@@ -40,8 +120,17 @@ bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const 
 }
 
 bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
-  switch (ChosenIsa()) {
+  const Isa isa = Chosen();
+#if defined(JBS_CPU_BF16_KERNELS)
+  if (in == DType::kBF16 && isa >= Isa::kAvx512Bf16) {
+    const bf16::Engine engine = isa == Isa::kAmx ? bf16::Engine::kAmx : bf16::Engine::kDot;
+    return bf16::RunSdd(engine, out_f32, p, par);
+  }
+#endif
+  switch (isa) {
 #if defined(JBS_CPU_X86_VARIANTS)
+    case Isa::kAmx:
+    case Isa::kAvx512Bf16:
     case Isa::kAvx512: return avx512::RunSdd(in, out_f32, p, par);
     case Isa::kAvx2: return avx2::RunSdd(in, out_f32, p, par);
 #endif
@@ -50,8 +139,10 @@ bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
 }
 
 bool RunConv(DType in, bool out_f32, const ConvParams& p, const Parallel& par) {
-  switch (ChosenIsa()) {
+  switch (Chosen()) {
 #if defined(JBS_CPU_X86_VARIANTS)
+    case Isa::kAmx:
+    case Isa::kAvx512Bf16:
     case Isa::kAvx512: return avx512::RunConv(in, out_f32, p, par);
     case Isa::kAvx2: return avx2::RunConv(in, out_f32, p, par);
 #endif
@@ -60,8 +151,10 @@ bool RunConv(DType in, bool out_f32, const ConvParams& p, const Parallel& par) {
 }
 
 bool RunConvWgrad(DType in, bool out_f32, const ConvWgradParams& p, const Parallel& par) {
-  switch (ChosenIsa()) {
+  switch (Chosen()) {
 #if defined(JBS_CPU_X86_VARIANTS)
+    case Isa::kAmx:
+    case Isa::kAvx512Bf16:
     case Isa::kAvx512: return avx512::RunConvWgrad(in, out_f32, p, par);
     case Isa::kAvx2: return avx2::RunConvWgrad(in, out_f32, p, par);
 #endif
@@ -69,12 +162,23 @@ bool RunConvWgrad(DType in, bool out_f32, const ConvWgradParams& p, const Parall
   }
 }
 
-const char* KernelIsa() {
-  switch (ChosenIsa()) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "baseline";
-  }
+double AmxPeakProbe(int64_t steps) {
+#if defined(JBS_CPU_BF16_KERNELS)
+  if (Detected() == Isa::kAmx) return bf16::TilePeakFlops(steps);
+#endif
+  (void)steps;
+  return -1.0;
+}
+
+const char* KernelIsa() { return Name(Chosen()); }
+
+const char* DetectedIsa() { return Name(Detected()); }
+
+const char* IsaOverrideError() {
+  static thread_local std::string error;
+  error.clear();
+  Chosen(&error);
+  return error.empty() ? nullptr : error.c_str();
 }
 
 }  // namespace cpu

@@ -40,6 +40,7 @@ ffi::Error DsdImpl(const char* op, bool transpose, ffi::ThreadPool pool, ffi::An
     return e;
   }
   if (IsEmpty(p)) return ffi::Error::Success();
+  if (const char* isa_error = cpu::IsaOverrideError()) return ffi::Error::InvalidArgument(isa_error);
   if (!cpu::RunDsd(dt.in, dt.out_f32, transpose, p, cpu::Workers(pool, Macs(p.n, p.nnz, p.cap, p.bs)))) {
     return Unsupported(op, DescribeDsd(a, w, *out));
   }
@@ -69,6 +70,7 @@ ffi::Error UpdatImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy, 
     return e;
   }
   if (IsEmpty(p)) return ffi::Error::Success();
+  if (const char* isa_error = cpu::IsaOverrideError()) return ffi::Error::InvalidArgument(isa_error);
   if (!cpu::RunSdd(dt.in, dt.out_f32, p, cpu::Workers(pool, Macs(p.n, p.nnz, p.cap, p.bs)))) {
     return Unsupported(op, DescribeSdd(x, dy, *dw));
   }

@@ -1,0 +1,789 @@
+// bfloat16 products on the CPU's matrix units: fprop, bprop (DSD) and updat (SDD) with
+// AMX tiles (TDPBF16PS) or AVX512-BF16 dot products (VDPBF16PS), accumulating in float32.
+//
+// Compiled once, for x86-64, with the AMX and AVX512-BF16 flags (CMakeLists.txt); the
+// dispatcher (bsmm_cpu_dispatch.cc) calls it only where the running CPU has the
+// instructions (and, for AMX, the kernel granted this process the tile data). Like the
+// per-instruction-set kernel files it uses no C++ library templates (see bsmm_cpu.h).
+//
+// The two engines, and what each reads:
+//   AMX, one TDPBF16PS: C[16, 16] (float32) += A[16, 32] @ B[32, 16] (bf16). A's rows are
+//     read in place from row-major memory (32 consecutive bf16 of the reduction axis per
+//     row); B must be "VNNI-packed": row k/2 holds, for each output column j, the pair
+//     (B[k][j], B[k + 1][j]). A block of 16 reduces over 16 elements (half a tile's depth).
+//   AVX512-BF16, one VDPBF16PS: 16 float32 lanes += a broadcast pair (A[r][k], A[r][k+1])
+//     times one VNNI row of B (16 pairs). Block 8 uses the 256-bit form (8 lanes).
+//
+//   fprop/bprop: out[rows, j] = sum over the slots s of column j of x[rows, in_block(s)] @ W_s
+//     with W_s = w[s] (fprop) or w[s]^T (bprop). A = x (or dy) in place; every W_s is
+//     VNNI-packed once per call ([nnz, bs/2, bs, 2], bs * bs bf16 per block).
+//   updat: dw[s] = x[:, row block]^T @ dy[:, column block], reduced over the rows n.
+//     A = x^T needs the rows' axis contiguous: x is packed transposed per block
+//     ([cb][bs][rows]); dy is VNNI-packed along the rows ([kb][rows/2][bs][2]). Rows are
+//     zero-padded to a multiple of 32 and processed in chunks that fit a budget.
+//
+// Summation order: per output element, the products are added in slot order and, within
+// a block, in pairs of the reduction axis (AMX: 16 pairs per instruction, an order the
+// hardware fixes); updat adds chunk by chunk of rows. Results match the float32-widening
+// kernels within bfloat16 rounding, not bit for bit. AMX and AVX512-BF16 treat denormal
+// bf16 inputs as zero; outputs narrowed to bf16 round to nearest even, as XLA does.
+//
+// Tile state is per thread: every work item loads its tile configuration first and
+// releases the tiles when it ends, so nothing is left configured between items, calls
+// or threads.
+#if defined(JBS_CPU_BF16_KERNELS)
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "bsmm_block_sizes.h"
+#include "bsmm_problem.h"
+#include "cpu/bsmm_cpu.h"
+#include "cpu/cpu_simd.h"  // Buffer, Min/Max/CeilDiv, FloatToBf16 (needs JBS_CPU_ISA: bf16)
+
+namespace jbs {
+namespace cpu {
+namespace bf16 {
+namespace {
+
+// ---------------------------------------------------------------------------------
+// Narrowing float32 to bf16, 16 at a time, like FloatToBf16 (round to nearest even;
+// quiet NaN), which VCVTNEPS2BF16 is not for denormal inputs.
+// ---------------------------------------------------------------------------------
+
+inline __m256i NarrowBf16x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+// dst[i] = bf16(src[i]) for i < count.
+void NarrowRow(const float* src, uint16_t* dst, int64_t count) {
+  const int64_t whole = count - count % 16;
+  for (int64_t i = 0; i < whole; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), NarrowBf16x16(_mm512_loadu_ps(src + i)));
+  }
+  for (int64_t i = whole; i < count; ++i) dst[i] = FloatToBf16(src[i]);
+}
+
+// ---------------------------------------------------------------------------------
+// Packing
+// ---------------------------------------------------------------------------------
+
+// A row of zeros standing in for the rows past the end (padding to a multiple of 32).
+alignas(64) const uint16_t kZeros[128] = {};
+
+// Interleaves rows r0 and r1 (count bf16 each) into dst[2 * count]: (r0[j], r1[j]) pairs.
+void InterleaveRows(const uint16_t* r0, const uint16_t* r1, uint16_t* dst, int64_t count) {
+  int64_t j = 0;
+  if (count >= 16) {
+    // Lanes 0..15 of the index take r0, 16..31 take r1: (0, 16, 1, 17, ...).
+    alignas(64) static const uint16_t kIndex[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i index = _mm512_load_si512(kIndex);
+    for (; j + 16 <= count; j += 16) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + j));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + j));
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      _mm512_storeu_si512(dst + 2 * j, _mm512_permutexvar_epi16(index, both));
+    }
+  }
+  for (; j < count; ++j) {
+    dst[2 * j] = r0[j];
+    dst[2 * j + 1] = r1 ? r1[j] : 0;
+  }
+}
+
+// dst[j][i] = src[i][j] for a 16 x 16 block of 32-bit words (row strides in words):
+// unpacks of 32- and 64-bit words within 128-bit lanes, then two rounds of lane shuffles.
+void Transpose16x16(const uint32_t* src, int64_t src_stride, uint32_t* dst, int64_t dst_stride) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * src_stride);
+  for (int i = 0; i < 16; i += 2) {  // lane L of t[i]: rows i, i+1 at columns 4L, 4L+1 (t[i+1]: 4L+2, 4L+3)
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // lane L of r[g + c]: rows g..g+3 at column 4L + c
+    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // output row 4L + c gathers lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i p0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), p1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+    const __m512i q0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i q1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+    _mm512_storeu_si512(dst + c * dst_stride, _mm512_shuffle_i32x4(p0, q0, 0x88));
+    _mm512_storeu_si512(dst + (4 + c) * dst_stride, _mm512_shuffle_i32x4(p1, q1, 0x88));
+    _mm512_storeu_si512(dst + (8 + c) * dst_stride, _mm512_shuffle_i32x4(p0, q0, 0xdd));
+    _mm512_storeu_si512(dst + (12 + c) * dst_stride, _mm512_shuffle_i32x4(p1, q1, 0xdd));
+  }
+}
+
+// dst[j][i] = src[i][j] for a rows x cols block of 32-bit words.
+void TransposeWords(const uint32_t* src, int64_t src_stride, int64_t rows, int64_t cols, uint32_t* dst,
+                    int64_t dst_stride) {
+  if (rows % 16 == 0 && cols % 16 == 0) {
+    for (int64_t i = 0; i < rows; i += 16) {
+      for (int64_t j = 0; j < cols; j += 16) {
+        Transpose16x16(src + i * src_stride + j, src_stride, dst + j * dst_stride + i, dst_stride);
+      }
+    }
+    return;
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) dst[j * dst_stride + i] = src[i * src_stride + j];
+  }
+}
+
+// Columns per packed column tile: 16 (one AMX B tile, one 512-bit vector), 8 for block 8.
+template <int BS>
+constexpr int kColTile = BS < 16 ? BS : 16;
+
+// W_s VNNI-packed in column tiles: dst[j / CT][k / 2][j % CT][k % 2] = B[k][j] with
+// CT = kColTile<BS> and B = w (fprop) or w^T (bprop), [BS, BS]. A B tile (32 values of k
+// x 16 columns) is then 1 KiB of consecutive memory: rows 64 bytes apart do not compete
+// for the same few L1 sets as rows BS * 4 bytes apart would.
+template <int BS>
+void PackWeight(const uint16_t* w, bool transpose, uint16_t* dst) {
+  constexpr int CT = kColTile<BS>;
+  for (int ct = 0; ct < BS / CT; ++ct) {
+    uint16_t* tile = dst + ct * CT * BS;  // [BS/2][CT][2]
+    if (!transpose) {
+      for (int k = 0; k < BS; k += 2) InterleaveRows(w + k * BS + ct * CT, w + (k + 1) * BS + ct * CT, tile + k * CT, CT);
+    } else {
+      // B[k][j] = w[j][k]: the pair (w[j][k], w[j][k+1]) is one 32-bit word of row j, so
+      // this is a transpose of 32-bit words: [CT rows j][BS/2 pairs] -> [BS/2][CT].
+      TransposeWords(reinterpret_cast<const uint32_t*>(w + ct * CT * BS), BS / 2, CT, BS / 2,
+                     reinterpret_cast<uint32_t*>(tile), CT);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// AMX tiles
+// ---------------------------------------------------------------------------------
+// Registers: tmm0..3 accumulators C[h][c] (row half h, column tile c), tmm4/5 the A rows
+// of each half, tmm6/7 the B columns. One step: 2 A loads, NC B loads, 2 * NC products.
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles for `top` (1..16) and `bottom` (0..16) rows, a reduction of k_elems (16 or 32)
+// bf16 per step and nc (1 or 2) column tiles of 16 floats.
+void ConfigureTiles(int top, int bottom, int k_elems, int nc) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int h = 0; h < 2; ++h) {
+    const int rows = h == 0 ? top : bottom;
+    if (rows == 0) continue;
+    cfg.rows[4 + h] = static_cast<uint8_t>(rows);
+    cfg.colsb[4 + h] = static_cast<uint16_t>(2 * k_elems);
+    for (int c = 0; c < nc; ++c) {
+      cfg.rows[2 * h + c] = static_cast<uint8_t>(rows);
+      cfg.colsb[2 * h + c] = 64;
+    }
+  }
+  for (int c = 0; c < nc; ++c) {
+    cfg.rows[6 + c] = static_cast<uint8_t>(k_elems / 2);
+    cfg.colsb[6 + c] = 64;
+  }
+  // GCC does not see that LDTILECFG reads the struct and would drop the stores above.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// One product step: C[h][c] += A_h @ B_c for the configured halves and columns.
+// a: the top A tile's first row (rows a_stride bytes apart), the bottom one a_next bf16
+// further; b: the first B tile's first VNNI row (b_stride bytes), the second b_next further.
+template <int NC, bool kBottom>
+inline void AmxStep(const uint16_t* a, int64_t a_stride, int64_t a_next, const uint16_t* b, int64_t b_stride,
+                    int64_t b_next) {
+  _tile_loadd(4, a, a_stride);
+  if constexpr (kBottom) _tile_loadd(5, a + a_next, a_stride);
+  _tile_loadd(6, b, b_stride);
+  if constexpr (NC == 2) _tile_loadd(7, b + b_next, b_stride);
+  _tile_dpbf16ps(0, 4, 6);
+  if constexpr (NC == 2) _tile_dpbf16ps(1, 4, 7);
+  if constexpr (kBottom) _tile_dpbf16ps(2, 5, 6);
+  if constexpr (kBottom && NC == 2) _tile_dpbf16ps(3, 5, 7);
+}
+
+template <int NC, bool kBottom>
+inline void AmxZero() {
+  _tile_zero(0);
+  if constexpr (NC == 2) _tile_zero(1);
+  if constexpr (kBottom) _tile_zero(2);
+  if constexpr (kBottom && NC == 2) _tile_zero(3);
+}
+
+// C tiles <- / -> c (float32, row stride ldc floats), 16 floats per column tile.
+template <int NC, bool kBottom>
+inline void AmxLoadC(const float* c, int64_t ldc) {
+  const int64_t stride = ldc * 4;
+  _tile_loadd(0, c, stride);
+  if constexpr (NC == 2) _tile_loadd(1, c + 16, stride);
+  if constexpr (kBottom) _tile_loadd(2, c + 16 * ldc, stride);
+  if constexpr (kBottom && NC == 2) _tile_loadd(3, c + 16 * ldc + 16, stride);
+}
+
+template <int NC, bool kBottom>
+inline void AmxStoreC(float* c, int64_t ldc) {
+  const int64_t stride = ldc * 4;
+  _tile_stored(0, c, stride);
+  if constexpr (NC == 2) _tile_stored(1, c + 16, stride);
+  if constexpr (kBottom) _tile_stored(2, c + 16 * ldc, stride);
+  if constexpr (kBottom && NC == 2) _tile_stored(3, c + 16 * ldc + 16, stride);
+}
+
+// ---------------------------------------------------------------------------------
+// AVX512-BF16 register tile
+// ---------------------------------------------------------------------------------
+
+// C[r][j] (+)= sum over kp < pairs of A[r][2kp..2kp+1] . B[kp][j][0..1] for r < R,
+// j < NV * W (W = 16 lanes, or 8 for the 256-bit form). A row stride a_row bf16; B's
+// columns in tiles of W (b_vec bf16 apart), each row of a tile (one pair of the reduction
+// axis) b_row bf16 apart; C row stride ldc floats.
+template <int W, int NV, int R>
+void DotTile(int64_t pairs, const uint16_t* A, int64_t a_row, const uint16_t* B, int64_t b_row, int64_t b_vec,
+             float* C, int64_t ldc, bool load) {
+  if constexpr (W == 16) {
+    __m512 c[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) c[r][v] = load ? _mm512_loadu_ps(C + r * ldc + v * 16) : _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < pairs; ++kp) {
+      __m512i b[NV];
+      for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(B + kp * b_row + v * b_vec);
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, A + r * a_row + 2 * kp, 4);
+        const __m512i a = _mm512_set1_epi32(static_cast<int>(pair));
+        for (int v = 0; v < NV; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], (__m512bh)a, (__m512bh)b[v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + v * 16, c[r][v]);
+  } else {
+    __m256 c[R];
+    for (int r = 0; r < R; ++r) c[r] = load ? _mm256_loadu_ps(C + r * ldc) : _mm256_setzero_ps();
+    for (int64_t kp = 0; kp < pairs; ++kp) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B + kp * b_row));
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, A + r * a_row + 2 * kp, 4);
+        const __m256i a = _mm256_set1_epi32(static_cast<int>(pair));
+        c[r] = _mm256_dpbf16_ps(c[r], (__m256bh)a, (__m256bh)b);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(C + r * ldc, c[r]);
+  }
+}
+
+// The register tile per block size: W lanes, NV vectors per row, R rows (R * NV
+// accumulators + NV + 1 of the 32 vector registers).
+template <int BS>
+struct DotShape {
+  static constexpr int kLanes = BS < 16 ? 8 : 16;
+  static constexpr int kVectors = BS / kLanes < 2 ? BS / kLanes : 2;
+  static constexpr int kRows = kVectors == 2 ? 8 : 16;
+};
+
+// C[rows, BS] (+)= A[rows, 2 * pairs] @ B with the dot engine; B VNNI-packed in column
+// tiles of kColTile<BS> ([BS / CT][pairs][CT][2]).
+template <int BS>
+void DotProduct(int64_t rows, int64_t pairs, const uint16_t* A, int64_t a_row, const uint16_t* B, float* C,
+                int64_t ldc, bool load) {
+  constexpr int W = DotShape<BS>::kLanes, NV = DotShape<BS>::kVectors, R = DotShape<BS>::kRows;
+  constexpr int CT = kColTile<BS>;
+  const int64_t b_vec = pairs * 2 * CT;  // one column tile
+  const int64_t full = rows - rows % R;
+  for (int j = 0; j < BS; j += NV * W) {
+    const uint16_t* b = B + (j / CT) * b_vec;
+    for (int64_t r = 0; r < full; r += R) {
+      DotTile<W, NV, R>(pairs, A + r * a_row, a_row, b, 2 * CT, b_vec, C + r * ldc + j, ldc, load);
+    }
+    for (int64_t r = full; r < rows; ++r) {
+      DotTile<W, NV, 1>(pairs, A + r * a_row, a_row, b, 2 * CT, b_vec, C + r * ldc + j, ldc, load);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Scratch
+// ---------------------------------------------------------------------------------
+
+struct Scratch {
+  alignas(64) float acc[128 * 128];
+};
+
+Scratch& ThreadScratch() {
+  static thread_local Scratch scratch;
+  return scratch;
+}
+
+// A segment's valid slots (int32, in a float buffer).
+Buffer& ThreadSlots() {
+  static thread_local Buffer slots;
+  return slots;
+}
+
+constexpr int kCallerBuffers = 4;
+constexpr int64_t kKeepFloats = int64_t{8} << 20;  // buffers above 32 MiB are freed after each call
+// Packed activations of one chunk of rows (updat) stay under this many bytes.
+constexpr int64_t kPackBytes = int64_t{32} << 20;
+
+Buffer& CallerBuffer(int which) {
+  static thread_local Buffer buffers[kCallerBuffers];
+  return buffers[which];
+}
+
+void ReleaseLargeBuffers() {
+  for (int i = 0; i < kCallerBuffers; ++i) {
+    Buffer& b = CallerBuffer(i);
+    if (b.floats > kKeepFloats) {
+      std::free(b.data);
+      b.data = nullptr;
+      b.floats = 0;
+    }
+  }
+}
+
+// A buffer of `count` bf16 from the caller's buffers (Buffer counts floats).
+uint16_t* Bf16Buffer(int which, int64_t count) {
+  return reinterpret_cast<uint16_t*>(CallerBuffer(which).Get(CeilDiv(Max(count, 1), 2)));
+}
+
+// ---------------------------------------------------------------------------------
+// DSD: fprop and bprop
+// ---------------------------------------------------------------------------------
+
+struct DsdJob {
+  const DsdParams* p;
+  Engine engine;
+  bool out_f32;
+  bool transpose_w;
+  int64_t nnz;
+  uint16_t* packed_w;  // [nnz][bs/2][bs][2]
+  int64_t tiles;       // row tiles per output block
+  int64_t tile_rows;   // a multiple of 32
+};
+
+template <int BS>
+void DsdPackItem(void* arg, int64_t slot) {
+  const DsdJob& job = *static_cast<const DsdJob*>(arg);
+  const uint16_t* w = static_cast<const uint16_t*>(job.p->w) + slot * BS * BS;
+  PackWeight<BS>(w, job.transpose_w, job.packed_w + slot * BS * BS);
+}
+
+// The valid slot of entry e of the segment, or -1 (padding, out-of-range tables).
+inline int64_t DsdSlot(const DsdJob& job, int64_t e) {
+  const DsdParams& p = *job.p;
+  const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
+  if (slot < 0 || slot >= job.nnz) return -1;
+  const int64_t block = p.in_block[slot];
+  return block >= 0 && block < p.nin ? slot : -1;
+}
+
+// Writes acc [rows, cols] (row stride ldc) to out rows [row, row + rows) at column col.
+void StoreOutput(const DsdJob& job, const float* acc, int64_t ldc, int64_t row, int64_t rows, int64_t col,
+                 int64_t cols) {
+  const int64_t fout = int64_t{job.p->nseg} * job.p->bs;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = acc + r * ldc;
+    if (job.out_f32) {
+      std::memcpy(static_cast<float*>(job.p->out) + (row + r) * fout + col, src, sizeof(float) * cols);
+    } else {
+      NarrowRow(src, static_cast<uint16_t*>(job.p->out) + (row + r) * fout + col, cols);
+    }
+  }
+}
+
+// Rows [r0, r0 + 32) (or fewer: kBottom false for at most 16) of the segment's output,
+// columns [c0, c0 + 16 * NC), summed over its slots in the tiles.
+template <int BS, int NC, bool kBottom>
+void DsdAmxRows(const DsdJob& job, int64_t seg, int64_t r0, int64_t rows, int64_t c0) {
+  const DsdParams& p = *job.p;
+  constexpr int kStep = BS < 32 ? BS : 32;
+  const int64_t lda = int64_t{p.nin} * BS;
+  const uint16_t* x = static_cast<const uint16_t*>(p.a);
+  AmxZero<NC, kBottom>();
+  for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
+    const int64_t slot = DsdSlot(job, e);
+    if (slot < 0) continue;
+    const uint16_t* a = x + r0 * lda + int64_t{p.in_block[slot]} * BS;
+    const uint16_t* b = job.packed_w + slot * BS * BS + c0 * BS;
+    for (int k0 = 0; k0 < BS; k0 += kStep) {
+      AmxStep<NC, kBottom>(a + k0, lda * 2, 16 * lda, b + k0 * 16, 64, 16 * BS);
+    }
+  }
+  const int64_t fout = int64_t{p.nseg} * BS;
+  if (job.out_f32 && rows == (kBottom ? 32 : 16)) {
+    AmxStoreC<NC, kBottom>(static_cast<float*>(p.out) + r0 * fout + seg * BS + c0, fout);
+    return;
+  }
+  float* acc = ThreadScratch().acc;  // [32][32]
+  AmxStoreC<NC, kBottom>(acc, 32);
+  StoreOutput(job, acc, 32, r0, rows, seg * BS + c0, 16 * NC);
+}
+
+// Reduction elements per pass: a B panel of kChunk x 32 columns (16 KiB) stays in L1 while
+// the rows stream past it; the partial sums wait in an L1 accumulator between passes.
+constexpr int64_t kChunk = 256;
+
+// Rows [first, first + rows) of the segment's output: whole groups of 32 rows in blocks of
+// up to 128 rows (a float32 accumulator of 128 x 32), by passes over chunks of the
+// segment's slots; the tail of fewer than 32 rows with its tiles configured to fit.
+template <int BS>
+void DsdAmxItem(const DsdJob& job, int64_t seg, int64_t first, int64_t rows) {
+  constexpr int kStep = BS < 32 ? BS : 32;
+  constexpr int NC = BS < 32 ? 1 : 2;
+  constexpr int kCols = 16 * NC;
+  constexpr int64_t kChunkSlots = kChunk / BS > 0 ? kChunk / BS : 1;
+  const DsdParams& p = *job.p;
+  const int64_t lda = int64_t{p.nin} * BS;
+  const uint16_t* x = static_cast<const uint16_t*>(p.a);
+  const int64_t entries = p.seg_ptr[seg + 1] - p.seg_ptr[seg];
+  int32_t* slots = reinterpret_cast<int32_t*>(ThreadSlots().Get(Max(entries, 1)));
+  if (slots == nullptr) return;  // no memory: cannot happen for the sizes a layout has
+  int64_t count = 0;
+  for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
+    const int64_t slot = DsdSlot(job, e);
+    if (slot >= 0) slots[count++] = static_cast<int32_t>(slot);
+  }
+  const int64_t full = rows - rows % 32;
+  float* acc = ThreadScratch().acc;  // [128][kCols]
+  if (full > 0) {
+    ConfigureTiles(16, 16, kStep, NC);
+    for (int c0 = 0; c0 < BS; c0 += kCols) {
+      for (int64_t b0 = first; b0 < first + full; b0 += 128) {
+        const int64_t m = Min(128, first + full - b0);
+        if (count == 0) std::memset(acc, 0, sizeof(float) * m * kCols);
+        for (int64_t s0 = 0; s0 < count; s0 += kChunkSlots) {
+          const int64_t s1 = Min(count, s0 + kChunkSlots);
+          for (int64_t r = 0; r < m; r += 32) {
+            float* c = acc + r * kCols;
+            if (s0 == 0) {
+              AmxZero<NC, true>();
+            } else {
+              AmxLoadC<NC, true>(c, kCols);
+            }
+            for (int64_t s = s0; s < s1; ++s) {
+              const uint16_t* a = x + (b0 + r) * lda + int64_t{p.in_block[slots[s]]} * BS;
+              const uint16_t* b = job.packed_w + int64_t{slots[s]} * BS * BS + c0 * BS;
+              for (int k0 = 0; k0 < BS; k0 += kStep) {
+                AmxStep<NC, true>(a + k0, lda * 2, 16 * lda, b + k0 * 16, 64, 16 * BS);
+              }
+            }
+            AmxStoreC<NC, true>(c, kCols);
+          }
+        }
+        StoreOutput(job, acc, kCols, b0, m, seg * BS + c0, kCols);
+      }
+    }
+  }
+  const int64_t tail = rows - full;
+  if (tail > 0) {
+    ConfigureTiles(static_cast<int>(Min(tail, 16)), static_cast<int>(Max(tail - 16, 0)), kStep, NC);
+    for (int c0 = 0; c0 < BS; c0 += kCols) {
+      if (tail > 16) {
+        DsdAmxRows<BS, NC, true>(job, seg, first + full, tail, c0);
+      } else {
+        DsdAmxRows<BS, NC, false>(job, seg, first + full, tail, c0);
+      }
+    }
+  }
+  _tile_release();
+}
+
+template <int BS>
+void DsdDotItem(const DsdJob& job, int64_t seg, int64_t first, int64_t rows) {
+  const DsdParams& p = *job.p;
+  const int64_t lda = int64_t{p.nin} * BS;
+  const uint16_t* x = static_cast<const uint16_t*>(p.a);
+  float* acc = ThreadScratch().acc;  // [rows <= 128][BS]
+  for (int64_t r0 = first; r0 < first + rows; r0 += 128 * 128 / BS) {
+    const int64_t m = Min(128 * 128 / BS, first + rows - r0);
+    bool load = false;
+    for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
+      const int64_t slot = DsdSlot(job, e);
+      if (slot < 0) continue;
+      const uint16_t* a = x + r0 * lda + int64_t{p.in_block[slot]} * BS;
+      DotProduct<BS>(m, BS / 2, a, lda, job.packed_w + slot * BS * BS, acc, BS, load);
+      load = true;
+    }
+    if (!load) std::memset(acc, 0, sizeof(float) * m * BS);
+    StoreOutput(job, acc, BS, r0, m, seg * BS, BS);
+  }
+}
+
+template <int BS>
+void DsdItem(void* arg, int64_t item) {
+  const DsdJob& job = *static_cast<const DsdJob*>(arg);
+  const DsdParams& p = *job.p;
+  const int64_t seg = p.order[item / job.tiles];
+  if (seg < 0 || seg >= p.nseg) return;  // not a permutation: the handler's contract is broken
+  const int64_t first = (item % job.tiles) * job.tile_rows;
+  const int64_t rows = Min(job.tile_rows, p.n - first);
+  if (rows <= 0) return;
+  if (job.engine == Engine::kAmx && BS >= 16) {
+    DsdAmxItem<BS>(job, seg, first, rows);
+  } else {
+    DsdDotItem<BS>(job, seg, first, rows);
+  }
+}
+
+template <int BS>
+bool RunDsdBlock(DsdJob& job, const Parallel& par) {
+  const DsdParams& p = *job.p;
+  job.packed_w = Bf16Buffer(0, Max(job.nnz, 1) * BS * BS);
+  if (job.packed_w == nullptr) return false;
+  if (job.nnz > 0) par.for_each(par.ctx, job.nnz, &DsdPackItem<BS>, &job);
+  int64_t longest = 0, total = 0;
+  for (int j = 0; j < p.nseg; ++j) {
+    const int64_t len = p.seg_ptr[j + 1] - p.seg_ptr[j];
+    longest = Max(longest, len);
+    total += len;
+  }
+  // Row tiles per output block: enough that the longest block splits over the workers,
+  // of 32-row multiples (whole AMX tile pairs), at most 256 rows each.
+  const int64_t rows32 = CeilDiv(Max(p.n, 1), 32);
+  const int64_t for_balance = total > 0 ? CeilDiv(longest * 4 * par.workers, total) : 1;
+  const int64_t tiles = Max(1, Min(rows32, Max(CeilDiv(rows32, 8), for_balance)));
+  job.tile_rows = CeilDiv(rows32, tiles) * 32;
+  job.tiles = CeilDiv(Max(p.n, 1), job.tile_rows);
+  par.for_each(par.ctx, job.tiles * p.nseg, &DsdItem<BS>, &job);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------
+// SDD: updat
+// ---------------------------------------------------------------------------------
+
+struct SddJob {
+  const SddParams* p;
+  Engine engine;
+  bool out_f32;
+  int64_t nnz;
+  int64_t row0, rows;  // the chunk of rows
+  int64_t padded;      // rows rounded up to 32 (zero rows after `rows`)
+  bool first, last;
+  uint16_t* xt;        // [cb][bs][padded]: x's blocks transposed
+  uint16_t* dyv;       // [kb][padded/2][bs][2]: dy's blocks VNNI-packed along the rows
+  float* accumulators; // [cap][bs][bs] float32 (dw itself, or scratch), or nullptr
+  const uint8_t* used;  // [cb + kb]: whether a valid slot reads x's block (then dy's)
+};
+
+// x's block `item` transposed, xt[i][n] = x[row0 + n][item * BS + i], in the engine's
+// layout: AMX tiles ([BS/16][padded/32][16][32]: one A tile = 1 KiB of consecutive memory)
+// or rows ([BS][padded]) for the dot engine. Per 32 rows: rows n, n+1 interleaved into
+// 32-bit pairs (pairs[n/2][i]), then the pairs transposed: row i holds x[n0 .. n0+32)[i].
+template <int BS>
+void PackXTransposed(const SddJob& job, int64_t item) {
+  const SddParams& p = *job.p;
+  const uint16_t* x = static_cast<const uint16_t*>(p.x) + item * BS;
+  const int64_t ldx = int64_t{p.cb} * BS;
+  uint16_t* dst = job.xt + item * BS * job.padded;
+  const bool tiles = job.engine == Engine::kAmx && BS >= 16;
+  alignas(64) uint16_t pairs[16 * 2 * BS];
+  for (int64_t n0 = 0; n0 < job.padded; n0 += 32) {
+    for (int64_t q = 0; q < 16; ++q) {
+      const int64_t n = n0 + 2 * q;
+      const uint16_t* r0 = n < job.rows ? x + (job.row0 + n) * ldx : kZeros;
+      const uint16_t* r1 = n + 1 < job.rows ? x + (job.row0 + n + 1) * ldx : kZeros;
+      InterleaveRows(r0, r1, pairs + q * 2 * BS, BS);
+    }
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(pairs);
+    if (!tiles) {
+      TransposeWords(words, BS, 16, BS, reinterpret_cast<uint32_t*>(dst + n0), job.padded / 2);
+      continue;
+    }
+    for (int i0 = 0; i0 < BS; i0 += 16) {  // the A tile of rows i0.. and reduction n0..
+      uint16_t* tile = dst + ((i0 / 16) * (job.padded / 32) + n0 / 32) * 512;
+      Transpose16x16(words + i0, BS, reinterpret_cast<uint32_t*>(tile), 16);
+    }
+  }
+}
+
+// dy's block VNNI-packed along the rows in column tiles:
+// dyv[j / CT][n / 2][j % CT][n % 2] = dy[row0 + n][block * BS + j], CT = kColTile<BS>.
+template <int BS>
+void PackDyPairs(const SddJob& job, int64_t block) {
+  constexpr int CT = kColTile<BS>;
+  const SddParams& p = *job.p;
+  const uint16_t* dy = static_cast<const uint16_t*>(p.dy) + block * BS;
+  const int64_t ldy = int64_t{p.kb} * BS;
+  uint16_t* dst = job.dyv + block * BS * job.padded;
+  for (int64_t n = 0; n < job.padded; n += 2) {
+    const uint16_t* r0 = n < job.rows ? dy + (job.row0 + n) * ldy : kZeros;
+    const uint16_t* r1 = n + 1 < job.rows ? dy + (job.row0 + n + 1) * ldy : kZeros;
+    for (int ct = 0; ct < BS / CT; ++ct) {
+      InterleaveRows(r0 + ct * CT, r1 + ct * CT, dst + ct * job.padded * CT + n * CT, CT);
+    }
+  }
+}
+
+template <int BS>
+void SddPackItem(void* arg, int64_t item) {
+  const SddJob& job = *static_cast<const SddJob*>(arg);
+  const int64_t cb = job.p->cb;
+  if (!job.used[item]) return;
+  if (item < cb) {
+    PackXTransposed<BS>(job, item);
+  } else {
+    PackDyPairs<BS>(job, item - cb);
+  }
+}
+
+// acc[BS][BS] (+)= xt^T-block @ dyv-block over this chunk of rows, in passes over kChunk
+// rows: the A panel of 32 (or 16) rows of xt stays in L1 across the column tiles.
+template <int BS>
+void SddAmx(const SddJob& job, const uint16_t* xt, const uint16_t* dyv, float* acc) {
+  constexpr int NC = BS < 32 ? 1 : 2;
+  constexpr bool kBottom = BS >= 32;
+  constexpr int kRows = kBottom ? 32 : 16, kCols = 16 * NC;
+  ConfigureTiles(16, kBottom ? 16 : 0, 32, NC);
+  for (int64_t n0 = 0; n0 < job.padded; n0 += kChunk) {
+    const int64_t n1 = Min(job.padded, n0 + kChunk);
+    for (int i0 = 0; i0 < BS; i0 += kRows) {
+      for (int j0 = 0; j0 < BS; j0 += kCols) {
+        float* c = acc + i0 * BS + j0;
+        if (job.first && n0 == 0) {
+          AmxZero<NC, kBottom>();
+        } else {
+          AmxLoadC<NC, kBottom>(c, BS);
+        }
+        const uint16_t* a = xt + (i0 / 16) * (job.padded / 32) * 512;  // A tiles: 512 bf16 per 32 rows
+        const uint16_t* b = dyv + j0 * job.padded;                     // B tiles: 16 bf16 per row
+        for (int64_t k0 = n0; k0 < n1; k0 += 32) {
+          AmxStep<NC, kBottom>(a + k0 * 16, 64, job.padded * 16, b + k0 * 16, 64, job.padded * 16);
+        }
+        AmxStoreC<NC, kBottom>(c, BS);
+      }
+    }
+  }
+  _tile_release();
+}
+
+template <int BS>
+void SddItem(void* arg, int64_t slot) {
+  const SddJob& job = *static_cast<const SddJob*>(arg);
+  const SddParams& p = *job.p;
+  const int64_t row_block = slot < job.nnz ? p.block_rows[slot] : -1;
+  const int64_t col_block = slot < job.nnz ? p.block_cols[slot] : -1;
+  const bool valid = row_block >= 0 && row_block < p.cb && col_block >= 0 && col_block < p.kb;
+  float* acc = job.accumulators ? job.accumulators + slot * BS * BS : ThreadScratch().acc;
+  if (!valid || job.rows <= 0) {
+    if (job.first) std::memset(acc, 0, sizeof(float) * BS * BS);  // padding stays zero
+  } else {
+    const uint16_t* xt = job.xt + row_block * BS * job.padded;
+    const uint16_t* dyv = job.dyv + col_block * BS * job.padded;
+    if (job.engine == Engine::kAmx && BS >= 16) {
+      SddAmx<BS>(job, xt, dyv, acc);
+    } else {
+      DotProduct<BS>(BS, job.padded / 2, xt, job.padded, dyv, acc, BS, !job.first);
+    }
+  }
+  if (job.last && !job.out_f32) NarrowRow(acc, static_cast<uint16_t*>(p.dw) + slot * BS * BS, BS * BS);
+}
+
+template <int BS>
+bool RunSddBlock(SddJob& job, const Parallel& par) {
+  const SddParams& p = *job.p;
+  const int64_t per_row_bytes = (int64_t{p.cb} + p.kb) * BS * 2;
+  const int64_t chunk = Max(32, (kPackBytes / Max(per_row_bytes, 1)) / 32 * 32);
+  const int64_t chunks = Max(1, CeilDiv(p.n, chunk));
+  const int64_t padded_max = CeilDiv(Min(chunk, Max(p.n, 1)), 32) * 32;
+  job.xt = Bf16Buffer(0, padded_max * Max(1, p.cb) * BS);
+  job.dyv = Bf16Buffer(1, padded_max * Max(1, p.kb) * BS);
+  if (job.xt == nullptr || job.dyv == nullptr) return false;
+  // Only the blocks some slot reads are packed.
+  uint8_t* used = reinterpret_cast<uint8_t*>(CallerBuffer(3).Get(CeilDiv(int64_t{p.cb} + p.kb + 1, 4)));
+  if (used == nullptr) return false;
+  std::memset(used, 0, int64_t{p.cb} + p.kb);
+  for (int64_t s = 0; s < job.nnz; ++s) {
+    const int64_t row_block = p.block_rows[s], col_block = p.block_cols[s];
+    if (row_block >= 0 && row_block < p.cb && col_block >= 0 && col_block < p.kb) {
+      used[row_block] = 1;
+      used[p.cb + col_block] = 1;
+    }
+  }
+  job.used = used;
+  job.accumulators = nullptr;
+  if (job.out_f32) {
+    job.accumulators = static_cast<float*>(p.dw);
+  } else if (chunks > 1) {
+    job.accumulators = CallerBuffer(2).Get(int64_t{p.cap} * BS * BS);
+    if (job.accumulators == nullptr) return false;
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    job.row0 = c * chunk;
+    job.rows = Max(0, Min(chunk, p.n - job.row0));
+    job.padded = CeilDiv(job.rows, 32) * 32;
+    job.first = c == 0;
+    job.last = c == chunks - 1;
+    if (job.rows > 0) par.for_each(par.ctx, int64_t{p.cb} + p.kb, &SddPackItem<BS>, &job);
+    par.for_each(par.ctx, p.cap, &SddItem<BS>, &job);
+  }
+  return true;
+}
+
+}  // namespace
+
+bool RunDsd(Engine engine, bool out_f32, bool transpose_w, const DsdParams& p, const Parallel& par) {
+  DsdJob job{};
+  job.p = &p;
+  job.engine = engine;
+  job.out_f32 = out_f32;
+  job.transpose_w = transpose_w;
+  job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
+  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunDsdBlock<decltype(bs)::value>(job, par); });
+  ReleaseLargeBuffers();
+  return ok;
+}
+
+bool RunSdd(Engine engine, bool out_f32, const SddParams& p, const Parallel& par) {
+  SddJob job{};
+  job.p = &p;
+  job.engine = engine;
+  job.out_f32 = out_f32;
+  job.nnz = Max(0, Min(*p.nnz, p.cap));
+  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunSddBlock<decltype(bs)::value>(job, par); });
+  ReleaseLargeBuffers();
+  return ok;
+}
+
+double TilePeakFlops(int64_t steps) {
+  // 2 x 2 accumulators on operands that never leave the tiles: the rate of TDPBF16PS alone.
+  ConfigureTiles(16, 16, 32, 2);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  AmxZero<2, true>();
+  for (int64_t i = 0; i < steps; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_release();
+  return static_cast<double>(steps) * 4 * 16 * 16 * 32 * 2;
+}
+
+}  // namespace bf16
+}  // namespace cpu
+}  // namespace jbs
+
+#endif  // JBS_CPU_BF16_KERNELS

@@ -1,0 +1,184 @@
+"""The bfloat16 CPU kernels of the matrix units: AMX tiles and AVX512-BF16 dot products.
+
+Each test runs once per instruction set of the matrix units ("amx", "avx512_bf16"),
+forced through JAX_BLOCKSPARSE_CPU_ISA; a set the CPU lacks is skipped with the reason
+(pytest -rs lists them: CI's log says how many ran). The oracle is float64 numpy on the
+bf16 operands: the kernels multiply bf16 exactly and sum in float32, so a float32 output
+is within float32 summation error of it and a bf16 output within one bf16 rounding.
+Also here, on every CPU with the kernels: the variable's checks and effects.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_blocksparse as jbs
+from helpers import assert_close, cpu_devices, make_problem, rand, require_kernels
+
+# From the lowest to the widest; the kernels run the one named, or the widest the CPU has.
+ISA_ORDER = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
+MATRIX_UNIT_ISAS = ("amx", "avx512_bf16")
+ENV = "JAX_BLOCKSPARSE_CPU_ISA"
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu_kernels():
+    require_kernels("cpu")
+    with jax.default_device(cpu_devices(1)[0]):
+        yield
+
+
+def detected_isa() -> str:
+    return jbs.extension_info()["cpu_isa_detected"]
+
+
+@pytest.fixture(params=MATRIX_UNIT_ISAS)
+def isa(request, monkeypatch):
+    """Runs the test with the kernels of this instruction set in force."""
+    name, detected = request.param, detected_isa()
+    if ISA_ORDER.index(name) > ISA_ORDER.index(detected):
+        pytest.skip(f"{name} kernels not run: this CPU's widest kernels are {detected!r} (no {name} here)")
+    monkeypatch.setenv(ENV, name)
+    assert jbs.extension_info()["cpu_isa"] == name
+    return name
+
+
+def _dense(w, layout):
+    return np.asarray(jbs.to_dense(jnp.asarray(w, jnp.float32), layout), np.float64)
+
+
+def _oracles(x, w, dy, layout):
+    """float64 fprop, bprop and updat of the bf16 operands."""
+    W = _dense(w, layout)
+    x64, dy64 = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, dy))
+    dW = x64.T @ dy64
+    t = layout.tables
+    bs = layout.block_size
+    nnz = int(t.col_ptr[-1])
+    dw = np.zeros(layout.w_shape)
+    for s in range(nnz):
+        r, c = int(t.block_rows[s]), int(t.block_cols[s])
+        dw[s] = dW[r * bs : (r + 1) * bs, c * bs : (c + 1) * bs]
+    return {"fprop": x64 @ W, "bprop": dy64 @ W.T, "updat": dw}
+
+
+def _products(x, w, dy, layout, out_dtype):
+    kw = {"impl": "kernels"}
+    return {
+        "fprop": jbs.bsmm(x, w, layout, preferred_element_type=out_dtype, **kw),
+        "bprop": jbs.bsmm(dy, w, layout, transpose=True, preferred_element_type=out_dtype, **kw),
+        "updat": jbs.bsmm_updat(x, dy, layout, out_dtype=out_dtype, **kw),
+    }
+
+
+@pytest.mark.parametrize("block_size", jbs.SUPPORTED_BLOCK_SIZES)
+@pytest.mark.parametrize("kind", ["random", "full", "empty_rows_cols", "long_column"])
+@pytest.mark.parametrize("rows", [1, 19, 50, 300])
+def test_products_match_float64(isa, block_size, kind, rows):
+    _, layout, w = make_problem(kind, block_size=block_size, dtype=jnp.bfloat16, seed=rows)
+    C, K = layout.shape
+    x, dy = rand((rows, C), jnp.bfloat16, 1), rand((rows, K), jnp.bfloat16, 2)
+    want = _oracles(x, w, dy, layout)
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        got = _products(x, w, dy, layout, out_dtype)
+        for name in want:
+            assert got[name].dtype == out_dtype, name
+            length = rows if name == "updat" else max(C, K)
+            assert_close(got[name], want[name], out_dtype, length=length)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_updat_over_several_chunks_of_rows(isa, out_dtype):
+    # The packed activations of one chunk stay under 32 MiB: 1024 bytes per row here, so
+    # 40000 rows are two chunks (a bf16 dW then sums across them in float32 scratch).
+    _, layout, _ = make_problem("random", block_size=128, grid=(2, 2), dtype=jnp.bfloat16)
+    rows = 40000
+    x, dy = rand((rows, 256), jnp.bfloat16, 3), rand((rows, 256), jnp.bfloat16, 4)
+    got = jbs.bsmm_updat(x, dy, layout, out_dtype=out_dtype, impl="kernels")
+    want = _oracles(x, jnp.zeros(layout.w_shape, jnp.bfloat16), dy, layout)["updat"]
+    assert_close(got, want, out_dtype, length=rows)
+
+
+def test_gradients_match_the_reference(isa):
+    _, layout, w = make_problem("random", block_size=32, grid=(4, 3), dtype=jnp.bfloat16)
+    x = rand((70, layout.shape[0]), jnp.bfloat16, 5)
+
+    def loss(x, w, impl):
+        y = jbs.bsmm(x, w, layout, preferred_element_type=jnp.float32, impl=impl)
+        return jnp.sum(jnp.sin(y))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    for got, want in zip(grad(x, w, "kernels"), grad(x, w, "reference")):
+        assert_close(got, np.asarray(jnp.asarray(want, jnp.float32)), jnp.bfloat16, length=layout.shape[0])
+
+
+def test_runs_are_deterministic(isa):
+    # Each output element (and each block of dW) is summed by one worker in a fixed order.
+    _, layout, w = make_problem("random", block_size=64, grid=(3, 4), dtype=jnp.bfloat16)
+    x, dy = rand((333, 192), jnp.bfloat16, 6), rand((333, 256), jnp.bfloat16, 7)
+    first = _products(x, w, dy, layout, jnp.float32)
+    again = _products(x, w, dy, layout, jnp.float32)
+    for name in first:
+        np.testing.assert_array_equal(np.asarray(first[name]), np.asarray(again[name]), err_msg=name)
+
+
+def test_eight_threads_at_once(isa):
+    # Tile configurations differ per block size; every thread configures its own tiles
+    # per work item and releases them, so concurrent callers cannot see each other's.
+    problems = []
+    for i, bs in enumerate((16, 32, 64, 128, 16, 32, 64, 128)):
+        _, layout, w = make_problem("random", block_size=bs, dtype=jnp.bfloat16, seed=i)
+        x = rand((40 + 13 * i, layout.shape[0]), jnp.bfloat16, 10 + i)
+
+        def step(x, w, layout=layout):
+            loss = lambda x, w: jnp.sum(jbs.bsmm(x, w, layout, preferred_element_type=jnp.float32, impl="kernels") ** 2)
+            return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+        step = jax.jit(step)
+        problems.append((step, x, w, jax.tree.map(np.asarray, step(x, w))))
+
+    def run(i):
+        step, x, w, want = problems[i]
+        for _ in range(5):
+            got = step(x, w)
+            for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_array_equal(np.asarray(g), v)
+        return i
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        assert sorted(pool.map(run, range(8))) == list(range(8))
+
+
+# --------------------------------------------------------------------------------------
+# The variable, on every CPU
+# --------------------------------------------------------------------------------------
+
+
+def test_a_lower_isa_is_used_and_named(monkeypatch):
+    _, layout, w = make_problem("random", block_size=16, dtype=jnp.bfloat16)
+    x = rand((9, layout.shape[0]), jnp.bfloat16, 8)
+    widest = jbs.bsmm(x, w, layout, preferred_element_type=jnp.float32, impl="kernels")
+    monkeypatch.setenv(ENV, "baseline")
+    info = jbs.extension_info()
+    assert (info["cpu_isa"], info["cpu_isa_detected"], info["cpu_isa_error"]) == ("baseline", detected_isa(), None)
+    assert jbs.crossover.cpu_device_kind().startswith("cpu:baseline:")
+    lowest = jbs.bsmm(x, w, layout, preferred_element_type=jnp.float32, impl="kernels")
+    assert_close(lowest, np.asarray(widest, np.float64), jnp.float32, length=layout.shape[0])
+
+
+@pytest.mark.parametrize("value, message", [("avx1024", "expected one of amx, avx512_bf16"), ("amx", "at most")])
+def test_a_bad_isa_is_an_error(monkeypatch, value, message):
+    if value == "amx" and detected_isa() == "amx":
+        pytest.skip("this CPU has AMX: forcing it is valid here")
+    monkeypatch.setenv(ENV, value)
+    assert message in jbs.extension_info()["cpu_isa_error"]
+    with pytest.raises(ValueError, match=ENV):
+        jbs.crossover.cpu_device_kind()
+    _, layout, w = make_problem("random", block_size=16)
+    with pytest.raises(Exception, match=ENV):  # the handler refuses rather than run another set
+        jax.block_until_ready(jbs.bsmm(jnp.ones((3, layout.shape[0])), w, layout, impl="kernels"))
