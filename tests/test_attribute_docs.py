@@ -44,7 +44,7 @@ FRAMEWORK_SPECIFIC = {"dynamic", "decode", "deterministic", "selection", "num_ex
 
 _SECTION = re.compile(r"^(\s*)(?:Attributes|Args):\s*$")
 _ENTRY = re.compile(r"^([\w*]+(?:, [\w*]+)*)(?: \([^)]*\))?: ?(.*)$")
-_PLACEHOLDER = re.compile(r"^\s*\{[\w.]+\}\s*$", re.MULTILINE)
+_PLACEHOLDER = re.compile(r"^\s*\{[\w.]+(?:,\s*[\w.]+)*\}\s*$", re.MULTILINE)
 
 
 def entries(doc: str) -> dict[str, str]:
@@ -86,6 +86,19 @@ def test_the_parser_reads_a_docstring():
 def test_every_placeholder_is_filled():
     left = [name for name, obj in public_objects() if _PLACEHOLDER.search(inspect.getdoc(obj) or "")]
     assert not left, f"docstrings with an unfilled {{key}} line (decorate them with attribute_docs.fill): {left}"
+
+
+def test_one_line_names_several_keys():
+    def f():
+        """A function.
+
+        Args:
+          {use_bias, lstm.mask}
+            More about the mask.
+        """
+
+    assert list(entries(attribute_docs.fill(f).__doc__)) == ["use_bias", "mask"]
+    assert entries(f.__doc__)["mask"].endswith("More about the mask.")
 
 
 def test_an_unknown_key_fails_at_import():

@@ -3,10 +3,11 @@
 
 A linen layer takes its attributes as dataclass fields and its NNX twin as constructor
 arguments, but they mean the same, so they are described here once. A docstring in
-``nn/`` or ``nnx/`` names a shared attribute by a line that holds only ``{key}`` in its
-``Attributes:`` or ``Args:`` section, and :func:`fill` (a class or function decorator)
-writes ``name: description`` there when the module is imported; lines indented below
-such a line add what is particular to that layer. A key is the attribute's name, or
+``nn/`` or ``nnx/`` names shared attributes by a line that holds only ``{key}`` (or
+several, ``{key, key}``) in its ``Attributes:`` or ``Args:`` section, and :func:`fill` (a
+class or function decorator) writes ``name: description`` there for each when the module
+is imported; lines indented below such a line add to its last entry what is particular
+to that layer. A key is the attribute's name, or
 ``context.name`` where one name means different things (``lstm.mask``, ``conv.kernel_init``).
 Docstrings then read the same in ``help()``, the API reference and the source of truth.
 
@@ -180,8 +181,8 @@ ATTRIBUTES: dict[str, str] = {
     "and listing it in the report.",
 }
 
-# A line that holds only "{key}" (and its indentation).
-_PLACEHOLDER = re.compile(r"^(?P<indent>[ \t]*)\{(?P<key>[\w.]+)\}[ \t]*$", re.MULTILINE)
+# A line that holds only "{key}" or "{key, key, ...}" (and its indentation).
+_PLACEHOLDER = re.compile(r"^(?P<indent>[ \t]*)\{(?P<keys>[\w.]+(?:,[ \t]*[\w.]+)*)\}[ \t]*$", re.MULTILINE)
 
 
 def entry(key: str, indent: str = "") -> str:
@@ -203,5 +204,7 @@ def fill(obj):
     lines; returns ``obj`` (a class or function decorator). An unknown key raises KeyError
     when the module that uses it is imported."""
     if obj.__doc__:
-        obj.__doc__ = _PLACEHOLDER.sub(lambda m: entry(m["key"], m["indent"]), obj.__doc__)
+        obj.__doc__ = _PLACEHOLDER.sub(
+            lambda m: "\n".join(entry(key.strip(), m["indent"]) for key in m["keys"].split(",")), obj.__doc__
+        )
     return obj

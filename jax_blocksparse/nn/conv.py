@@ -53,22 +53,9 @@ class BlockSparseConv(nn.Module):
 
     Attributes:
       features: the number of output channels K; must be ``mask.shape[1] * block_size``.
-      {kernel_size}
-      {conv.mask}
-      {block_size}
-      {strides}
-      {padding}
-      {input_dilation}
-      {kernel_dilation}
-      {use_bias}
-      {dtype}
-      {param_dtype}
-      {conv.kernel_init}
-      {bias_init}
-      {capacity}
-      {float32_dw}
-      {precision}
-      {impl}
+      {kernel_size, conv.mask, block_size, strides, padding, input_dilation}
+      {kernel_dilation, use_bias, dtype, param_dtype, conv.kernel_init, bias_init, capacity}
+      {float32_dw, precision, impl}
     """
 
     features: int
@@ -159,13 +146,8 @@ class BlockSparseConvTranspose(nn.Module):
 
     Attributes:
       features: the number of output channels.
-      {kernel_size}
-      {conv_transpose.mask}
-      {block_size}
-      {conv_transpose.strides}
-      {conv_transpose.padding}
-      {kernel_dilation}
-      {conv_transpose.kernel_init}
+      {kernel_size, conv_transpose.mask, block_size, conv_transpose.strides}
+      {conv_transpose.padding, kernel_dilation, conv_transpose.kernel_init}
       {transpose_kernel}
       use_bias, dtype, param_dtype, bias_init, capacity, float32_dw: as in
         :class:`BlockSparseConv`.

@@ -47,14 +47,7 @@ class BlockSparseDense(nn.Module):
 
     Attributes:
       features: the number of output features K; must be ``mask.shape[1] * block_size``.
-      {mask}
-      {block_size}
-      {use_bias}
-      {dtype}
-      {param_dtype}
-      {float32_dw}
-      {kernel_init}
-      {bias_init}
+      {mask, block_size, use_bias, dtype, param_dtype, float32_dw, kernel_init, bias_init}
       {capacity}
       dynamic: if True, the layout is data, not configuration: it lives in the
         ``"layout"`` variable collection (``variables["layout"][...]["kernel"]``, a

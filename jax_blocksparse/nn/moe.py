@@ -56,8 +56,7 @@ class BlockSparseMoE(nn.Module):
       activation: the nonlinearity (default ``jax.nn.gelu``).
       {dtype}
         The router is float32 whatever it is.
-      {param_dtype}
-      {precision}
+      {param_dtype, precision}
         Here: the experts' products.
       {impl}
       mesh, expert_axis: expert parallelism: with both set, the experts are split over

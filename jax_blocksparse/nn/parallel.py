@@ -75,21 +75,9 @@ class ColumnParallelDense(nn.Module):
 
     Attributes:
       features: the number of output features K; must be ``mask.shape[1] * block_size``.
-      {parallel.mask}
-      {block_size}
-      {mesh}
-      {axis}
-      {batch_axis}
-      {gather_output}
-      {use_bias}
-      {dtype}
-      {param_dtype}
-      {parallel.kernel_init}
-      {bias_init}
-      {parallel.float32_dw}
-      {shard_capacity}
-      {parallel.precision}
-      {impl}
+      {parallel.mask, block_size, mesh, axis, batch_axis, gather_output, use_bias, dtype}
+      {param_dtype, parallel.kernel_init, bias_init, parallel.float32_dw, shard_capacity}
+      {parallel.precision, impl}
     """
 
     features: int

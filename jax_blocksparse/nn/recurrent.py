@@ -100,25 +100,10 @@ class BlockSparseLSTMCell(nn.RNNCellBase):
 
     Attributes:
       features: hidden size H, a multiple of ``block_size``.
-      {lstm.mask}
-      {block_size}
-      {internal_steps}
-      {step_masks}
-      {input_mask}
-      {layer_norm}
-      {internal_activation}
-      {gate_fn}
-      {activation_fn}
-      {lstm.kernel_init}
-      {recurrent_kernel_init}
-      {lstm.bias_init}
-      {lstm.dtype}
-      {lstm.param_dtype}
-      {carry_init}
-      {epsilon}
-      {lstm.float32_dw}
-      {lstm.precision}
-      {lstm.impl}
+      {lstm.mask, block_size, internal_steps, step_masks, input_mask, layer_norm}
+      {internal_activation, gate_fn, activation_fn, lstm.kernel_init, recurrent_kernel_init}
+      {lstm.bias_init, lstm.dtype, lstm.param_dtype, carry_init, epsilon, lstm.float32_dw}
+      {lstm.precision, lstm.impl}
     """
 
     multiplicative: ClassVar[bool] = False
@@ -341,11 +326,7 @@ class BlockSparseLSTM(nn.Module):
         ((4, 10, 128), (4, 128))
 
     Attributes:
-      {cell}
-      {time_major}
-      {return_carry}
-      {sequence.precision}
-      {sequence.impl}
+      {cell, time_major, return_carry, sequence.precision, sequence.impl}
     """
 
     cell: BlockSparseLSTMCell

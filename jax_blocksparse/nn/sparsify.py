@@ -340,9 +340,7 @@ def sparsify(
       variables: its variables, ``{"params": ..., ...}`` with concrete arrays.
       *args: example inputs for one call of ``module.apply(variables, *args)``
         (only their shapes and dtypes are used).
-      {density}
-      {block_size}
-      {distribution}
+      {density, block_size, distribution}
       selection: which blocks each layer keeps, as in
         :func:`jax_blocksparse.nnx.sparsify`; paths are the linen module
         paths, "/"-joined (``"Dense_0"``, ``"encoder/fc"``).
@@ -353,10 +351,7 @@ def sparsify(
         ``jbs.nn.BlockSparseDense(dynamic=True)`` keeps it, so
         :mod:`jax_blocksparse.training`'s methods continue from them. Conv layers
         keep a static layout.
-      {capacity_factor}
-      {norm}
-      {sparsify.impl}
-      {strict}
+      {capacity_factor, norm, sparsify.impl, strict}
       apply_kwargs: keyword arguments of that one call (``{"train": False}``,
         ``{"method": ...}``, ``{"rngs": ...}``); all collections are mutable in it.
 

@@ -50,22 +50,9 @@ class BlockSparseConv(nnx.Module):
     Args:
       in_features: input channels C; must be ``mask.shape[0] * block_size``.
       out_features: output channels K; must be ``mask.shape[1] * block_size``.
-      {kernel_size}
-      {conv.mask}
-      {block_size}
-      {strides}
-      {padding}
-      {input_dilation}
-      {kernel_dilation}
-      {use_bias}
-      {dtype}
-      {param_dtype}
-      {conv.kernel_init}
-      {bias_init}
-      {capacity}
-      {float32_dw}
-      {precision}
-      {impl}
+      {kernel_size, conv.mask, block_size, strides, padding, input_dilation}
+      {kernel_dilation, use_bias, dtype, param_dtype, conv.kernel_init, bias_init, capacity}
+      {float32_dw, precision, impl}
       rngs: rng key.
     """
 
@@ -168,13 +155,8 @@ class BlockSparseConvTranspose(nnx.Module):
 
     Args:
       in_features, out_features: channels of the input and the output.
-      {kernel_size}
-      {conv_transpose.mask}
-      {block_size}
-      {conv_transpose.strides}
-      {conv_transpose.padding}
-      {kernel_dilation}
-      {conv_transpose.kernel_init}
+      {kernel_size, conv_transpose.mask, block_size, conv_transpose.strides}
+      {conv_transpose.padding, kernel_dilation, conv_transpose.kernel_init}
       {transpose_kernel}
       use_bias, dtype, param_dtype, bias_init, capacity, float32_dw: as in
         :class:`BlockSparseConv`.

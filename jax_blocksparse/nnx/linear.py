@@ -70,14 +70,7 @@ class BlockSparseLinear(nnx.Module):
     Args:
       in_features: the number of input features C; must be ``mask.shape[0] * block_size``.
       out_features: the number of output features K; must be ``mask.shape[1] * block_size``.
-      {mask}
-      {block_size}
-      {use_bias}
-      {dtype}
-      {param_dtype}
-      {float32_dw}
-      {kernel_init}
-      {bias_init}
+      {mask, block_size, use_bias, dtype, param_dtype, float32_dw, kernel_init, bias_init}
       {capacity}
       dynamic: if True, the layout is state: the attribute ``kernel_layout`` (a
         :class:`BlockLayout` variable holding a :class:`~jax_blocksparse.Layout` of

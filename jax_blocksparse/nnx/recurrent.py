@@ -64,25 +64,10 @@ class BlockSparseLSTMCell(nnx.RNNCellBase):
     Args:
       in_features: input size D.
       hidden_features: hidden size H, a multiple of ``block_size``.
-      {lstm.mask}
-      {block_size}
-      {internal_steps}
-      {step_masks}
-      {input_mask}
-      {layer_norm}
-      {internal_activation}
-      {gate_fn}
-      {activation_fn}
-      {lstm.kernel_init}
-      {recurrent_kernel_init}
-      {lstm.bias_init}
-      {lstm.dtype}
-      {lstm.param_dtype}
-      {carry_init}
-      {epsilon}
-      {lstm.float32_dw}
-      {lstm.precision}
-      {lstm.impl}
+      {lstm.mask, block_size, internal_steps, step_masks, input_mask, layer_norm}
+      {internal_activation, gate_fn, activation_fn, lstm.kernel_init, recurrent_kernel_init}
+      {lstm.bias_init, lstm.dtype, lstm.param_dtype, carry_init, epsilon, lstm.float32_dw}
+      {lstm.precision, lstm.impl}
       rngs: parameter initialisation keys.
     """
 
@@ -267,11 +252,7 @@ class BlockSparseLSTM(nnx.Module):
         ((4, 10, 128), (4, 128))
 
     Args:
-      {cell}
-      {time_major}
-      {return_carry}
-      {sequence.precision}
-      {sequence.impl}
+      {cell, time_major, return_carry, sequence.precision, sequence.impl}
     """
 
     def __init__(

@@ -317,9 +317,7 @@ def sparsify(
 
     Args:
       model: an ``nnx.Module`` (or any nnx graph node) with concrete weights.
-      {density}
-      {block_size}
-      {distribution}
+      {density, block_size, distribution}
       selection: which blocks each layer keeps: by default (None, ``"magnitude"``)
         those of largest norm under its budget; a callable ``fn(grid, density) ->
         bool mask``; or ``{path: mask | callable | "magnitude"}`` per layer (see
@@ -329,10 +327,7 @@ def sparsify(
         :class:`~jax_blocksparse.nnx.BlockLayout` variable of fixed capacity), so
         :func:`~jax_blocksparse.training.nnx_update` with RigL, SET, sparse momentum
         or magnitude pruning continues from them. Conv layers keep a static layout.
-      {capacity_factor}
-      {norm}
-      {sparsify.impl}
-      {strict}
+      {capacity_factor, norm, sparsify.impl, strict}
 
     Returns:
       ``(sparse_model, report)``: the converted copy and a
