@@ -376,8 +376,9 @@ struct DsdJob {
   bool transpose_w;
   int64_t nnz;
   uint16_t* packed_w;  // [nnz][bs/2][bs][2]
-  int64_t tiles;       // row tiles per output block
+  int64_t tiles;       // row tiles
   int64_t tile_rows;   // a multiple of 32
+  int64_t groups;      // output blocks are dealt round-robin into this many groups
 };
 
 template <int BS>
@@ -462,6 +463,13 @@ void DsdAmxItem(const DsdJob& job, int64_t seg, int64_t first, int64_t rows) {
     const int64_t slot = DsdSlot(job, e);
     if (slot >= 0) slots[count++] = static_cast<int32_t>(slot);
   }
+  if (count == 0) {  // an output block no slot feeds: zeros (0.0 is all-zero bits in every dtype)
+    const int64_t fout = int64_t{p.nseg} * BS, bytes = job.out_f32 ? 4 : 2;
+    for (int64_t r = first; r < first + rows; ++r) {
+      std::memset(static_cast<char*>(p.out) + (r * fout + seg * BS) * bytes, 0, BS * bytes);
+    }
+    return;
+  }
   const int64_t full = rows - rows % 32;
   float* acc = ThreadScratch().acc;  // [128][kCols]
   if (full > 0) {
@@ -469,7 +477,6 @@ void DsdAmxItem(const DsdJob& job, int64_t seg, int64_t first, int64_t rows) {
     for (int c0 = 0; c0 < BS; c0 += kCols) {
       for (int64_t b0 = first; b0 < first + full; b0 += 128) {
         const int64_t m = Min(128, first + full - b0);
-        if (count == 0) std::memset(acc, 0, sizeof(float) * m * kCols);
         for (int64_t s0 = 0; s0 < count; s0 += kChunkSlots) {
           const int64_t s1 = Min(count, s0 + kChunkSlots);
           for (int64_t r = 0; r < m; r += 32) {
@@ -532,15 +539,19 @@ template <int BS>
 void DsdItem(void* arg, int64_t item) {
   const DsdJob& job = *static_cast<const DsdJob*>(arg);
   const DsdParams& p = *job.p;
-  const int64_t seg = p.order[item / job.tiles];
-  if (seg < 0 || seg >= p.nseg) return;  // not a permutation: the handler's contract is broken
   const int64_t first = (item % job.tiles) * job.tile_rows;
   const int64_t rows = Min(job.tile_rows, p.n - first);
   if (rows <= 0) return;
-  if (job.engine == Engine::kAmx && BS >= 16) {
-    DsdAmxItem<BS>(job, seg, first, rows);
-  } else {
-    DsdDotItem<BS>(job, seg, first, rows);
+  // One tile of rows through every output block of the group: the rows' input stays in
+  // L2 for all of them, where one item per output block would read it again each time.
+  for (int64_t q = item / job.tiles; q < p.nseg; q += job.groups) {
+    const int64_t seg = p.order[q];
+    if (seg < 0 || seg >= p.nseg) continue;  // not a permutation: the handler's contract is broken
+    if (job.engine == Engine::kAmx && BS >= 16) {
+      DsdAmxItem<BS>(job, seg, first, rows);
+    } else {
+      DsdDotItem<BS>(job, seg, first, rows);
+    }
   }
 }
 
@@ -550,20 +561,16 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
   job.packed_w = Bf16Buffer(0, Max(job.nnz, 1) * BS * BS);
   if (job.packed_w == nullptr) return false;
   if (job.nnz > 0) par.for_each(par.ctx, job.nnz, &DsdPackItem<BS>, &job);
-  int64_t longest = 0, total = 0;
-  for (int j = 0; j < p.nseg; ++j) {
-    const int64_t len = p.seg_ptr[j + 1] - p.seg_ptr[j];
-    longest = Max(longest, len);
-    total += len;
-  }
-  // Row tiles per output block: enough that the longest block splits over the workers,
-  // of 32-row multiples (whole AMX tile pairs), at most 256 rows each.
+  // Items: a tile of rows (32-row multiples: whole AMX tile pairs) x a group of output
+  // blocks. A tile's input rows ([rows, nin * BS] bf16) stay under 1 MiB so that they
+  // live in L2 across its group; at least 4 items per worker for the load balance, the
+  // groups dealt round-robin from `order` (longest first) so that they weigh alike.
   const int64_t rows32 = CeilDiv(Max(p.n, 1), 32);
-  const int64_t for_balance = total > 0 ? CeilDiv(longest * 4 * par.workers, total) : 1;
-  const int64_t tiles = Max(1, Min(rows32, Max(CeilDiv(rows32, 8), for_balance)));
-  job.tile_rows = CeilDiv(rows32, tiles) * 32;
+  const int64_t l2_rows32 = Max(1, (int64_t{1} << 20) / (int64_t{p.nin} * BS * 2 * 32));
+  job.tile_rows = Min(Min(rows32, l2_rows32), 8) * 32;
   job.tiles = CeilDiv(Max(p.n, 1), job.tile_rows);
-  par.for_each(par.ctx, job.tiles * p.nseg, &DsdItem<BS>, &job);
+  job.groups = Max(1, Min(int64_t{p.nseg}, CeilDiv(4 * int64_t{par.workers}, job.tiles)));
+  par.for_each(par.ctx, job.tiles * job.groups, &DsdItem<BS>, &job);
   return true;
 }
 
