@@ -256,25 +256,8 @@ ItemScratch& ThreadItemScratch() {
   return scratch;
 }
 
-// Buffers of the calling thread kept between calls: 0 the widened input, 1 the second
+// The calling thread's buffers (cpu_simd.h) hold: 0 the widened input, 1 the second
 // operand (the weights, or the output gradient), 2 the run plan.
-Buffer& CallBuffer(int which) {
-  static thread_local Buffer buffers[3];
-  return buffers[which];
-}
-
-// Larger buffers are freed at the end of a call: a thread keeps at most a few tens of MiB.
-void ReleaseCallBuffers() {
-  constexpr int64_t kKeepFloats = int64_t{8} << 20;
-  for (int i = 0; i < 3; ++i) {
-    Buffer& b = CallBuffer(i);
-    if (b.floats > kKeepFloats) {
-      std::free(b.data);
-      b.data = nullptr;
-      b.floats = 0;
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------------
 // The convolution
@@ -429,7 +412,7 @@ bool RunConvBlock(ConvJob& job, const Parallel& par) {
   int64_t num_units = 0;
   for (int64_t ph = 0; ph < l.phases; ++ph) num_units += CeilDiv(PhaseLength(l, ph), kUnitRows);
   const int64_t plan_words = l.phases * l.k_inner + 3 * num_units;
-  int64_t* plan = reinterpret_cast<int64_t*>(CallBuffer(2).Get(2 * plan_words + 2));
+  int64_t* plan = reinterpret_cast<int64_t*>(CallerBuffer(2).Get(2 * plan_words + 2));
   if (plan == nullptr) return false;
   int64_t* tap_i0 = plan;
   Unit* units = reinterpret_cast<Unit*>(plan + l.phases * l.k_inner);
@@ -470,13 +453,13 @@ bool RunConvBlock(ConvJob& job, const Parallel& par) {
 
   // The widened input with its zero border, and the weights as the products take them.
   const int64_t packed_floats = int64_t{p.nin} * p.n * l.in_outer * job.wp * BS;
-  job.packed = CallBuffer(0).Get(Max(packed_floats, 1));
+  job.packed = CallerBuffer(0).Get(Max(packed_floats, 1));
   if (job.packed == nullptr) return false;
   if (packed_floats > 0) par.for_each(par.ctx, int64_t{p.nin} * p.n, &ConvPackItem<BS>, &job);
   if (job.in == DType::kF32 && !p.transpose_kernel) {
     job.weights = static_cast<const float*>(p.w);  // in place
   } else {
-    float* weights = CallBuffer(1).Get(Max(job.nnz * l.taps * BS * BS, 1));
+    float* weights = CallerBuffer(1).Get(Max(job.nnz * l.taps * BS * BS, 1));
     if (weights == nullptr) return false;
     job.weights = weights;
     if (job.nnz > 0) par.for_each(par.ctx, job.nnz, &ConvWeightItem<BS>, &job);
@@ -625,8 +608,8 @@ bool RunWgradBlock(WgradJob& job, const Parallel& par) {
   }
   job.outer_in = outer_in.data();
   job.tap_i0 = tap_i0.data();
-  job.pa = CallBuffer(0).Get(Max(a_floats, 1));
-  job.pb = CallBuffer(1).Get(Max(b_floats, 1));
+  job.pa = CallerBuffer(0).Get(Max(a_floats, 1));
+  job.pb = CallerBuffer(1).Get(Max(b_floats, 1));
   if (job.pa == nullptr || job.pb == nullptr) return false;
   par.for_each(par.ctx, int64_t{p.a_blocks + p.b_blocks} * p.n, &WgradPackItem<BS>, &job);
   int failed = 0;
@@ -644,7 +627,7 @@ bool RunConv(DType in, bool out_f32, const ConvParams& p, const Parallel& par) {
   job.out = out_f32 ? DType::kF32 : in;
   job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
   const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunConvBlock<decltype(bs)::value>(job, par); });
-  ReleaseCallBuffers();
+  ReleaseLargeBuffers();
   return ok;
 }
 
@@ -655,7 +638,7 @@ bool RunConvWgrad(DType in, bool out_f32, const ConvWgradParams& p, const Parall
   job.out = out_f32 ? DType::kF32 : in;
   job.nnz = Max(0, Min(*p.nnz, p.cap));
   const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunWgradBlock<decltype(bs)::value>(job, par); });
-  ReleaseCallBuffers();
+  ReleaseLargeBuffers();
   return ok;
 }
 

@@ -42,7 +42,7 @@
 #include "bsmm_block_sizes.h"
 #include "bsmm_problem.h"
 #include "cpu/bsmm_cpu.h"
-#include "cpu/cpu_simd.h"  // Buffer, Min/Max/CeilDiv, FloatToBf16 (needs JBS_CPU_ISA: bf16)
+#include "cpu/cpu_simd.h"  // buffers, Min/Max/CeilDiv, FloatToBf16 (needs JBS_CPU_ISA: bf16)
 
 namespace jbs {
 namespace cpu {
@@ -339,26 +339,8 @@ Buffer& ThreadSlots() {
   return slots;
 }
 
-constexpr int kCallerBuffers = 4;
-constexpr int64_t kKeepFloats = int64_t{8} << 20;  // buffers above 32 MiB are freed after each call
 // Packed activations of one chunk of rows (updat) stay under this many bytes.
 constexpr int64_t kPackBytes = int64_t{32} << 20;
-
-Buffer& CallerBuffer(int which) {
-  static thread_local Buffer buffers[kCallerBuffers];
-  return buffers[which];
-}
-
-void ReleaseLargeBuffers() {
-  for (int i = 0; i < kCallerBuffers; ++i) {
-    Buffer& b = CallerBuffer(i);
-    if (b.floats > kKeepFloats) {
-      std::free(b.data);
-      b.data = nullptr;
-      b.floats = 0;
-    }
-  }
-}
 
 // A buffer of `count` bf16 from the caller's buffers (Buffer counts floats).
 uint16_t* Bf16Buffer(int which, int64_t count) {
@@ -586,8 +568,8 @@ struct SddJob {
   int64_t row0, rows;  // the chunk of rows
   int64_t padded;      // rows rounded up to 32 (zero rows after `rows`)
   bool first, last;
-  uint16_t* xt;        // [cb][bs][padded]: x's blocks transposed
-  uint16_t* dyv;       // [kb][padded/2][bs][2]: dy's blocks VNNI-packed along the rows
+  uint16_t* xt;        // [cb][bs * padded]: x's blocks transposed (PackXTransposed)
+  uint16_t* dyv;       // [kb][bs * padded]: dy's blocks VNNI-packed along the rows (PackDyPairs)
   float* accumulators; // [cap][bs][bs] float32 (dw itself, or scratch), or nullptr
   const uint8_t* used;  // [cb + kb]: whether a valid slot reads x's block (then dy's)
 };

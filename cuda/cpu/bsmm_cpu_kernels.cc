@@ -23,7 +23,7 @@
 #include "bsmm_block_sizes.h"
 #include "bsmm_problem.h"
 #include "cpu/bsmm_cpu.h"
-#include "cpu/cpu_simd.h"  // 16-bit conversions, vector types, Splat, Buffer (needs JBS_CPU_ISA)
+#include "cpu/cpu_simd.h"  // 16-bit conversions, vector types, Splat, buffers (needs JBS_CPU_ISA)
 
 namespace jbs {
 namespace cpu {
@@ -110,27 +110,6 @@ struct Scratch {
 Scratch& ThreadScratch() {
   static thread_local Scratch scratch;
   return scratch;
-}
-
-constexpr int kCallerBuffers = 3;
-// Larger buffers are freed at the end of each call, so that a thread keeps at most a
-// few tens of MiB between calls.
-constexpr int64_t kKeepFloats = int64_t{8} << 20;  // 32 MiB
-
-Buffer& CallerBuffer(int which) {
-  static thread_local Buffer buffers[kCallerBuffers];
-  return buffers[which];
-}
-
-void ReleaseLargeBuffers() {
-  for (int i = 0; i < kCallerBuffers; ++i) {
-    Buffer& b = CallerBuffer(i);
-    if (b.floats > kKeepFloats) {
-      std::free(b.data);
-      b.data = nullptr;
-      b.floats = 0;
-    }
-  }
 }
 
 // Widens rows [row0, row0 + rows) of block `block` of src [n, blocks * BS] into

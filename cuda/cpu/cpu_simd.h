@@ -1,6 +1,6 @@
 // Helpers shared by the CPU kernel translation units compiled once per instruction set
 // (bsmm_cpu_kernels.cc, bsconv_cpu_kernels.cc): 16-bit float conversions, widening and
-// narrowing of rows, the vector types and the broadcast load, a growable buffer.
+// narrowing of rows, the vector types and the broadcast load, growable buffers.
 //
 // Everything here lives in jbs::cpu::JBS_CPU_ISA::(anonymous), so that each translation
 // unit, compiled with its own instruction-set flags, gets its own copy (see bsmm_cpu.h
@@ -196,6 +196,28 @@ struct Buffer {
     return data;
   }
 };
+
+// Buffers of the calling thread kept between calls (what each holds is the kernel file's
+// choice). Larger ones are freed at the end of each call (ReleaseLargeBuffers), so that a
+// thread keeps at most a few tens of MiB between calls.
+constexpr int kCallerBuffers = 4;
+
+inline Buffer& CallerBuffer(int which) {
+  static thread_local Buffer buffers[kCallerBuffers];
+  return buffers[which];
+}
+
+inline void ReleaseLargeBuffers() {
+  constexpr int64_t kKeepFloats = int64_t{8} << 20;  // 32 MiB
+  for (int i = 0; i < kCallerBuffers; ++i) {
+    Buffer& b = CallerBuffer(i);
+    if (b.floats > kKeepFloats) {
+      std::free(b.data);
+      b.data = nullptr;
+      b.floats = 0;
+    }
+  }
+}
 
 }  // namespace
 }  // namespace JBS_CPU_ISA
