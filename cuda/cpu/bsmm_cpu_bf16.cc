@@ -211,14 +211,20 @@ void ConfigureTiles(int top, int bottom, int k_elems, int nc) {
 template <int NC, bool kBottom>
 inline void AmxStep(const uint16_t* a, int64_t a_stride, int64_t a_next, const uint16_t* b, int64_t b_stride,
                     int64_t b_next) {
+  // Each load as late as its first use: tiles are not renamed, so the next step's load
+  // of a register waits for this step's last product that reads it.
   _tile_loadd(4, a, a_stride);
-  if constexpr (kBottom) _tile_loadd(5, a + a_next, a_stride);
   _tile_loadd(6, b, b_stride);
-  if constexpr (NC == 2) _tile_loadd(7, b + b_next, b_stride);
   _tile_dpbf16ps(0, 4, 6);
-  if constexpr (NC == 2) _tile_dpbf16ps(1, 4, 7);
-  if constexpr (kBottom) _tile_dpbf16ps(2, 5, 6);
-  if constexpr (kBottom && NC == 2) _tile_dpbf16ps(3, 5, 7);
+  if constexpr (NC == 2) {
+    _tile_loadd(7, b + b_next, b_stride);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  if constexpr (kBottom) {
+    _tile_loadd(5, a + a_next, a_stride);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NC == 2) _tile_dpbf16ps(3, 5, 7);
+  }
 }
 
 template <int NC, bool kBottom>
@@ -339,6 +345,17 @@ Buffer& ThreadSlots() {
   return slots;
 }
 
+// A work item's rows of the lhs in A tiles (bf16), and which input blocks they hold.
+Buffer& ThreadRows() {
+  static thread_local Buffer rows;
+  return rows;
+}
+
+Buffer& ThreadUsed() {
+  static thread_local Buffer used;
+  return used;
+}
+
 // Packed activations of one chunk of rows (updat) stay under this many bytes.
 constexpr int64_t kPackBytes = int64_t{32} << 20;
 
@@ -393,22 +410,51 @@ void StoreOutput(const DsdJob& job, const float* acc, int64_t ldc, int64_t row, 
   }
 }
 
+// A work item's rows of the lhs, copied into AMX A tiles: for rows [first, first + rows)
+// and input block b, the kStep columns from k0 of row r are at
+// data[((b * BS / kStep + k0 / kStep) * rows + r - first) * kStep]: 16 rows of a tile are
+// 16 x kStep consecutive bf16, which the prefetchers stream and L1 keeps whole, where
+// rows of x are nin * BS * 2 bytes apart (8 KiB at 4096 features: one L1 set for all).
+template <int BS>
+struct PackedRows {
+  static constexpr int kStep = BS < 32 ? BS : 32;  // reduction elements per AMX step
+  const uint16_t* data;
+  int64_t first, rows;
+  const uint16_t* Tile(int64_t r, int64_t block, int k0) const {
+    return data + ((block * (BS / kStep) + k0 / kStep) * rows + (r - first)) * kStep;
+  }
+};
+
+// Copies rows [first, first + rows) of the input blocks marked in `used` into dst.
+template <int BS>
+void PackLhsRows(const DsdParams& p, const uint8_t* used, int64_t first, int64_t rows, uint16_t* dst) {
+  constexpr int kStep = PackedRows<BS>::kStep;
+  const int64_t lda = int64_t{p.nin} * BS;
+  const uint16_t* x = static_cast<const uint16_t*>(p.a);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* row = x + (first + r) * lda;
+    for (int64_t b = 0; b < p.nin; ++b) {
+      if (!used[b]) continue;
+      for (int k0 = 0; k0 < BS; k0 += kStep) {
+        std::memcpy(dst + ((b * (BS / kStep) + k0 / kStep) * rows + r) * kStep, row + b * BS + k0, kStep * 2);
+      }
+    }
+  }
+}
+
 // Rows [r0, r0 + 32) (or fewer: kBottom false for at most 16) of the segment's output,
 // columns [c0, c0 + 16 * NC), summed over its slots in the tiles.
 template <int BS, int NC, bool kBottom>
-void DsdAmxRows(const DsdJob& job, int64_t seg, int64_t r0, int64_t rows, int64_t c0) {
+void DsdAmxRows(const DsdJob& job, const PackedRows<BS>& pa, int64_t seg, int64_t r0, int64_t rows, int64_t c0) {
   const DsdParams& p = *job.p;
-  constexpr int kStep = BS < 32 ? BS : 32;
-  const int64_t lda = int64_t{p.nin} * BS;
-  const uint16_t* x = static_cast<const uint16_t*>(p.a);
+  constexpr int kStep = PackedRows<BS>::kStep;
   AmxZero<NC, kBottom>();
   for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
     const int64_t slot = DsdSlot(job, e);
     if (slot < 0) continue;
-    const uint16_t* a = x + r0 * lda + int64_t{p.in_block[slot]} * BS;
     const uint16_t* b = job.packed_w + slot * BS * BS + c0 * BS;
     for (int k0 = 0; k0 < BS; k0 += kStep) {
-      AmxStep<NC, kBottom>(a + k0, lda * 2, 16 * lda, b + k0 * 16, 64, 16 * BS);
+      AmxStep<NC, kBottom>(pa.Tile(r0, p.in_block[slot], k0), kStep * 2, 16 * kStep, b + k0 * 16, 64, 16 * BS);
     }
   }
   const int64_t fout = int64_t{p.nseg} * BS;
@@ -429,14 +475,12 @@ constexpr int64_t kChunk = 256;
 // up to 128 rows (a float32 accumulator of 128 x 32), by passes over chunks of the
 // segment's slots; the tail of fewer than 32 rows with its tiles configured to fit.
 template <int BS>
-void DsdAmxItem(const DsdJob& job, int64_t seg, int64_t first, int64_t rows) {
-  constexpr int kStep = BS < 32 ? BS : 32;
+void DsdAmxItem(const DsdJob& job, const PackedRows<BS>& pa, int64_t seg, int64_t first, int64_t rows) {
+  constexpr int kStep = PackedRows<BS>::kStep;
   constexpr int NC = BS < 32 ? 1 : 2;
   constexpr int kCols = 16 * NC;
   constexpr int64_t kChunkSlots = kChunk / BS > 0 ? kChunk / BS : 1;
   const DsdParams& p = *job.p;
-  const int64_t lda = int64_t{p.nin} * BS;
-  const uint16_t* x = static_cast<const uint16_t*>(p.a);
   const int64_t entries = p.seg_ptr[seg + 1] - p.seg_ptr[seg];
   int32_t* slots = reinterpret_cast<int32_t*>(ThreadSlots().Get(Max(entries, 1)));
   if (slots == nullptr) return;  // no memory: cannot happen for the sizes a layout has
@@ -469,10 +513,10 @@ void DsdAmxItem(const DsdJob& job, int64_t seg, int64_t first, int64_t rows) {
               AmxLoadC<NC, true>(c, kCols);
             }
             for (int64_t s = s0; s < s1; ++s) {
-              const uint16_t* a = x + (b0 + r) * lda + int64_t{p.in_block[slots[s]]} * BS;
+              const int64_t block = p.in_block[slots[s]];
               const uint16_t* b = job.packed_w + int64_t{slots[s]} * BS * BS + c0 * BS;
               for (int k0 = 0; k0 < BS; k0 += kStep) {
-                AmxStep<NC, true>(a + k0, lda * 2, 16 * lda, b + k0 * 16, 64, 16 * BS);
+                AmxStep<NC, true>(pa.Tile(b0 + r, block, k0), kStep * 2, 16 * kStep, b + k0 * 16, 64, 16 * BS);
               }
             }
             AmxStoreC<NC, true>(c, kCols);
@@ -487,9 +531,9 @@ void DsdAmxItem(const DsdJob& job, int64_t seg, int64_t first, int64_t rows) {
     ConfigureTiles(static_cast<int>(Min(tail, 16)), static_cast<int>(Max(tail - 16, 0)), kStep, NC);
     for (int c0 = 0; c0 < BS; c0 += kCols) {
       if (tail > 16) {
-        DsdAmxRows<BS, NC, true>(job, seg, first + full, tail, c0);
+        DsdAmxRows<BS, NC, true>(job, pa, seg, first + full, tail, c0);
       } else {
-        DsdAmxRows<BS, NC, false>(job, seg, first + full, tail, c0);
+        DsdAmxRows<BS, NC, false>(job, pa, seg, first + full, tail, c0);
       }
     }
   }
@@ -526,14 +570,32 @@ void DsdItem(void* arg, int64_t item) {
   if (rows <= 0) return;
   // One tile of rows through every output block of the group: the rows' input stays in
   // L2 for all of them, where one item per output block would read it again each time.
-  for (int64_t q = item / job.tiles; q < p.nseg; q += job.groups) {
+  const int64_t group = item / job.tiles;
+  if (job.engine == Engine::kAmx && BS >= 16) {
+    // The input blocks the group reads, copied once into A tiles.
+    uint8_t* used = reinterpret_cast<uint8_t*>(ThreadUsed().Get(CeilDiv(int64_t{p.nin} + 1, 4)));
+    uint16_t* packed = reinterpret_cast<uint16_t*>(ThreadRows().Get(CeilDiv(rows * p.nin * BS, 2)));
+    if (used == nullptr || packed == nullptr) return;  // no memory for a tile of rows: cannot happen at <= 1 MiB
+    std::memset(used, 0, p.nin);
+    for (int64_t q = group; q < p.nseg; q += job.groups) {
+      const int64_t seg = p.order[q];
+      if (seg < 0 || seg >= p.nseg) continue;
+      for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
+        if (DsdSlot(job, e) >= 0) used[p.in_block[DsdSlot(job, e)]] = 1;
+      }
+    }
+    PackLhsRows<BS>(p, used, first, rows, packed);
+    const PackedRows<BS> pa{packed, first, rows};
+    for (int64_t q = group; q < p.nseg; q += job.groups) {
+      const int64_t seg = p.order[q];
+      if (seg >= 0 && seg < p.nseg) DsdAmxItem<BS>(job, pa, seg, first, rows);
+    }
+    return;
+  }
+  for (int64_t q = group; q < p.nseg; q += job.groups) {
     const int64_t seg = p.order[q];
     if (seg < 0 || seg >= p.nseg) continue;  // not a permutation: the handler's contract is broken
-    if (job.engine == Engine::kAmx && BS >= 16) {
-      DsdAmxItem<BS>(job, seg, first, rows);
-    } else {
-      DsdDotItem<BS>(job, seg, first, rows);
-    }
+    DsdDotItem<BS>(job, seg, first, rows);
   }
 }
 
