@@ -122,6 +122,32 @@ def extension_info() -> dict:
     return dict(module.build_info()) if module is not None else {}
 
 
+# What each instruction set of the CPU kernels runs (the extension's ``cpu_isa``).
+_CPU_KERNEL_PATHS = {
+    "amx": "amx: bfloat16 products on AMX tiles; float32, float16 and the convolutions on AVX-512",
+    "avx512_bf16": (
+        "avx512_bf16: bfloat16 products on AVX512-BF16 dot products; float32, float16 and the convolutions on AVX-512"
+    ),
+    "avx512": "avx512: AVX-512 FMA, 16-bit inputs widened to float32",
+    "avx2": "avx2: AVX2 FMA, 16-bit inputs widened to float32",
+    "baseline": "baseline: portable C++, 16-bit inputs widened to float32",
+}
+
+
+def cpu_kernels_in_force() -> str:
+    """What the CPU kernels run now: the instruction set in force (``cpu_isa``, which
+    ``JAX_BLOCKSPARSE_CPU_ISA`` may lower) and what it does for each dtype; why the variable
+    is refused where it is; "unknown" without the extension."""
+    info = extension_info()
+    if info.get("cpu_isa_error"):
+        return info["cpu_isa_error"]
+    isa = info.get("cpu_isa")
+    if isa is None:
+        return "unknown"
+    forced = "" if isa == info.get("cpu_isa_detected") else f", forced below {info['cpu_isa_detected']}"
+    return _CPU_KERNEL_PATHS.get(isa, isa) + forced
+
+
 def ptxas_report() -> list[dict] | None:
     """The ptxas report the build kept beside the module (``_jbs_kernels.ptxas.json``,
     written by cmake/ptxas_report.py): per CUDA kernel and architecture its registers,

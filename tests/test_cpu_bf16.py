@@ -167,6 +167,9 @@ def test_a_lower_isa_is_used_and_named(monkeypatch):
     info = jbs.extension_info()
     assert (info["cpu_isa"], info["cpu_isa_detected"], info["cpu_isa_error"]) == ("baseline", detected_isa(), None)
     assert jbs.crossover.cpu_device_kind().startswith("cpu:baseline:")
+    described = jbs._native.cpu_kernels_in_force()
+    assert described.startswith("baseline: portable C++")
+    assert ("forced below" in described) == (detected_isa() != "baseline")
     lowest = jbs.bsmm(x, w, layout, preferred_element_type=jnp.float32, impl="kernels")
     assert_close(lowest, np.asarray(widest, np.float64), jnp.float32, length=layout.shape[0])
 
@@ -179,6 +182,7 @@ def test_a_bad_isa_is_an_error(monkeypatch, value, message):
     assert message in jbs.extension_info()["cpu_isa_error"]
     with pytest.raises(ValueError, match=ENV):
         jbs.crossover.cpu_device_kind()
+    assert jbs._native.cpu_kernels_in_force().startswith(ENV)
     _, layout, w = make_problem("random", block_size=16)
     with pytest.raises(Exception, match=ENV):  # the handler refuses rather than run another set
         jax.block_until_ready(jbs.bsmm(jnp.ones((3, layout.shape[0])), w, layout, impl="kernels"))

@@ -452,8 +452,7 @@ def describe_path(platform: str, impl: str) -> str:
     if not built:
         return f"pure-JAX reference ({kind} not available: {_native.load_error(platform)})"
     if platform == "cpu":
-        isa = _native.extension_info().get("cpu_isa")
-        return kind + (f" ({isa})" if isa else "")
+        return f"{kind} ({_native.cpu_kernels_in_force()})"
     cc = _sm90.cuda_compute_capability()
     device = verified.default_gate().device(cc)
     if device is not None and device.passed:
