@@ -14,7 +14,7 @@ layouts), three products are timed in bfloat16 (bf16 outputs, float32 sums):
 Each row gives the milliseconds, the speedups over the dense dot and, for AMX, the share
 of the unit's peak the product reached: its useful FLOPs (2 x rows x blocks x bs^2) over
 the time, divided by the peak measured in this run (every core running TDPBF16PS on
-operands held in the tiles, ``_jbs_kernels.amx_peak_probe``). Variants are timed
+operands held in the tiles, :func:`jax_blocksparse.tune.amx_peak_flops`). Variants are timed
 round-robin ``--repeats`` times after one warm-up; medians are reported.
 
 Usage::
@@ -30,7 +30,6 @@ import datetime
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import cpu_cores, git_commit, measured_on, write_report  # noqa: E402
 
 import jax_blocksparse as jbs  # noqa: E402
+from jax_blocksparse import tune  # noqa: E402
 
 ENV = "JAX_BLOCKSPARSE_CPU_ISA"
 ORDER = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
@@ -55,30 +55,6 @@ def instruction_sets() -> tuple[str | None, str]:
     level = ORDER.index(detected)
     matrix = detected if level >= ORDER.index("avx512_bf16") else None
     return matrix, ORDER[min(level, ORDER.index("avx512"))]
-
-
-def amx_peak_flops(seconds: float = 0.5) -> float | None:
-    """FLOP/s of every core running TDPBF16PS on tile-resident operands at once (None without AMX)."""
-    probe = jbs._native.module().amx_peak_probe
-    if probe(1) is None:
-        return None
-    steps = 1 << 16
-    start = time.perf_counter()
-    probe(steps)
-    per_step = (time.perf_counter() - start) / steps
-    steps = max(1, int(seconds / per_step))
-    done = []
-
-    def run():
-        done.append(probe(steps))
-
-    threads = [threading.Thread(target=run) for _ in range(cpu_cores())]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(done) / (time.perf_counter() - start)
 
 
 def _timed(fn, args) -> float:
@@ -165,9 +141,7 @@ def targets(sizes: list[dict], matrix: str | None) -> dict:
             picked = [r for r in size["rows"] if r["density"] == density]
             if not picked:
                 continue
-            by_block = {
-                r["block_size"]: min(r[f"{op}_{matrix}_vs_dense"] for op in PRODUCTS) for r in picked
-            }
+            by_block = {r["block_size"]: min(r[f"{op}_{matrix}_vs_dense"] for op in PRODUCTS) for r in picked}
             best = max(by_block, key=by_block.get)
             out[f"{size['n']}_density_{density}"] = {
                 "goal": goal,
@@ -187,10 +161,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/...)")
     args = parser.parse_args(argv)
     matrix, widening = instruction_sets()
-    peak = amx_peak_flops() if matrix == "amx" else None
+    peak = tune.amx_peak_flops() if matrix == "amx" else None
     where = measured_on()
-    print(f"{where['device']}: matrix units {matrix or 'none'}, widening {widening}; "
-          f"AMX peak {peak / 1e9:.0f} GFLOP/s" if peak else f"{where['device']}: matrix units {matrix or 'none'}")
+    print(
+        f"{where['device']}: matrix units {matrix or 'none'}, widening {widening}; AMX peak {peak / 1e9:.0f} GFLOP/s"
+        if peak
+        else f"{where['device']}: matrix units {matrix or 'none'}"
+    )
     sizes = []
     for n in (int(s) for s in args.sizes.split(",")):
         repeats = args.repeats if n <= 2048 else max(1, args.repeats // 2)
@@ -221,8 +198,10 @@ def main(argv=None) -> int:
     }
     write_report(args.out, "cpu_bf16", report)
     for name, t in report["targets"].items():
-        print(f"{name}: best block {t['best_block']}: {t['worst_product_by_block'][t['best_block']]:.1f}x "
-              f"(goal {t['goal']}x): {'met' if t['met'] else 'NOT met'}")
+        print(
+            f"{name}: best block {t['best_block']}: {t['worst_product_by_block'][t['best_block']]:.1f}x "
+            f"(goal {t['goal']}x): {'met' if t['met'] else 'NOT met'}"
+        )
     return 0
 
 

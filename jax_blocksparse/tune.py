@@ -33,6 +33,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -40,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blocksparse import crossover, layouts
+from jax_blocksparse import _native, crossover, layouts
 from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
 from jax_blocksparse.ops import _lowering, _sm90, matmul, paths
 
@@ -188,6 +189,30 @@ def measure(
     if progress:
         progress(total, total, "done")
     return entries
+
+
+def amx_peak_flops(seconds: float = 0.5, threads: int | None = None) -> float | None:
+    """The AMX unit's bfloat16 peak on this machine, FLOP/s: ``threads`` threads (default:
+    the cores this process may use) at once running TDPBF16PS on operands held in the tiles
+    for about ``seconds``. None where the CPU or the build has no AMX. What the
+    benchmarks divide by for the share of the peak a product reached."""
+    module = _native.module()
+    probe = getattr(module, "amx_peak_probe", None)
+    if probe is None or probe(1) is None:
+        return None
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    start = time.perf_counter()
+    probe(1 << 16)
+    steps = max(1, int(seconds / ((time.perf_counter() - start) / (1 << 16))))
+    done = []
+    workers = [threading.Thread(target=lambda: done.append(probe(steps))) for _ in range(threads)]
+    start = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return sum(done) / (time.perf_counter() - start)
 
 
 def progress_bar(stream=sys.stderr, width: int = 30) -> Callable[[int, int, str], None]:

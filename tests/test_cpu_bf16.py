@@ -136,7 +136,9 @@ def test_eight_threads_at_once(isa):
         x = rand((40 + 13 * i, layout.shape[0]), jnp.bfloat16, 10 + i)
 
         def step(x, w, layout=layout):
-            loss = lambda x, w: jnp.sum(jbs.bsmm(x, w, layout, preferred_element_type=jnp.float32, impl="kernels") ** 2)
+            def loss(x, w):
+                return jnp.sum(jbs.bsmm(x, w, layout, preferred_element_type=jnp.float32, impl="kernels") ** 2)
+
             return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
 
         step = jax.jit(step)

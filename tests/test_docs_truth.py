@@ -33,7 +33,6 @@ SOURCE_SUFFIXES = {".py", ".pyi", ".rst", ".md", ".h", ".cuh", ".cu", ".cc", ".t
 ALLOWED = {
     "cuda/sm90/bsmm_sm90_tf32.h": "the sizes the TF32 kernels were written for, a fact of those kernels "
     "(tests/test_native_facts.py compares it with the table)",
-    "cuda/cpu/bsconv_cpu.h": "a comment of the CPU convolution kernels' parameters, to be pointed at kBlockSizes",
 }
 # Text a script writes from data (bench/gpu_results.py: the gate's table), between markers.
 GENERATED = re.compile(r"gpu-results:start.*?gpu-results:end", re.DOTALL)

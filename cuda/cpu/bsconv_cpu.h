@@ -67,7 +67,7 @@ struct ConvParams {
   int nin;                   // input channel blocks
   int nseg;                  // output channel blocks
   int cap;
-  int bs;                 // 8, 16, 32, 64 or 128
+  int bs;                 // one of kBlockSizes (bsmm_block_sizes.h)
   bool transpose_kernel;  // M(t) = W(T - 1 - t)^T: segments are layout rows, in_block = block_cols
   ConvGeometry g;
 };

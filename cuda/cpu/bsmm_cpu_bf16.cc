@@ -84,7 +84,7 @@ void InterleaveRows(const uint16_t* r0, const uint16_t* r1, uint16_t* dst, int64
   int64_t j = 0;
   if (count >= 16) {
     // Lanes 0..15 of the index take r0, 16..31 take r1: (0, 16, 1, 17, ...).
-    alignas(64) static const uint16_t kIndex[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+    alignas(64) static const uint16_t kIndex[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i index = _mm512_load_si512(kIndex);
     for (; j + 16 <= count; j += 16) {
@@ -156,7 +156,8 @@ void PackWeight(const uint16_t* w, bool transpose, uint16_t* dst) {
   for (int ct = 0; ct < BS / CT; ++ct) {
     uint16_t* tile = dst + ct * CT * BS;  // [BS/2][CT][2]
     if (!transpose) {
-      for (int k = 0; k < BS; k += 2) InterleaveRows(w + k * BS + ct * CT, w + (k + 1) * BS + ct * CT, tile + k * CT, CT);
+      for (int k = 0; k < BS; k += 2)
+        InterleaveRows(w + k * BS + ct * CT, w + (k + 1) * BS + ct * CT, tile + k * CT, CT);
     } else {
       // B[k][j] = w[j][k]: the pair (w[j][k], w[j][k+1]) is one 32-bit word of row j, so
       // this is a transpose of 32-bit words: [CT rows j][BS/2 pairs] -> [BS/2][CT].
@@ -263,8 +264,8 @@ inline void AmxStoreC(float* c, int64_t ldc) {
 // columns in tiles of W (b_vec bf16 apart), each row of a tile (one pair of the reduction
 // axis) b_row bf16 apart; C row stride ldc floats.
 template <int W, int NV, int R>
-void DotTile(int64_t pairs, const uint16_t* A, int64_t a_row, const uint16_t* B, int64_t b_row, int64_t b_vec,
-             float* C, int64_t ldc, bool load) {
+void DotTile(int64_t pairs, const uint16_t* A, int64_t a_row, const uint16_t* B, int64_t b_row, int64_t b_vec, float* C,
+             int64_t ldc, bool load) {
   if constexpr (W == 16) {
     __m512 c[R][NV];
     for (int r = 0; r < R; ++r)
@@ -309,8 +310,8 @@ struct DotShape {
 // C[rows, BS] (+)= A[rows, 2 * pairs] @ B with the dot engine; B VNNI-packed in column
 // tiles of kColTile<BS> ([BS / CT][pairs][CT][2]).
 template <int BS>
-void DotProduct(int64_t rows, int64_t pairs, const uint16_t* A, int64_t a_row, const uint16_t* B, float* C,
-                int64_t ldc, bool load) {
+void DotProduct(int64_t rows, int64_t pairs, const uint16_t* A, int64_t a_row, const uint16_t* B, float* C, int64_t ldc,
+                bool load) {
   constexpr int W = DotShape<BS>::kLanes, NV = DotShape<BS>::kVectors, R = DotShape<BS>::kRows;
   constexpr int CT = kColTile<BS>;
   const int64_t b_vec = pairs * 2 * CT;  // one column tile
@@ -630,9 +631,9 @@ struct SddJob {
   int64_t row0, rows;  // the chunk of rows
   int64_t padded;      // rows rounded up to 32 (zero rows after `rows`)
   bool first, last;
-  uint16_t* xt;        // [cb][bs * padded]: x's blocks transposed (PackXTransposed)
-  uint16_t* dyv;       // [kb][bs * padded]: dy's blocks VNNI-packed along the rows (PackDyPairs)
-  float* accumulators; // [cap][bs][bs] float32 (dw itself, or scratch), or nullptr
+  uint16_t* xt;         // [cb][bs * padded]: x's blocks transposed (PackXTransposed)
+  uint16_t* dyv;        // [kb][bs * padded]: dy's blocks VNNI-packed along the rows (PackDyPairs)
+  float* accumulators;  // [cap][bs][bs] float32 (dw itself, or scratch), or nullptr
   const uint8_t* used;  // [cb + kb]: whether a valid slot reads x's block (then dy's)
 };
 

@@ -59,7 +59,7 @@ Isa Detect() {
 #if defined(JBS_CPU_BF16_KERNELS)
     constexpr int kEax = 0, kEdx = 3;
     const bool bw_vl = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-    const bool bf16 = bw_vl && CpuidBit(7, 1, kEax, 5);               // AVX512_BF16
+    const bool bf16 = bw_vl && CpuidBit(7, 1, kEax, 5);                             // AVX512_BF16
     const bool amx = bf16 && CpuidBit(7, 0, kEdx, 24) && CpuidBit(7, 0, kEdx, 22);  // AMX-TILE, AMX-BF16
     if (amx && RequestAmxPermission()) return Isa::kAmx;
     if (bf16) return Isa::kAvx512Bf16;
