@@ -438,35 +438,37 @@ def _eager_impl(prim):
     return lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(*args)
 
 
-bsconv_p.def_impl(_eager_impl(bsconv_p))
-bsconv_p.def_abstract_eval(_conv_abstract_eval)
-# The reference is the dense path too: lax.conv_general_dilated on the dense kernel.
-register_lowerings(
-    bsconv_p,
-    conv_reference,
-    target=CONV_TARGET,
-    dense=conv_reference,
-    kernel=conv_kernel,
-    target_platforms=("cpu",),
-    composed=_composed_where(conv_composed),
-)
-batching.primitive_batchers[bsconv_p] = _conv_batch
-ad.primitive_jvps[bsconv_p] = _jvp(bsconv_p)
-ad.primitive_transposes[bsconv_p] = _conv_transpose
+def _register(prim, abstract_eval, reference, kernel, composed, target: str, batch, transpose) -> None:
+    """Every rule of one convolution primitive. Its lowering policy is bsmm's; the reference
+    is its dense path too (lax.conv_general_dilated on the dense kernel)."""
+    prim.def_impl(_eager_impl(prim))
+    prim.def_abstract_eval(abstract_eval)
+    register_lowerings(
+        prim,
+        reference,
+        target=target,
+        dense=reference,
+        kernel=kernel,
+        target_platforms=("cpu",),
+        composed=_composed_where(composed),
+    )
+    batching.primitive_batchers[prim] = batch
+    ad.primitive_jvps[prim] = _jvp(prim)
+    ad.primitive_transposes[prim] = transpose
 
-bsconv_wgrad_p.def_impl(_eager_impl(bsconv_wgrad_p))
-bsconv_wgrad_p.def_abstract_eval(_wgrad_abstract_eval)
-register_lowerings(
-    bsconv_wgrad_p,
-    wgrad_reference,
-    target=WGRAD_TARGET,
-    dense=wgrad_reference,
-    kernel=wgrad_kernel,
-    target_platforms=("cpu",),
-    composed=_composed_where(wgrad_composed),
+
+_register(
+    bsconv_p, _conv_abstract_eval, conv_reference, conv_kernel, conv_composed, CONV_TARGET, _conv_batch, _conv_transpose
 )
-batching.primitive_batchers[bsconv_wgrad_p] = _wgrad_batch
-ad.primitive_jvps[bsconv_wgrad_p] = _jvp(bsconv_wgrad_p)
-ad.primitive_transposes[bsconv_wgrad_p] = _wgrad_transpose
+_register(
+    bsconv_wgrad_p,
+    _wgrad_abstract_eval,
+    wgrad_reference,
+    wgrad_kernel,
+    wgrad_composed,
+    WGRAD_TARGET,
+    _wgrad_batch,
+    _wgrad_transpose,
+)
 
 __all__ = ["bsconv_p", "bsconv_wgrad_p", "conv", "wgrad", "conv_reference", "wgrad_reference"]
