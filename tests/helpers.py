@@ -309,6 +309,19 @@ def jaxprs_in_params(params):
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``code`` run by this Python in a child process on the CPU (``JAX_PLATFORMS=cpu``),
+    its stdout and stderr captured as text; never raises on a failing child."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def load_script(relpath: str, name: str | None = None):
     """A script of bench/ or examples/ (not packages) imported by its path, e.g.
     ``load_script("bench/crossover.py")``. It is registered in ``sys.modules`` (under

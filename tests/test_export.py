@@ -35,7 +35,7 @@ import pytest
 from flax import nnx
 
 import jax_blocksparse as jbs
-from helpers import kernel_calls, rand, require_kernels
+from helpers import kernel_calls, rand, require_kernels, run_python
 from jax_blocksparse import _native, targets
 from jax_blocksparse.ops.recurrence import bs_lstm_sequence, lstm_spec
 
@@ -370,11 +370,5 @@ BROKEN_EXTENSION = textwrap.dedent(
 
 
 def test_package_imports_without_a_working_extension():
-    proc = subprocess.run(
-        [sys.executable, "-c", BROKEN_EXTENSION],
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python(BROKEN_EXTENSION)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

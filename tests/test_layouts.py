@@ -1,15 +1,12 @@
 """Block-mask generators in jax_blocksparse.layouts."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
-from helpers import rand
+from helpers import rand, run_python
 
 L = jbs.layouts
 
@@ -97,14 +94,7 @@ WITHOUT_NETWORKX = textwrap.dedent(
 
 
 def test_package_and_graph_layouts_need_no_networkx():
-    proc = subprocess.run(
-        [sys.executable, "-c", WITHOUT_NETWORKX],
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run_python(WITHOUT_NETWORKX)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(16 + 2 * 2 * 14), str(16 + 2 * 16 * 2)]
 
