@@ -28,6 +28,9 @@
 // kernels within bfloat16 rounding, not bit for bit. AMX and AVX512-BF16 treat denormal
 // bf16 inputs as zero; outputs narrowed to bf16 round to nearest even, as XLA does.
 //
+// The packing routines are kept out of line (noinline), so that a profile shows their
+// share of a call apart from the products' (the docs' performance page quotes it).
+//
 // Tile state is per thread: every work item loads its tile configuration first and
 // releases the tiles when it ends, so nothing is left configured between items, calls
 // or threads.
@@ -151,7 +154,7 @@ constexpr int kColTile = BS < 16 ? BS : 16;
 // x 16 columns) is then 1 KiB of consecutive memory: rows 64 bytes apart do not compete
 // for the same few L1 sets as rows BS * 4 bytes apart would.
 template <int BS>
-void PackWeight(const uint16_t* w, bool transpose, uint16_t* dst) {
+__attribute__((noinline)) void PackWeight(const uint16_t* w, bool transpose, uint16_t* dst) {
   constexpr int CT = kColTile<BS>;
   for (int ct = 0; ct < BS / CT; ++ct) {
     uint16_t* tile = dst + ct * CT * BS;  // [BS/2][CT][2]
@@ -428,7 +431,8 @@ struct PackedRows {
 
 // Copies rows [first, first + rows) of the input blocks marked in `used` into dst.
 template <int BS>
-void PackLhsRows(const DsdParams& p, const uint8_t* used, int64_t first, int64_t rows, uint16_t* dst) {
+__attribute__((noinline)) void PackLhsRows(const DsdParams& p, const uint8_t* used, int64_t first, int64_t rows,
+                                           uint16_t* dst) {
   constexpr int kStep = PackedRows<BS>::kStep;
   const int64_t lda = int64_t{p.nin} * BS;
   const uint16_t* x = static_cast<const uint16_t*>(p.a);
@@ -642,7 +646,7 @@ struct SddJob {
 // or rows ([BS][padded]) for the dot engine. Per 32 rows: rows n, n+1 interleaved into
 // 32-bit pairs (pairs[n/2][i]), then the pairs transposed: row i holds x[n0 .. n0+32)[i].
 template <int BS>
-void PackXTransposed(const SddJob& job, int64_t item) {
+__attribute__((noinline)) void PackXTransposed(const SddJob& job, int64_t item) {
   const SddParams& p = *job.p;
   const uint16_t* x = static_cast<const uint16_t*>(p.x) + item * BS;
   const int64_t ldx = int64_t{p.cb} * BS;
@@ -671,7 +675,7 @@ void PackXTransposed(const SddJob& job, int64_t item) {
 // dy's block VNNI-packed along the rows in column tiles:
 // dyv[j / CT][n / 2][j % CT][n % 2] = dy[row0 + n][block * BS + j], CT = kColTile<BS>.
 template <int BS>
-void PackDyPairs(const SddJob& job, int64_t block) {
+__attribute__((noinline)) void PackDyPairs(const SddJob& job, int64_t block) {
   constexpr int CT = kColTile<BS>;
   const SddParams& p = *job.p;
   const uint16_t* dy = static_cast<const uint16_t*>(p.dy) + block * BS;
