@@ -9,6 +9,8 @@ list complete: a new example needs a test here.
 
 from __future__ import annotations
 
+import datetime
+import json
 import math
 from pathlib import Path
 
@@ -113,6 +115,59 @@ def test_sparse_training(capsys):
     assert out.strip().splitlines()[-1] == f"test_accuracy={result['test_accuracy']:.4f}"
     assert "layer2/kernel" in out and result["final_density"] == pytest.approx(0.3, abs=0.01)
     assert result["test_accuracy"] > 0.8
+
+
+def test_sparse_training_json(capsys, tmp_path):
+    script = load_script("examples/sparse_training.py")
+    path = tmp_path / "run.json"
+    result = script.main(["--method", "static", "--density", "0.5", "--epochs", "1", "--quiet", "--json", str(path)])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"wrote {path}"
+    report = json.loads(path.read_text())
+    assert report["benchmark"] == "sparse_training" and report["device"] and report["commit"]
+    assert report["date"] == datetime.date.today().isoformat()
+    assert report["settings"]["epochs"] == 1 and report["settings"]["hidden"] == "320,96"
+    assert report["run"] == json.loads(json.dumps(result))
+    assert (report["run"]["method"], report["run"]["density"], report["run"]["seed"]) == ("static", 0.5, 0)
+    assert 0.0 <= report["run"]["test_accuracy"] <= 1.0
+
+
+def test_sparse_training_sweep(capsys, tmp_path):
+    path = tmp_path / "sweep.json"
+    flags = ["--sweep", "--methods", "dense", "static", "--densities", "0.5", "--seeds", "0", "1", "--epochs", "1"]
+    load_script("examples/sparse_training.py").main([*flags, "--json", str(path)])
+    assert f"wrote {path} (2 of 2 seeds)" in capsys.readouterr().out
+    report = json.loads(path.read_text())
+    assert report["seeds"] == [0, 1] and report["methods"] == ["dense", "static"]
+    # dense at density 1 only; each seed's round in the order of the grid
+    assert [(r["method"], r["density"], r["seed"]) for r in report["runs"]] == [
+        ("dense", 1.0, 0),
+        ("static", 0.5, 0),
+        ("dense", 1.0, 1),
+        ("static", 0.5, 1),
+    ]
+    for row in report["summary"]:
+        accs = [
+            r["test_accuracy"] for r in report["runs"] if (r["method"], r["density"]) == (row["method"], row["density"])
+        ]
+        assert row["test_accuracies"] == accs and row["seeds"] == [0, 1]
+        assert row["mean"] == pytest.approx(sum(accs) / 2) and row["std"] == pytest.approx(abs(accs[0] - accs[1]) / 2)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--density", "0"], "a density must be in (0, 1]"),
+        (["--sweep", "--densities", "0.5", "1.5"], "a density must be in (0, 1]"),
+        (["--epochs", "0"], "--epochs must be >= 1"),
+        (["--hidden", "320,90"], "multiple of --block-size 8"),
+        (["--seeds", "0", "1"], "go with --sweep"),
+        (["--sweep", "--seeds", "1", "1"], "--seeds must differ"),
+    ],
+)
+def test_sparse_training_bad_arguments(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("examples/sparse_training.py").parse_args(flags)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 SPARSIFY_TINY = [
