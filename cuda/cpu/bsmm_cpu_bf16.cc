@@ -343,21 +343,14 @@ Scratch& ThreadScratch() {
   return scratch;
 }
 
-// A segment's valid slots (int32, in a float buffer).
-Buffer& ThreadSlots() {
-  static thread_local Buffer slots;
-  return slots;
-}
+// Per-thread buffers of the fprop/bprop work items, kept between calls (floats' storage):
+// a segment's valid slots (int32), the item's rows of the lhs in A tiles (bf16), and which
+// input blocks those rows hold (bytes).
+enum ItemBuffer { kSlots, kRows, kUsed, kItemBuffers };
 
-// A work item's rows of the lhs in A tiles (bf16), and which input blocks they hold.
-Buffer& ThreadRows() {
-  static thread_local Buffer rows;
-  return rows;
-}
-
-Buffer& ThreadUsed() {
-  static thread_local Buffer used;
-  return used;
+Buffer& ThreadBuffer(ItemBuffer which) {
+  static thread_local Buffer buffers[kItemBuffers];
+  return buffers[which];
 }
 
 // Packed activations of one chunk of rows (updat) stay under this many bytes.
@@ -487,7 +480,7 @@ void DsdAmxItem(const DsdJob& job, const PackedRows<BS>& pa, int64_t seg, int64_
   constexpr int64_t kChunkSlots = kChunk / BS > 0 ? kChunk / BS : 1;
   const DsdParams& p = *job.p;
   const int64_t entries = p.seg_ptr[seg + 1] - p.seg_ptr[seg];
-  int32_t* slots = reinterpret_cast<int32_t*>(ThreadSlots().Get(Max(entries, 1)));
+  int32_t* slots = reinterpret_cast<int32_t*>(ThreadBuffer(kSlots).Get(Max(entries, 1)));
   if (slots == nullptr) return;  // no memory: cannot happen for the sizes a layout has
   int64_t count = 0;
   for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
@@ -578,8 +571,8 @@ void DsdItem(void* arg, int64_t item) {
   const int64_t group = item / job.tiles;
   if (job.engine == Engine::kAmx && BS >= 16) {
     // The input blocks the group reads, copied once into A tiles.
-    uint8_t* used = reinterpret_cast<uint8_t*>(ThreadUsed().Get(CeilDiv(int64_t{p.nin} + 1, 4)));
-    uint16_t* packed = reinterpret_cast<uint16_t*>(ThreadRows().Get(CeilDiv(rows * p.nin * BS, 2)));
+    uint8_t* used = reinterpret_cast<uint8_t*>(ThreadBuffer(kUsed).Get(CeilDiv(int64_t{p.nin} + 1, 4)));
+    uint16_t* packed = reinterpret_cast<uint16_t*>(ThreadBuffer(kRows).Get(CeilDiv(rows * p.nin * BS, 2)));
     if (used == nullptr || packed == nullptr) return;  // no memory for a tile of rows: cannot happen at <= 1 MiB
     std::memset(used, 0, p.nin);
     for (int64_t q = group; q < p.nseg; q += job.groups) {
