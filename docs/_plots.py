@@ -1,4 +1,4 @@
-"""The performance guide's figures, drawn from the benchmark results under ``bench/results/``.
+"""The guides' figures, drawn from the benchmark results under ``bench/results/``.
 
 Each figure reads the newest committed JSON of one benchmark (the date ends its file
 name) and returns None when there is none, so a page can leave it out: the GPU figure
@@ -16,6 +16,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -172,12 +174,55 @@ def attention_speedup(results: Path = RESULTS):
     return fig
 
 
+def sparse_training_accuracy(results: Path = RESULTS):
+    """Test accuracy against density for each dynamic sparse training method
+    (``examples/sparse_training.py --sweep``): the mean over the seeds with a band of one
+    standard deviation either side, the dense model's accuracy as a horizontal line."""
+    path = newest(results, "sparse_training")
+    if path is None:
+        return None
+    data = json.loads(path.read_text())
+    rows = data["summary"]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for row in (r for r in rows if r["method"] == "dense"):
+        mean, std = row["mean"], row["std"]
+        ax.axhspan(mean - std, mean + std, color="0.85")
+        ax.axhline(mean, color="0.3", linewidth=1.2, linestyle="--", label=f"dense ({mean:.3f})")
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "dense"]
+    for i, method in enumerate(methods):
+        points = sorted((r["density"], r["mean"], r["std"]) for r in rows if r["method"] == method)
+        density, mean, std = (np.array(v) for v in zip(*points))
+        color = f"C{i}"
+        ax.fill_between(density, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+        ax.errorbar(density, mean, yerr=std, marker="o", markersize=3, capsize=2, color=color, label=method)
+    ax.set_xscale("log")
+    densities = sorted({r["density"] for r in rows} | {1.0}, reverse=True)
+    ax.set_xlim(1.08, 0.9 * min(densities))  # dense on the left, the sparsest on the right
+    ax.set_xticks(densities, [f"{d:g}" for d in densities])
+    ax.minorticks_off()
+    ax.set_xlabel("density (fraction of weights kept)")
+    ax.set_ylabel("test accuracy")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")
+    settings, bs = data["settings"], data["settings"]["block_size"]
+    fig.suptitle(
+        f"block-sparse MLP, hidden {settings['hidden'].replace(',', '-')}, on digits, {bs}x{bs} blocks, "
+        f"{settings['epochs']} epochs, mean ±std over seeds {', '.join(map(str, data['seeds']))}\n"
+        f"{data['device']}, {data['date']} ({path.name})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    return fig
+
+
 #: name (the PNG's stem) -> the function that draws it.
 FIGURES = {
     "speedup-cpu": cpu_speedup,
     "speedup-gpu": gpu_speedup,
     "speedup-conv": conv_speedup,
     "speedup-attention": attention_speedup,
+    "sparse-training-accuracy": sparse_training_accuracy,
 }
 
 

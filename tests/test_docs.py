@@ -128,7 +128,11 @@ def test_docs_build_without_warnings(html):
         assert (html / page).is_file(), f"the docs build wrote no {page}"
 
 
-def test_the_performance_page_shows_the_benchmark_figures(html, tmp_path):
+#: The guide page that places each figure of docs/_plots.py, where not the performance guide.
+FIGURE_PAGES = {"sparse-training-accuracy": "sparse_training"}
+
+
+def test_the_guides_show_the_benchmark_figures(html, tmp_path):
     # Drawn at build time from bench/results/ (docs/_plots.py): each whose results are
     # committed (the GPU one only after a GPU session), none of the others.
     sys.path.insert(0, str(DOCS))
@@ -137,10 +141,12 @@ def test_the_performance_page_shows_the_benchmark_figures(html, tmp_path):
     finally:
         sys.path.remove(str(DOCS))
     drawn = {name for name, path in _plots.write_all(tmp_path).items() if path is not None}
-    page = (html / "guide" / "performance.html").read_text(encoding="utf-8")
+    assert set(FIGURE_PAGES) <= set(_plots.FIGURES)
     for name in _plots.FIGURES:
+        page_name = f"{FIGURE_PAGES.get(name, 'performance')}.html"
+        page = (html / "guide" / page_name).read_text(encoding="utf-8")
         shown = f'src="../_images/{name}.png"' in page
-        assert shown == (name in drawn), f"performance.html {'lacks' if name in drawn else 'shows'} the figure {name}"
+        assert shown == (name in drawn), f"{page_name} {'lacks' if name in drawn else 'shows'} the figure {name}"
         assert shown <= (html / "_images" / f"{name}.png").is_file()
 
 

@@ -50,6 +50,25 @@ def test_no_results_no_figure(plots, tmp_path):
     assert not list(out.iterdir())
 
 
+def test_sparse_training_figure_and_its_caption(plots, tmp_path):
+    # Drawn from the sweep's summary (a line per method, dense as a horizontal line); the
+    # guide's caption names the newest committed sweep, so a newer one needs a new caption.
+    path = plots.newest(plots.RESULTS, "sparse_training")
+    assert path is not None, "no bench/results/sparse_training-*.json committed"
+    data = json.loads(path.read_text())
+    methods = {row["method"] for row in data["summary"]}
+    assert "dense" in methods and len(methods) > 1
+    fig = plots.sparse_training_accuracy()
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and ax.get_xlim()[0] > ax.get_xlim()[1]  # dense on the left
+    assert {t.get_text() for t in ax.get_legend().get_texts()} >= methods - {"dense"}
+    assert path.name in fig._suptitle.get_text()
+    plots.save(fig, tmp_path / "figure.png")
+    guide = (DOCS / "guide" / "sparse_training.rst").read_text(encoding="utf-8")
+    caption = guide.split(".. bench-figure:: sparse-training-accuracy", 1)[1].split("\n\n", 2)[1]
+    assert f"bench/results/{path.name}" in caption and data["date"] in caption and data["device"] in caption
+
+
 def test_newest_reads_the_date_in_the_name(tmp_path):
     spec = importlib.util.spec_from_file_location("plots_module", DOCS / "_plots.py")
     module = importlib.util.module_from_spec(spec)
