@@ -47,3 +47,25 @@ def exact_float32_matmuls(request):
         return
     with jax.default_matmul_precision(MATMUL_PRECISION):
         yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line on the matrix-unit kernels (tests/test_cpu_bf16.py): how many of their
+    tests ran per instruction set and how many were skipped, and on which CPU, so that a
+    CI log says whether its machine ran the AMX path at all."""
+    counts = {}
+    for outcome in ("passed", "failed", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            nodeid = getattr(report, "nodeid", "")
+            if "test_cpu_bf16.py" not in nodeid or getattr(report, "when", "call") not in ("call", "setup"):
+                continue
+            isa = next((name for name in ("amx", "avx512_bf16") if f"[{name}" in nodeid), "any")
+            counts.setdefault(isa, {}).setdefault(outcome, 0)
+            counts[isa][outcome] += 1
+    if not counts:
+        return
+    import jax_blocksparse as jbs
+
+    detected = jbs.extension_info().get("cpu_isa_detected", "no extension")
+    parts = [f"{isa}: " + ", ".join(f"{n} {o}" for o, n in sorted(c.items())) for isa, c in sorted(counts.items())]
+    terminalreporter.write_line(f"matrix-unit kernel tests on this CPU ({detected}): " + "; ".join(parts))

@@ -176,7 +176,11 @@ def test_a_lower_isa_is_used_and_named(monkeypatch):
     assert_close(lowest, np.asarray(widest, np.float64), jnp.float32, length=layout.shape[0])
 
 
-@pytest.mark.parametrize("value, message", [("avx1024", "expected one of amx, avx512_bf16"), ("amx", "at most")])
+@pytest.mark.parametrize(
+    "value, message",
+    [("avx1024", "expected one of amx, avx512_bf16"), ("amx", "at most")],
+    ids=["unknown", "above-the-cpu"],
+)
 def test_a_bad_isa_is_an_error(monkeypatch, value, message):
     if value == "amx" and detected_isa() == "amx":
         pytest.skip("this CPU has AMX: forcing it is valid here")
