@@ -7,20 +7,22 @@
 // per-instruction-set kernel files it uses no C++ library templates (see bsmm_cpu.h).
 //
 // The two engines, and what each reads:
-//   AMX, one TDPBF16PS: C[16, 16] (float32) += A[16, 32] @ B[32, 16] (bf16). A's rows are
-//     read in place from row-major memory (32 consecutive bf16 of the reduction axis per
-//     row); B must be "VNNI-packed": row k/2 holds, for each output column j, the pair
-//     (B[k][j], B[k + 1][j]). A block of 16 reduces over 16 elements (half a tile's depth).
+//   AMX, one TDPBF16PS: C[16, 16] (float32) += A[16, 32] @ B[32, 16] (bf16). A's rows hold
+//     32 consecutive bf16 of the reduction axis; B must be "VNNI-packed": row k/2 holds,
+//     for each output column j, the pair (B[k][j], B[k + 1][j]). A block of 16 reduces
+//     over 16 elements (half a tile's depth).
 //   AVX512-BF16, one VDPBF16PS: 16 float32 lanes += a broadcast pair (A[r][k], A[r][k+1])
-//     times one VNNI row of B (16 pairs). Block 8 uses the 256-bit form (8 lanes).
+//     times one VNNI row of B (16 pairs). (Block 8 does not come here: the dispatcher
+//     keeps it on the widening kernels.)
 //
 //   fprop/bprop: out[rows, j] = sum over the slots s of column j of x[rows, in_block(s)] @ W_s
-//     with W_s = w[s] (fprop) or w[s]^T (bprop). A = x (or dy) in place; every W_s is
-//     VNNI-packed once per call ([nnz, bs/2, bs, 2], bs * bs bf16 per block).
+//     with W_s = w[s] (fprop) or w[s]^T (bprop). Every W_s is VNNI-packed once per call in
+//     column tiles (PackWeight); on AMX each work item copies its rows of x (or dy) into
+//     A tiles (PackedRows), the dot engine reads them in place.
 //   updat: dw[s] = x[:, row block]^T @ dy[:, column block], reduced over the rows n.
 //     A = x^T needs the rows' axis contiguous: x is packed transposed per block
-//     ([cb][bs][rows]); dy is VNNI-packed along the rows ([kb][rows/2][bs][2]). Rows are
-//     zero-padded to a multiple of 32 and processed in chunks that fit a budget.
+//     (PackXTransposed); dy is VNNI-packed along the rows in column tiles (PackDyPairs).
+//     Rows are zero-padded to a multiple of 32 and processed in chunks that fit a budget.
 //
 // Summation order: per output element, the products are added in slot order and, within
 // a block, in pairs of the reduction axis (AMX: 16 pairs per instruction, an order the
