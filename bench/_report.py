@@ -55,12 +55,18 @@ def measured_on() -> dict:
     return {"device": kind, "cpu_isa": kind.split(":")[1]}
 
 
+def default_report_path(benchmark: str, report: dict) -> Path:
+    """``bench/results/<benchmark>-<device>-<date>.json`` for ``report`` (its ``device``, as
+    :func:`measured_on` names it, made file-name friendly, and its ``date``)."""
+    device = "".join(ch if ch.isalnum() else "-" for ch in report["device"].lower()).strip("-")
+    return Path(__file__).resolve().parent / "results" / f"{benchmark}-{device}-{report['date']}.json"
+
+
 def write_report(path, benchmark: str, report: dict) -> Path:
-    """Writes ``report`` to ``path``, by default ``bench/results/<benchmark>-<device>-<date>.json``
-    (the device of :func:`measured_on`, file-name friendly); prints and returns the path."""
+    """Writes ``report`` to ``path``, by default :func:`default_report_path`; prints and
+    returns the path."""
     if path is None:
-        device = "".join(ch if ch.isalnum() else "-" for ch in report["device"].lower()).strip("-")
-        path = Path(__file__).resolve().parent / "results" / f"{benchmark}-{device}-{report['date']}.json"
+        path = default_report_path(benchmark, report)
     write_json(path, report)
     print(f"wrote {path}")
     return Path(path)

@@ -50,10 +50,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import gzip
-import json
 import os
 import struct
-import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,11 +67,14 @@ from tqdm import tqdm
 from jax_blocksparse import training as jst
 from jax_blocksparse.nn import BlockSparseDense
 
+# The result files follow bench/'s conventions (commit, device, file name, atomic write).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from _report import default_report_path, git_commit, measured_on, write_json  # noqa: E402
+
 METHODS = ("dense", "static", "set", "rigl", "sparse_momentum", "magnitude")
 SWEEP_METHODS = ("dense", "static", "set", "rigl", "sparse_momentum")
 SWEEP_DENSITIES = (0.5, 0.25, 0.1, 0.05)
 SWEEP_SEEDS = (0, 1, 2)
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 #: The arguments that say which run it is, or how it is reported, rather than how it trains.
 NOT_SETTINGS = ("method", "density", "seed", "json", "sweep", "methods", "densities", "seeds", "quiet", "log")
 
@@ -397,58 +399,17 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------
 
 
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            timeout=10,
-            check=False,
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _device() -> dict:
-    """The first device: on a CPU ``"cpu:<isa>:<cores>"`` as the crossover table names it."""
-    device = jax.devices()[0]
-    if device.platform != "cpu":
-        return {"device": device.device_kind, "cpu_isa": None}
-    from jax_blocksparse import crossover
-
-    kind = crossover.cpu_device_kind()
-    return {"device": kind, "cpu_isa": kind.split(":")[1]}
-
-
 def header(args) -> dict:
     """What every result file shares: the example, device, commit, date and the training settings."""
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in NOT_SETTINGS}
     return {
         "benchmark": "sparse_training",
-        **_device(),
-        "commit": _git_commit(),
+        **measured_on(),
+        "commit": git_commit(),
         "date": datetime.date.today().isoformat(),
         "jax": jax.__version__,
         "settings": settings,
     }
-
-
-def write_json(path: Path, report: dict) -> Path:
-    """Writes through a temporary file, so a reader never sees half of it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(path)
-    return path
-
-
-def default_path(report: dict) -> Path:
-    device = "".join(ch if ch.isalnum() else "-" for ch in report["device"].lower()).strip("-")
-    return RESULTS / f"sparse_training-{device}-{report['date']}.json"
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -478,7 +439,7 @@ def sweep(args) -> dict:
     after each round, so it always holds whole rounds (the same seeds for every cell)."""
     plan = [(m, d) for m in args.methods for d in ([1.0] if m == "dense" else args.densities)]
     report = dict(header(args), methods=list(args.methods), densities=list(args.densities), seeds=[], runs=[])
-    path = args.json or default_path(report)
+    path = args.json or default_report_path("sparse_training", report)
     start = time.perf_counter()
     for seed in args.seeds:
         for i, (method, density) in enumerate(plan):
@@ -506,7 +467,8 @@ def main(argv=None):
         return sweep(args)
     result = run(args)
     if args.json:
-        print(f"wrote {write_json(args.json, dict(header(args), run=result))}")
+        write_json(args.json, dict(header(args), run=result))
+        print(f"wrote {args.json}")
     return result
 
 
