@@ -56,9 +56,14 @@ JBS_DECLARE_CPU_KERNELS(avx512)
 #undef JBS_DECLARE_CPU_KERNELS
 
 // The bfloat16 kernels of the matrix units (bsmm_cpu_bf16.cc, x86-64 builds that define
-// JBS_CPU_BF16_KERNELS): AMX tiles, or AVX512-BF16 dot products. bfloat16 operands only;
+// JBS_CPU_BF16_KERNELS): AMX tiles, or AVX512-BF16 dot products. bfloat16 operands and
+// blocks of kMinBlock or more only (false, having written nothing, for smaller ones);
 // out_f32 as above.
 namespace bf16 {
+// Block 8 stays on the widening AVX-512 kernels: 8 columns fill neither an AMX tile nor a
+// 512-bit dot product, and a 256-bit VDPBF16PS form measured 2-4x slower than them
+// (bench/bsmm.py --preset crossover-cpu, 2026-11-26).
+constexpr int kMinBlock = 16;
 enum class Engine { kAmx, kDot };
 bool RunDsd(Engine engine, bool out_f32, bool transpose_w, const DsdParams& p, const Parallel& par);
 bool RunSdd(Engine engine, bool out_f32, const SddParams& p, const Parallel& par);

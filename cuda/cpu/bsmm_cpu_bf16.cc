@@ -12,8 +12,8 @@
 //     for each output column j, the pair (B[k][j], B[k + 1][j]). A block of 16 reduces
 //     over 16 elements (half a tile's depth).
 //   AVX512-BF16, one VDPBF16PS: 16 float32 lanes += a broadcast pair (A[r][k], A[r][k+1])
-//     times one VNNI row of B (16 pairs). (Block 8 does not come here: the dispatcher
-//     keeps it on the widening kernels.)
+//     times one VNNI row of B (16 pairs).
+// Blocks below kMinBlock (bsmm_cpu.h) do not come here.
 //
 //   fprop/bprop: out[rows, j] = sum over the slots s of column j of x[rows, in_block(s)] @ W_s
 //     with W_s = w[s] (fprop) or w[s]^T (bprop). Every W_s is VNNI-packed once per call in
@@ -147,17 +147,16 @@ void TransposeWords(const uint32_t* src, int64_t src_stride, int64_t rows, int64
   }
 }
 
-// Columns per packed column tile: 16 (one AMX B tile, one 512-bit vector), 8 for block 8.
-template <int BS>
-constexpr int kColTile = BS < 16 ? BS : 16;
+// Columns per packed column tile: 16 (one AMX B tile, one 512-bit vector).
+constexpr int kColTile = 16;
 
 // W_s VNNI-packed in column tiles: dst[j / CT][k / 2][j % CT][k % 2] = B[k][j] with
-// CT = kColTile<BS> and B = w (fprop) or w^T (bprop), [BS, BS]. A B tile (32 values of k
+// CT = kColTile and B = w (fprop) or w^T (bprop), [BS, BS]. A B tile (32 values of k
 // x 16 columns) is then 1 KiB of consecutive memory: rows 64 bytes apart do not compete
 // for the same few L1 sets as rows BS * 4 bytes apart would.
 template <int BS>
 __attribute__((noinline)) void PackWeight(const uint16_t* w, bool transpose, uint16_t* dst) {
-  constexpr int CT = kColTile<BS>;
+  constexpr int CT = kColTile;
   for (int ct = 0; ct < BS / CT; ++ct) {
     uint16_t* tile = dst + ct * CT * BS;  // [BS/2][CT][2]
     if (!transpose) {
@@ -265,69 +264,53 @@ inline void AmxStoreC(float* c, int64_t ldc) {
 // ---------------------------------------------------------------------------------
 
 // C[r][j] (+)= sum over kp < pairs of A[r][2kp..2kp+1] . B[kp][j][0..1] for r < R,
-// j < NV * W (W = 16 lanes, or 8 for the 256-bit form). A row stride a_row bf16; B's
-// columns in tiles of W (b_vec bf16 apart), each row of a tile (one pair of the reduction
-// axis) b_row bf16 apart; C row stride ldc floats.
-template <int W, int NV, int R>
+// j < NV * 16. A row stride a_row bf16; B's columns in tiles of 16 (b_vec bf16 apart),
+// each row of a tile (one pair of the reduction axis) b_row bf16 apart; C row stride ldc
+// floats.
+template <int NV, int R>
 void DotTile(int64_t pairs, const uint16_t* A, int64_t a_row, const uint16_t* B, int64_t b_row, int64_t b_vec, float* C,
              int64_t ldc, bool load) {
-  if constexpr (W == 16) {
-    __m512 c[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) c[r][v] = load ? _mm512_loadu_ps(C + r * ldc + v * 16) : _mm512_setzero_ps();
-    for (int64_t kp = 0; kp < pairs; ++kp) {
-      __m512i b[NV];
-      for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(B + kp * b_row + v * b_vec);
-      for (int r = 0; r < R; ++r) {
-        uint32_t pair;
-        std::memcpy(&pair, A + r * a_row + 2 * kp, 4);
-        const __m512i a = _mm512_set1_epi32(static_cast<int>(pair));
-        for (int v = 0; v < NV; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], (__m512bh)a, (__m512bh)b[v]);
-      }
+  __m512 c[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = load ? _mm512_loadu_ps(C + r * ldc + v * 16) : _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    __m512i b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(B + kp * b_row + v * b_vec);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, A + r * a_row + 2 * kp, 4);
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(pair));
+      for (int v = 0; v < NV; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], (__m512bh)a, (__m512bh)b[v]);
     }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + v * 16, c[r][v]);
-  } else {
-    __m256 c[R];
-    for (int r = 0; r < R; ++r) c[r] = load ? _mm256_loadu_ps(C + r * ldc) : _mm256_setzero_ps();
-    for (int64_t kp = 0; kp < pairs; ++kp) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B + kp * b_row));
-      for (int r = 0; r < R; ++r) {
-        uint32_t pair;
-        std::memcpy(&pair, A + r * a_row + 2 * kp, 4);
-        const __m256i a = _mm256_set1_epi32(static_cast<int>(pair));
-        c[r] = _mm256_dpbf16_ps(c[r], (__m256bh)a, (__m256bh)b);
-      }
-    }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(C + r * ldc, c[r]);
   }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + v * 16, c[r][v]);
 }
 
-// The register tile per block size: W lanes, NV vectors per row, R rows (R * NV
+// The register tile per block size: NV vectors of 16 lanes per row, R rows (R * NV
 // accumulators + NV + 1 of the 32 vector registers).
 template <int BS>
 struct DotShape {
-  static constexpr int kLanes = BS < 16 ? 8 : 16;
-  static constexpr int kVectors = BS / kLanes < 2 ? BS / kLanes : 2;
+  static constexpr int kVectors = BS == 16 ? 1 : 2;
   static constexpr int kRows = kVectors == 2 ? 8 : 16;
 };
 
 // C[rows, BS] (+)= A[rows, 2 * pairs] @ B with the dot engine; B VNNI-packed in column
-// tiles of kColTile<BS> ([BS / CT][pairs][CT][2]).
+// tiles of kColTile ([BS / CT][pairs][CT][2]).
 template <int BS>
 void DotProduct(int64_t rows, int64_t pairs, const uint16_t* A, int64_t a_row, const uint16_t* B, float* C, int64_t ldc,
                 bool load) {
-  constexpr int W = DotShape<BS>::kLanes, NV = DotShape<BS>::kVectors, R = DotShape<BS>::kRows;
-  constexpr int CT = kColTile<BS>;
+  constexpr int NV = DotShape<BS>::kVectors, R = DotShape<BS>::kRows;
+  constexpr int CT = kColTile;
   const int64_t b_vec = pairs * 2 * CT;  // one column tile
   const int64_t full = rows - rows % R;
-  for (int j = 0; j < BS; j += NV * W) {
+  for (int j = 0; j < BS; j += NV * 16) {
     const uint16_t* b = B + (j / CT) * b_vec;
     for (int64_t r = 0; r < full; r += R) {
-      DotTile<W, NV, R>(pairs, A + r * a_row, a_row, b, 2 * CT, b_vec, C + r * ldc + j, ldc, load);
+      DotTile<NV, R>(pairs, A + r * a_row, a_row, b, 2 * CT, b_vec, C + r * ldc + j, ldc, load);
     }
     for (int64_t r = full; r < rows; ++r) {
-      DotTile<W, NV, 1>(pairs, A + r * a_row, a_row, b, 2 * CT, b_vec, C + r * ldc + j, ldc, load);
+      DotTile<NV, 1>(pairs, A + r * a_row, a_row, b, 2 * CT, b_vec, C + r * ldc + j, ldc, load);
     }
   }
 }
@@ -571,7 +554,7 @@ void DsdItem(void* arg, int64_t item) {
   // One tile of rows through every output block of the group: the rows' input stays in
   // L2 for all of them, where one item per output block would read it again each time.
   const int64_t group = item / job.tiles;
-  if (job.engine == Engine::kAmx && BS >= 16) {
+  if (job.engine == Engine::kAmx) {
     // The input blocks the group reads, copied once into A tiles.
     uint8_t* used = reinterpret_cast<uint8_t*>(ThreadBuffer(kUsed).Get(CeilDiv(int64_t{p.nin} + 1, 4)));
     uint16_t* packed = reinterpret_cast<uint16_t*>(ThreadBuffer(kRows).Get(CeilDiv(rows * p.nin * BS, 2)));
@@ -646,7 +629,7 @@ __attribute__((noinline)) void PackXTransposed(const SddJob& job, int64_t item) 
   const uint16_t* x = static_cast<const uint16_t*>(p.x) + item * BS;
   const int64_t ldx = int64_t{p.cb} * BS;
   uint16_t* dst = job.xt + item * BS * job.padded;
-  const bool tiles = job.engine == Engine::kAmx && BS >= 16;
+  const bool tiles = job.engine == Engine::kAmx;
   alignas(64) uint16_t pairs[16 * 2 * BS];
   for (int64_t n0 = 0; n0 < job.padded; n0 += 32) {
     for (int64_t q = 0; q < 16; ++q) {
@@ -668,10 +651,10 @@ __attribute__((noinline)) void PackXTransposed(const SddJob& job, int64_t item) 
 }
 
 // dy's block VNNI-packed along the rows in column tiles:
-// dyv[j / CT][n / 2][j % CT][n % 2] = dy[row0 + n][block * BS + j], CT = kColTile<BS>.
+// dyv[j / CT][n / 2][j % CT][n % 2] = dy[row0 + n][block * BS + j], CT = kColTile.
 template <int BS>
 __attribute__((noinline)) void PackDyPairs(const SddJob& job, int64_t block) {
-  constexpr int CT = kColTile<BS>;
+  constexpr int CT = kColTile;
   const SddParams& p = *job.p;
   const uint16_t* dy = static_cast<const uint16_t*>(p.dy) + block * BS;
   const int64_t ldy = int64_t{p.kb} * BS;
@@ -740,7 +723,7 @@ void SddItem(void* arg, int64_t slot) {
   } else {
     const uint16_t* xt = job.xt + row_block * BS * job.padded;
     const uint16_t* dyv = job.dyv + col_block * BS * job.padded;
-    if (job.engine == Engine::kAmx && BS >= 16) {
+    if (job.engine == Engine::kAmx) {
       SddAmx<BS>(job, xt, dyv, acc);
     } else {
       DotProduct<BS>(BS, job.padded / 2, xt, job.padded, dyv, acc, BS, !job.first);
@@ -799,7 +782,10 @@ bool RunDsd(Engine engine, bool out_f32, bool transpose_w, const DsdParams& p, c
   job.out_f32 = out_f32;
   job.transpose_w = transpose_w;
   job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
-  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunDsdBlock<decltype(bs)::value>(job, par); });
+  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) {
+    if constexpr (decltype(bs)::value < kMinBlock) return false;
+    else return RunDsdBlock<decltype(bs)::value>(job, par);
+  });
   ReleaseLargeBuffers();
   return ok;
 }
@@ -810,7 +796,10 @@ bool RunSdd(Engine engine, bool out_f32, const SddParams& p, const Parallel& par
   job.engine = engine;
   job.out_f32 = out_f32;
   job.nnz = Max(0, Min(*p.nnz, p.cap));
-  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunSddBlock<decltype(bs)::value>(job, par); });
+  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) {
+    if constexpr (decltype(bs)::value < kMinBlock) return false;
+    else return RunSddBlock<decltype(bs)::value>(job, par);
+  });
   ReleaseLargeBuffers();
   return ok;
 }

@@ -98,17 +98,12 @@ Isa Chosen(std::string* error = nullptr) {
   return Detected();
 }
 
-// Block 8 stays on the widening AVX-512 kernels: 8 columns fill neither an AMX tile nor a
-// 512-bit dot product, and the 256-bit VDPBF16PS form measured 2-4x slower than them
-// (bench/bsmm.py --preset crossover-cpu, 2026-11-26).
-bool MatrixUnitsPay(int bs) { return bs >= 16; }
-
 }  // namespace
 
 bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Parallel& par) {
   const Isa isa = Chosen();
 #if defined(JBS_CPU_BF16_KERNELS)
-  if (in == DType::kBF16 && isa >= Isa::kAvx512Bf16 && MatrixUnitsPay(p.bs)) {
+  if (in == DType::kBF16 && isa >= Isa::kAvx512Bf16 && p.bs >= bf16::kMinBlock) {
     const bf16::Engine engine = isa == Isa::kAmx ? bf16::Engine::kAmx : bf16::Engine::kDot;
     return bf16::RunDsd(engine, out_f32, transpose_w, p, par);
   }
@@ -127,7 +122,7 @@ bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const 
 bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
   const Isa isa = Chosen();
 #if defined(JBS_CPU_BF16_KERNELS)
-  if (in == DType::kBF16 && isa >= Isa::kAvx512Bf16 && MatrixUnitsPay(p.bs)) {
+  if (in == DType::kBF16 && isa >= Isa::kAvx512Bf16 && p.bs >= bf16::kMinBlock) {
     const bf16::Engine engine = isa == Isa::kAmx ? bf16::Engine::kAmx : bf16::Engine::kDot;
     return bf16::RunSdd(engine, out_f32, p, par);
   }
