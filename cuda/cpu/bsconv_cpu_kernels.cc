@@ -625,7 +625,7 @@ bool RunConv(DType in, bool out_f32, const ConvParams& p, const Parallel& par) {
   job.p = &p;
   job.in = in;
   job.out = out_f32 ? DType::kF32 : in;
-  job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
+  job.nnz = SlotsInUse(p.nnz, p.cap);
   const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunConvBlock<decltype(bs)::value>(job, par); });
   ReleaseLargeBuffers();
   return ok;
@@ -636,7 +636,7 @@ bool RunConvWgrad(DType in, bool out_f32, const ConvWgradParams& p, const Parall
   job.p = &p;
   job.in = in;
   job.out = out_f32 ? DType::kF32 : in;
-  job.nnz = Max(0, Min(*p.nnz, p.cap));
+  job.nnz = SlotsInUse(p.nnz, p.cap);
   const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunWgradBlock<decltype(bs)::value>(job, par); });
   ReleaseLargeBuffers();
   return ok;

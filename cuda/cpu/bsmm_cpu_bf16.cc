@@ -754,13 +754,9 @@ bool RunSddBlock(SddJob& job, const Parallel& par) {
     }
   }
   job.used = used;
-  job.accumulators = nullptr;
-  if (job.out_f32) {
-    job.accumulators = static_cast<float*>(p.dw);
-  } else if (chunks > 1) {
-    job.accumulators = CallerBuffer(2).Get(int64_t{p.cap} * BS * BS);
-    if (job.accumulators == nullptr) return false;
-  }
+  bool ok;
+  job.accumulators = SddAccumulators(p, job.out_f32, chunks, &ok);
+  if (!ok) return false;
   for (int64_t c = 0; c < chunks; ++c) {
     job.row0 = c * chunk;
     job.rows = Max(0, Min(chunk, p.n - job.row0));
@@ -781,7 +777,7 @@ bool RunDsd(Engine engine, bool out_f32, bool transpose_w, const DsdParams& p, c
   job.engine = engine;
   job.out_f32 = out_f32;
   job.transpose_w = transpose_w;
-  job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
+  job.nnz = SlotsInUse(p.nnz, p.cap);
   const bool ok = DispatchBlockSize(p.bs, [&](auto bs) {
     if constexpr (decltype(bs)::value < kMinBlock) return false;
     else return RunDsdBlock<decltype(bs)::value>(job, par);
@@ -795,7 +791,7 @@ bool RunSdd(Engine engine, bool out_f32, const SddParams& p, const Parallel& par
   job.p = &p;
   job.engine = engine;
   job.out_f32 = out_f32;
-  job.nnz = Max(0, Min(*p.nnz, p.cap));
+  job.nnz = SlotsInUse(p.nnz, p.cap);
   const bool ok = DispatchBlockSize(p.bs, [&](auto bs) {
     if constexpr (decltype(bs)::value < kMinBlock) return false;
     else return RunSddBlock<decltype(bs)::value>(job, par);

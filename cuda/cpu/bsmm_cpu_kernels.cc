@@ -298,13 +298,9 @@ bool RunSddBlock(SddJob& job, const Parallel& par) {
   job.px = CallerBuffer(0).Get(rows_max * Max(1, p.cb) * BS);
   job.pdy = CallerBuffer(1).Get(rows_max * Max(1, p.kb) * BS);
   if (job.px == nullptr || job.pdy == nullptr) return false;
-  job.accumulators = nullptr;
-  if (job.out == DType::kF32) {
-    job.accumulators = static_cast<float*>(p.dw);
-  } else if (chunks > 1) {
-    job.accumulators = CallerBuffer(2).Get(int64_t{p.cap} * BS * BS);
-    if (job.accumulators == nullptr) return false;
-  }
+  bool ok;
+  job.accumulators = SddAccumulators(p, job.out == DType::kF32, chunks, &ok);
+  if (!ok) return false;
   for (int64_t c = 0; c < chunks; ++c) {
     job.row0 = c * chunk;
     job.rows = Max(0, Min(chunk, p.n - job.row0));
@@ -326,7 +322,7 @@ bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const 
   job.in = in;
   job.out = out_f32 ? DType::kF32 : in;
   job.transpose_w = transpose_w;
-  job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
+  job.nnz = SlotsInUse(p.nnz, p.cap);
   const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunDsdBlock<decltype(bs)::value>(job, par); });
   ReleaseLargeBuffers();
   return ok;
@@ -337,7 +333,7 @@ bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
   job.p = &p;
   job.in = in;
   job.out = out_f32 ? DType::kF32 : in;
-  job.nnz = Max(0, Min(*p.nnz, p.cap));  // the tables say nnz; never trust it past cap
+  job.nnz = SlotsInUse(p.nnz, p.cap);
   const bool ok = DispatchBlockSize(p.bs, [&](auto bs) { return RunSddBlock<decltype(bs)::value>(job, par); });
   ReleaseLargeBuffers();
   return ok;

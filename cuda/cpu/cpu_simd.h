@@ -197,6 +197,9 @@ struct Buffer {
   }
 };
 
+// The slots that hold blocks: the tables' nnz (col_ptr[KB]), never trusted past cap.
+inline int64_t SlotsInUse(const int32_t* nnz, int cap) { return Max(0, Min(*nnz, cap)); }
+
 // Buffers of the calling thread kept between calls (what each holds is the kernel file's
 // choice). Larger ones are freed at the end of each call (ReleaseLargeBuffers), so that a
 // thread keeps at most a few tens of MiB between calls.
@@ -217,6 +220,19 @@ inline void ReleaseLargeBuffers() {
       b.floats = 0;
     }
   }
+}
+
+// Where updat sums each slot's block of dw across chunks of rows: dw itself when it is
+// float32; else, over several chunks, a float32 [cap, bs, bs] caller buffer (2); else
+// nullptr, each slot summing in per-thread scratch and narrowing at once. *ok is false
+// when there is no memory for the buffer.
+inline float* SddAccumulators(const SddParams& p, bool out_f32, int64_t chunks, bool* ok) {
+  *ok = true;
+  if (out_f32) return static_cast<float*>(p.dw);
+  if (chunks <= 1) return nullptr;
+  float* buffer = CallerBuffer(2).Get(int64_t{p.cap} * p.bs * p.bs);
+  *ok = buffer != nullptr;
+  return buffer;
 }
 
 }  // namespace
