@@ -28,7 +28,9 @@ def git_commit() -> str:
 
 def cpu_cores() -> int:
     """The cores this process may run on (its affinity where the OS has one), else the machine's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from jax_blocksparse import crossover
+
+    return crossover.usable_cores()
 
 
 def write_json(path: Path, report: dict) -> None:

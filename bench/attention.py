@@ -59,7 +59,7 @@ import numpy as np
 import jax_blocksparse as jbs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_report.py, also when loaded by path
-from _report import git_commit, write_json  # noqa: E402
+from _report import cpu_cores, git_commit, write_json  # noqa: E402
 from _timing import time_calls  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -532,18 +532,12 @@ def parse_args(argv=None):
         kind = (
             getattr(device, "device_kind", "gpu").replace(" ", "_")
             if device.platform == "gpu"
-            else f"cpu-{_cores()}cores"
+            else f"cpu-{cpu_cores()}cores"
         )
         args.json = RESULTS / f"attention-{kind}-{datetime.date.today().isoformat()}.json"
     elif str(args.json) == "none":
         args.json = None
     return args
-
-
-def _cores() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def main(argv=None):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import sys
 from pathlib import Path
@@ -131,7 +130,7 @@ def run(args) -> dict:
         device_kind=crossover.cpu_device_kind() if device.platform == "cpu" else device.device_kind,
         platform=device.platform,
         extension=jbs.extension_info(),
-        cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        cpu_cores=crossover.usable_cores(),
         # where the table in force came from, paths inside the repository made relative to it
         crossover_sources=[line.replace(str(ROOT) + "/", "") for line in crossover.table_sources()],
         commit=git_commit(),

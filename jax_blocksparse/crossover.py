@@ -413,6 +413,12 @@ def table_sources() -> list[str]:
     return lines
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the OS has one, else the
+    machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_device_kind(isa: str | None = None, cores: int | None = None) -> str:
     """This machine's CPU as the crossover table names it: ``"cpu:<isa>:<cores>"``, the
     instruction set the CPU kernels dispatch to (the extension's ``cpu_isa``, which
@@ -427,7 +433,7 @@ def cpu_device_kind(isa: str | None = None, cores: int | None = None) -> str:
             raise ValueError(info["cpu_isa_error"])
         isa = info.get("cpu_isa") or "unknown"
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
     return f"cpu:{isa}:{cores}"
 
 

@@ -201,7 +201,7 @@ def amx_peak_flops(seconds: float = 0.5, threads: int | None = None) -> float | 
     if probe is None or probe(1) is None:
         return None
     if threads is None:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = crossover.usable_cores()
     start = time.perf_counter()
     probe(1 << 16)
     steps = max(1, int(seconds / ((time.perf_counter() - start) / (1 << 16))))
