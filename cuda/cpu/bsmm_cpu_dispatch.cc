@@ -91,22 +91,31 @@ Isa Chosen(std::string* error = nullptr) {
     return Detected();
   }
   if (error) {
-    *error = std::string("JAX_BLOCKSPARSE_CPU_ISA=") + forced +
-             ": expected one of amx, avx512_bf16, avx512, avx2, baseline (at most '" + Name(Detected()) +
-             "' on this CPU), or unset";
+    std::string names;  // widest first
+    for (int i = kIsaCount - 1; i >= 0; --i) names += std::string(kIsaNames[i]) + (i > 0 ? ", " : "");
+    *error = std::string("JAX_BLOCKSPARSE_CPU_ISA=") + forced + ": expected one of " + names + " (at most '" +
+             Name(Detected()) + "' on this CPU), or unset";
   }
   return Detected();
 }
+
+#if defined(JBS_CPU_BF16_KERNELS)
+// Whether a product runs on the matrix units (bfloat16, blocks of bf16::kMinBlock or more,
+// an "avx512_bf16" or "amx" set in force), and on which engine.
+bool OnMatrixUnits(Isa isa, DType in, int bs, bf16::Engine* engine) {
+  if (in != DType::kBF16 || isa < Isa::kAvx512Bf16 || bs < bf16::kMinBlock) return false;
+  *engine = isa == Isa::kAmx ? bf16::Engine::kAmx : bf16::Engine::kDot;
+  return true;
+}
+#endif
 
 }  // namespace
 
 bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const Parallel& par) {
   const Isa isa = Chosen();
 #if defined(JBS_CPU_BF16_KERNELS)
-  if (in == DType::kBF16 && isa >= Isa::kAvx512Bf16 && p.bs >= bf16::kMinBlock) {
-    const bf16::Engine engine = isa == Isa::kAmx ? bf16::Engine::kAmx : bf16::Engine::kDot;
-    return bf16::RunDsd(engine, out_f32, transpose_w, p, par);
-  }
+  bf16::Engine engine;
+  if (OnMatrixUnits(isa, in, p.bs, &engine)) return bf16::RunDsd(engine, out_f32, transpose_w, p, par);
 #endif
   switch (isa) {
 #if defined(JBS_CPU_X86_VARIANTS)
@@ -122,10 +131,8 @@ bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const 
 bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
   const Isa isa = Chosen();
 #if defined(JBS_CPU_BF16_KERNELS)
-  if (in == DType::kBF16 && isa >= Isa::kAvx512Bf16 && p.bs >= bf16::kMinBlock) {
-    const bf16::Engine engine = isa == Isa::kAmx ? bf16::Engine::kAmx : bf16::Engine::kDot;
-    return bf16::RunSdd(engine, out_f32, p, par);
-  }
+  bf16::Engine engine;
+  if (OnMatrixUnits(isa, in, p.bs, &engine)) return bf16::RunSdd(engine, out_f32, p, par);
 #endif
   switch (isa) {
 #if defined(JBS_CPU_X86_VARIANTS)
