@@ -45,16 +45,16 @@ import jax_blocksparse as jbs  # noqa: E402
 from jax_blocksparse import tune  # noqa: E402
 
 ENV = "JAX_BLOCKSPARSE_CPU_ISA"
-ORDER = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
 PRODUCTS = ("fprop", "bprop", "updat")
 
 
 def instruction_sets() -> tuple[str | None, str]:
     """(the matrix units' set, or None where the CPU has neither; the widening set below it)."""
-    detected = jbs.extension_info()["cpu_isa_detected"]
-    level = ORDER.index(detected)
-    matrix = detected if level >= ORDER.index("avx512_bf16") else None
-    return matrix, ORDER[min(level, ORDER.index("avx512"))]
+    info = jbs.extension_info()
+    order, detected = info["cpu_isas"], info["cpu_isa_detected"]  # lowest to widest
+    level = order.index(detected)
+    matrix = detected if level >= order.index("avx512_bf16") else None
+    return matrix, order[min(level, order.index("avx512"))]
 
 
 def _timed(fn, args) -> float:

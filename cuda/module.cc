@@ -394,6 +394,9 @@ PYBIND11_MODULE(_jbs_kernels, m) {
         py::dict d;
         d["cpu_isa"] = py::str(jbs::cpu::KernelIsa());  // in force (JAX_BLOCKSPARSE_CPU_ISA may lower it)
         d["cpu_isa_detected"] = py::str(jbs::cpu::DetectedIsa());
+        py::list isas;  // lowest to widest: JAX_BLOCKSPARSE_CPU_ISA may name any up to the detected one
+        for (int i = 0; i < jbs::cpu::IsaCount(); ++i) isas.append(py::str(jbs::cpu::IsaName(i)));
+        d["cpu_isas"] = py::tuple(isas);
         const char* isa_error = jbs::cpu::IsaOverrideError();
         d["cpu_isa_error"] = isa_error ? py::object(py::str(isa_error)) : py::object(py::none());
 #ifdef JBS_WITH_CUDA

@@ -29,6 +29,8 @@ class _BuildInfo(TypedDict, total=False):
     cpu_isa: Literal["baseline", "avx2", "avx512", "avx512_bf16", "amx"]
     cpu_isa_detected: Literal["baseline", "avx2", "avx512", "avx512_bf16", "amx"]
     cpu_isa_error: str | None
+    # every instruction set's name, from the lowest to the widest
+    cpu_isas: tuple[str, ...]
     cuda: bool
     cuda_version: str
     cudart_version: int

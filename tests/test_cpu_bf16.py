@@ -20,8 +20,6 @@ import pytest
 import jax_blocksparse as jbs
 from helpers import assert_close, cpu_devices, make_problem, rand, require_kernels
 
-# From the lowest to the widest; the kernels run the one named, or the widest the CPU has.
-ISA_ORDER = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
 MATRIX_UNIT_ISAS = ("amx", "avx512_bf16")
 ENV = "JAX_BLOCKSPARSE_CPU_ISA"
 
@@ -41,7 +39,8 @@ def detected_isa() -> str:
 def isa(request, monkeypatch):
     """Runs the test with the kernels of this instruction set in force."""
     name, detected = request.param, detected_isa()
-    if ISA_ORDER.index(name) > ISA_ORDER.index(detected):
+    order = jbs.extension_info()["cpu_isas"]  # lowest to widest
+    if order.index(name) > order.index(detected):
         pytest.skip(f"{name} kernels not run: this CPU's widest kernels are {detected!r} (no {name} here)")
     monkeypatch.setenv(ENV, name)
     assert jbs.extension_info()["cpu_isa"] == name
@@ -169,6 +168,9 @@ def test_a_lower_isa_is_used_and_named(monkeypatch):
     info = jbs.extension_info()
     assert (info["cpu_isa"], info["cpu_isa_detected"], info["cpu_isa_error"]) == ("baseline", detected_isa(), None)
     assert jbs.crossover.cpu_device_kind().startswith("cpu:baseline:")
+    # the extension names every set it can run, lowest first, and the report describes each
+    assert info["cpu_isas"][0] == "baseline" and detected_isa() in info["cpu_isas"]
+    assert set(jbs._native._CPU_KERNEL_PATHS) == set(info["cpu_isas"])
     described = jbs._native.cpu_kernels_in_force()
     assert described.startswith("baseline: portable C++")
     assert ("forced below" in described) == (detected_isa() != "baseline")

@@ -40,6 +40,9 @@ bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par);
 const char* KernelIsa();
 // The widest instruction set this CPU supports (and, for "amx", this process may use).
 const char* DetectedIsa();
+// The instruction sets' names from the lowest ("baseline") to the widest ("amx"): i < count.
+int IsaCount();
+const char* IsaName(int i);
 // Why JAX_BLOCKSPARSE_CPU_ISA cannot be honoured (an unknown name, or one this CPU lacks),
 // or nullptr when it is unset or valid. The handlers fail with it rather than run another.
 const char* IsaOverrideError();

@@ -181,6 +181,10 @@ const char* KernelIsa() { return Name(Chosen()); }
 
 const char* DetectedIsa() { return Name(Detected()); }
 
+int IsaCount() { return kIsaCount; }
+
+const char* IsaName(int i) { return i >= 0 && i < kIsaCount ? kIsaNames[i] : ""; }
+
 const char* IsaOverrideError() {
   static thread_local std::string error;
   error.clear();
