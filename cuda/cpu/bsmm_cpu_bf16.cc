@@ -564,7 +564,8 @@ void DsdItem(void* arg, int64_t item) {
       const int64_t seg = p.order[q];
       if (seg < 0 || seg >= p.nseg) continue;
       for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
-        if (DsdSlot(job, e) >= 0) used[p.in_block[DsdSlot(job, e)]] = 1;
+        const int64_t slot = DsdSlot(job, e);
+        if (slot >= 0) used[p.in_block[slot]] = 1;
       }
     }
     PackLhsRows<BS>(p, used, first, rows, packed);
