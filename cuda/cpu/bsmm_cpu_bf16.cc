@@ -426,15 +426,15 @@ __attribute__((noinline)) void PackLhsRows(const DsdParams& p, const uint8_t* us
 }
 
 // Rows [r0, r0 + 32) (or fewer: kBottom false for at most 16) of the segment's output,
-// columns [c0, c0 + 16 * NC), summed over its slots in the tiles.
+// columns [c0, c0 + 16 * NC), summed over its valid slots (slots[0, count)) in the tiles.
 template <int BS, int NC, bool kBottom>
-void DsdAmxRows(const DsdJob& job, const PackedRows<BS>& pa, int64_t seg, int64_t r0, int64_t rows, int64_t c0) {
+void DsdAmxRows(const DsdJob& job, const PackedRows<BS>& pa, const int32_t* slots, int64_t count, int64_t seg,
+                int64_t r0, int64_t rows, int64_t c0) {
   const DsdParams& p = *job.p;
   constexpr int kStep = PackedRows<BS>::kStep;
   AmxZero<NC, kBottom>();
-  for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
-    const int64_t slot = DsdSlot(job, e);
-    if (slot < 0) continue;
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t slot = slots[s];
     const uint16_t* b = job.packed_w + slot * BS * BS + c0 * BS;
     for (int k0 = 0; k0 < BS; k0 += kStep) {
       AmxStep<NC, kBottom>(pa.Tile(r0, p.in_block[slot], k0), kStep * 2, 16 * kStep, b + k0 * 16, 64, 16 * BS);
@@ -514,9 +514,9 @@ void DsdAmxItem(const DsdJob& job, const PackedRows<BS>& pa, int64_t seg, int64_
     ConfigureTiles(static_cast<int>(Min(tail, 16)), static_cast<int>(Max(tail - 16, 0)), kStep, NC);
     for (int c0 = 0; c0 < BS; c0 += kCols) {
       if (tail > 16) {
-        DsdAmxRows<BS, NC, true>(job, pa, seg, first + full, tail, c0);
+        DsdAmxRows<BS, NC, true>(job, pa, slots, count, seg, first + full, tail, c0);
       } else {
-        DsdAmxRows<BS, NC, false>(job, pa, seg, first + full, tail, c0);
+        DsdAmxRows<BS, NC, false>(job, pa, slots, count, seg, first + full, tail, c0);
       }
     }
   }
