@@ -12,6 +12,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#if defined(__linux__)
+#include <sys/mman.h>  // madvise (huge pages for large buffers)
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>  // only for broadcasts (Splat); the arithmetic is vector extensions
@@ -188,12 +191,25 @@ struct Buffer {
   float* Get(int64_t want) {
     if (want > floats) {
       std::free(data);
-      void* fresh = nullptr;
-      if (posix_memalign(&fresh, 64, sizeof(float) * want) != 0) fresh = nullptr;
-      data = static_cast<float*>(fresh);
+      data = static_cast<float*>(Allocate(sizeof(float) * want));
       floats = data ? want : 0;
     }
     return data;
+  }
+
+ private:
+  // Large buffers are aligned to 2 MiB and asked for huge pages: a buffer of 100+ MiB
+  // allocated per call (it is freed at the end of each) otherwise costs tens of thousands
+  // of page faults, measured at 10% of a bprop's time.
+  static void* Allocate(size_t bytes) {
+    constexpr size_t kHuge = size_t{2} << 20;
+    const bool large = bytes >= 2 * kHuge;
+    void* fresh = nullptr;
+    if (posix_memalign(&fresh, large ? kHuge : 64, bytes) != 0) return nullptr;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (large) madvise(fresh, bytes, MADV_HUGEPAGE);  // advice only: failure changes nothing
+#endif
+    return fresh;
   }
 };
 
