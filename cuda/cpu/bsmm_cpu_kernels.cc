@@ -78,8 +78,8 @@ struct TileShape {
 
 // Rows [0, rows) of a column panel with tiles of fewer than R rows: R / 2, then one by one.
 template <int L, int NV, int R>
-inline void TailRows(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_k, const float* B,
-                     int64_t ldb, float* C, int64_t ldc) {
+inline void TailRows(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb,
+                     float* C, int64_t ldc) {
   int64_t r = 0;
   if (R >= 4) {
     for (; r + R / 2 <= rows; r += R / 2) Tile<L, NV, R / 2>(K, A + r * a_row, a_row, a_k, B, ldb, C + r * ldc, ldc);
