@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
-from helpers import assert_close, cpu_devices, make_problem, rand, require_kernels
+from helpers import assert_close, cpu_devices, make_mask, make_problem, rand, require_kernels
 
 MATRIX_UNIT_ISAS = ("amx", "avx512_bf16")
 ENV = "JAX_BLOCKSPARSE_CPU_ISA"
@@ -153,6 +153,52 @@ def test_eight_threads_at_once(isa):
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
         assert sorted(pool.map(run, range(8))) == list(range(8))
+
+
+# The convolution: on "amx" its forward and input gradient run on the tiles (the weight
+# gradient widens); runs longer than one work item (64 outputs), tails of fewer than 16
+# rows, strides, dilations and the transposed kernel, against the reference path.
+
+# name -> (op, kernel_size, input spatial, keyword arguments)
+CONV_CASES = {
+    "1d_long_same": ("bsconv", (3,), (150,), {}),
+    "1d_stride2": ("bsconv", (4,), (101,), dict(strides=2, padding="VALID")),
+    "2d_dilated": ("bsconv", (3, 3), (5, 37), dict(dilation=(1, 2))),
+    "2d_input_dilation": ("bsconv", (3, 3), (4, 23), dict(input_dilation=2, padding=[(2, 1), (1, 2)])),
+    "2d_transpose_s2": ("bsconv_transpose", (3, 3), (4, 19), dict(strides=2, transpose_kernel=True)),
+    "3d_same": ("bsconv", (3, 2, 3), (3, 4, 20), {}),
+}
+CONV_GRIDS = {16: (3, 2), 32: (2, 3), 64: (2, 1), 128: (1, 1)}
+
+
+@pytest.mark.parametrize("block_size", sorted(CONV_GRIDS))
+@pytest.mark.parametrize("name", sorted(CONV_CASES))
+def test_convolution_matches_the_reference(isa, name, block_size):
+    op_name, kernel_size, spatial, kw = CONV_CASES[name]
+    op = getattr(jbs, op_name)
+    mask = make_mask("random", CONV_GRIDS[block_size], seed=block_size)
+    layout = jbs.Layout.from_mask(mask, block_size, capacity=int(mask.sum()) + 1)
+    w = rand((layout.capacity, *kernel_size, block_size, block_size), jnp.float32, 1)
+    w = jbs.conv_from_dense(jbs.conv_to_dense(w, layout), layout).astype(jnp.bfloat16)  # zero padding slots
+    channels = layout.shape[1] if kw.get("transpose_kernel") else layout.shape[0]
+    x = rand((2, *spatial, channels), jnp.bfloat16, 2)
+
+    def loss(x, w, impl):
+        y = op(x, w, layout, impl=impl, preferred_element_type=jnp.float32, **kw)
+        return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))), y
+
+    run = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    (dx, dw), y = run(x, w, "kernels")
+    (dx_r, dw_r), y_r = run(x, w, "reference")
+    length = int(np.prod(kernel_size)) * max(layout.shape)
+    assert_close(y, np.asarray(y_r), jnp.float32, length=length)
+    for got, want in ((dx, dx_r), (dw, dw_r)):  # bf16, as the operands
+        assert_close(got, np.asarray(want.astype(jnp.float32)), jnp.bfloat16, length=length)
+    # A bf16 output: the float32 sums narrowed once.
+    got = op(x, w, layout, impl="kernels", **kw)
+    want = op(x, w, layout, impl="reference", preferred_element_type=jnp.float32, **kw)
+    assert got.dtype == jnp.bfloat16
+    assert_close(got, np.asarray(want), jnp.bfloat16, length=length)
 
 
 # --------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@
 #include "bsmm_block_sizes.h"
 #include "bsmm_problem.h"
 #include "cpu/bsconv_cpu.h"
-#include "cpu/cpu_simd.h"  // 16-bit conversions, vector types, Splat, Buffer (needs JBS_CPU_ISA)
+#include "cpu/bsconv_runs.h"  // the geometry: lines, runs, segments
+#include "cpu/cpu_simd.h"     // 16-bit conversions, vector types, Splat, Buffer (needs JBS_CPU_ISA)
 
 namespace jbs {
 namespace cpu {
@@ -127,104 +128,6 @@ void Product(const Segments& s, int64_t rows, float* C, int64_t ldc, bool load) 
   }
 }
 
-// ---------------------------------------------------------------------------------
-// Geometry shared by both kernels
-// ---------------------------------------------------------------------------------
-// Spatial dims 0..nd-2 are "outer", nd-1 is the "inner" one. A line is one batch index
-// and one outer output coordinate; its inner outputs o split into `phases` classes
-// o = p + m * ostep (ostep = lhs_dilation / g, g = gcd(stride, lhs_dilation)), and
-// within a class a tap that reads a real input at all reads inner positions
-// i0 + m * istep (istep = stride / g).
-
-int64_t Gcd(int64_t a, int64_t b) {
-  while (b != 0) {
-    const int64_t t = a % b;
-    a = b;
-    b = t;
-  }
-  return a;
-}
-
-struct Lines {
-  int nd;
-  int64_t out_outer, in_outer;  // products of the outer output / input dims
-  int64_t out_inner, in_inner;
-  int64_t ostep, istep, phases;
-  int64_t taps;     // all taps
-  int64_t k_inner;  // taps of the inner dim
-};
-
-Lines MakeLines(const ConvGeometry& g) {
-  Lines l{};
-  l.nd = g.ndim;
-  const int d = g.ndim - 1;
-  l.out_outer = 1;
-  l.in_outer = 1;
-  l.taps = 1;
-  for (int i = 0; i < g.ndim; ++i) l.taps *= g.kernel[i];
-  for (int i = 0; i < d; ++i) {
-    l.out_outer *= g.out[i];
-    l.in_outer *= g.in[i];
-  }
-  l.out_inner = g.out[d];
-  l.in_inner = g.in[d];
-  const int64_t gcd = Gcd(g.stride[d], g.lhs_dilation[d]);
-  l.ostep = g.lhs_dilation[d] / gcd;
-  l.istep = g.stride[d] / gcd;
-  l.phases = Min(l.ostep, Max(l.out_inner, 1));
-  l.k_inner = g.kernel[d];
-  return l;
-}
-
-// Outputs of phase p: p, p + ostep, ...
-int64_t PhaseLength(const Lines& l, int64_t p) { return p < l.out_inner ? CeilDiv(l.out_inner - p, l.ostep) : 0; }
-
-// Inner tap t at phase p reads inner input i0 + m * istep; false when it reads only zeros
-// of the input dilation.
-bool InnerStart(const ConvGeometry& g, int64_t p, int64_t t, int64_t* i0) {
-  const int d = g.ndim - 1;
-  const int64_t j = p * g.stride[d] + t * g.rhs_dilation[d] - g.pad_lo[d];
-  if (j % g.lhs_dilation[d] != 0) return false;
-  *i0 = j / g.lhs_dilation[d];
-  return true;
-}
-
-// The outer input coordinates (flattened over the outer input dims) that outer tap
-// `tap_outer` (flattened over the outer kernel dims) reads for outer output
-// `o_outer`; false when that is padding or a zero of the input dilation.
-bool OuterInput(const ConvGeometry& g, int64_t o_outer, int64_t tap_outer, int64_t* i_outer) {
-  int64_t flat = 0;
-  // Decode both multi-indices from the last outer dim to the first.
-  int64_t o_rest = o_outer, t_rest = tap_outer, scale = 1;
-  for (int d = g.ndim - 2; d >= 0; --d) {
-    const int64_t o = o_rest % g.out[d], t = t_rest % g.kernel[d];
-    o_rest /= g.out[d];
-    t_rest /= g.kernel[d];
-    const int64_t j = o * g.stride[d] + t * g.rhs_dilation[d] - g.pad_lo[d];
-    if (j % g.lhs_dilation[d] != 0) return false;
-    const int64_t i = j / g.lhs_dilation[d];
-    if (i < 0 || i >= g.in[d]) return false;
-    flat += i * scale;
-    scale *= g.in[d];
-  }
-  *i_outer = flat;
-  return true;
-}
-
-// OuterInput for every (outer output, outer tap), flattened [out_outer][k_outer]: the
-// input's outer index, or -1. Made once per call: the work items look it up (the
-// decoding divides, which would cost more than a short run's products).
-std::vector<int64_t> OuterTable(const ConvGeometry& g, int64_t out_outer, int64_t k_outer) {
-  std::vector<int64_t> table(static_cast<size_t>(out_outer * k_outer), -1);
-  for (int64_t o = 0; o < out_outer; ++o) {
-    for (int64_t t = 0; t < k_outer; ++t) {
-      int64_t i;
-      if (OuterInput(g, o, t, &i)) table[static_cast<size_t>(o * k_outer + t)] = i;
-    }
-  }
-  return table;
-}
-
 // Widens block `block` of rows [n, positions, blocks * BS] for batch index `b` into
 // dst[positions][BS], leaving `pad_lo` / `pad_hi` zero rows around every run of
 // `inner` positions.
@@ -263,15 +166,6 @@ ItemScratch& ThreadItemScratch() {
 // The convolution
 // ---------------------------------------------------------------------------------
 
-// Outputs per work item at most (a run longer than this is split): the accumulator of
-// a 16-bit output is kUnitRows x BS floats of thread scratch.
-constexpr int64_t kUnitRows = 64;
-
-// One run of outputs of a line: phase p, outputs p + (m0 + m) * ostep for m < len.
-struct Unit {
-  int64_t phase, m0, len;
-};
-
 struct ConvJob {
   const ConvParams* p;
   DType in, out;
@@ -289,8 +183,6 @@ struct ConvJob {
   int64_t max_segments;     // per item
   int* failed;              // set when an item found no scratch memory
 };
-
-constexpr int64_t kNoInput = INT64_MIN;
 
 template <int BS>
 void ConvPackItem(void* arg, int64_t item) {
@@ -344,35 +236,9 @@ void ConvItem(void* arg, int64_t item) {
   }
   const float** B = A + job.max_segments;
 
-  // Segments: every (slot, tap) of this output block whose input run is not all padding.
-  int64_t count = 0;
-  const int64_t e0 = Min(Max(p.seg_ptr[seg], 0), p.cap);
-  const int64_t e1 = Min(Max(p.seg_ptr[seg + 1], e0), p.cap);
-  const int64_t k_outer = l.taps / l.k_inner;
-  const int64_t* i0s = job.tap_i0 + unit.phase * l.k_inner;
-  for (int64_t e = e0; e < e1; ++e) {
-    const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
-    if (slot < 0 || slot >= job.nnz) continue;  // padding
-    const int64_t block = p.in_block[slot];
-    if (block < 0 || block >= p.nin) continue;
-    const float* image = job.packed + (block * p.n + b) * l.in_outer * job.wp * BS;
-    for (int64_t to = 0; to < k_outer; ++to) {
-      const int64_t i_outer = job.outer_in[o_outer * k_outer + to];
-      if (i_outer < 0) continue;
-      const float* run = image + i_outer * job.wp * BS;
-      for (int64_t ti = 0; ti < l.k_inner; ++ti) {
-        if (i0s[ti] == kNoInput) continue;
-        const int64_t first = i0s[ti] + unit.m0 * l.istep;
-        const int64_t last = first + (unit.len - 1) * l.istep;
-        if (last < 0 || first >= l.in_inner) continue;  // all padding
-        const int64_t tap = to * l.k_inner + ti;
-        const int64_t wtap = p.transpose_kernel ? l.taps - 1 - tap : tap;
-        A[count] = run + (job.pad_lo + first) * BS;
-        B[count] = job.weights + (slot * l.taps + wtap) * BS * BS;
-        ++count;
-      }
-    }
-  }
+  const ConvOperands<float> operands{job.packed, job.weights, job.wp, job.pad_lo, BS * BS};
+  const int64_t count =
+      ListConvSegments(p, l, job.nnz, job.tap_i0, job.outer_in, operands, seg, b, o_outer, unit, A, B);
 
   const int64_t fout = int64_t{p.nseg} * BS;
   const int64_t o_first = unit.phase + unit.m0 * l.ostep;  // first inner output
@@ -408,48 +274,19 @@ bool RunConvBlock(ConvJob& job, const Parallel& par) {
   l = MakeLines(g);
   job.lines = p.n * l.out_outer;
 
-  // The plan: inner input starts per (phase, inner tap), and the runs of every line.
-  int64_t num_units = 0;
-  for (int64_t ph = 0; ph < l.phases; ++ph) num_units += CeilDiv(PhaseLength(l, ph), kUnitRows);
-  const int64_t plan_words = l.phases * l.k_inner + 3 * num_units;
-  int64_t* plan = reinterpret_cast<int64_t*>(CallerBuffer(2).Get(2 * plan_words + 2));
+  int64_t* plan = reinterpret_cast<int64_t*>(CallerBuffer(2).Get(2 * ConvRunsWords(l) + 2));
   if (plan == nullptr) return false;
-  int64_t* tap_i0 = plan;
-  Unit* units = reinterpret_cast<Unit*>(plan + l.phases * l.k_inner);
-  int64_t u = 0;
-  job.pad_lo = job.pad_hi = 0;
-  for (int64_t ph = 0; ph < l.phases; ++ph) {
-    for (int64_t t = 0; t < l.k_inner; ++t) {
-      int64_t i0;
-      tap_i0[ph * l.k_inner + t] = InnerStart(g, ph, t, &i0) ? i0 : kNoInput;
-    }
-    const int64_t length = PhaseLength(l, ph);
-    for (int64_t m0 = 0; m0 < length; m0 += kUnitRows) {
-      units[u++] = Unit{ph, m0, Min(kUnitRows, length - m0)};
-      // The zero border: what the runs that are not all padding read beyond the input.
-      for (int64_t t = 0; t < l.k_inner; ++t) {
-        const int64_t i0 = tap_i0[ph * l.k_inner + t];
-        if (i0 == kNoInput || l.in_inner == 0) continue;
-        const int64_t first = i0 + m0 * l.istep, last = first + (units[u - 1].len - 1) * l.istep;
-        if (last < 0 || first >= l.in_inner) continue;
-        job.pad_lo = Max(job.pad_lo, -first);
-        job.pad_hi = Max(job.pad_hi, last - (l.in_inner - 1));
-      }
-    }
-  }
-  job.units = units;
-  job.num_units = num_units;
-  job.tap_i0 = tap_i0;
+  const ConvRuns runs = PlanConvRuns(g, l, plan);
+  job.units = runs.units;
+  job.num_units = runs.num_units;
+  job.tap_i0 = runs.tap_i0;
+  job.pad_lo = runs.pad_lo;
+  job.pad_hi = runs.pad_hi;
   const std::vector<int64_t> outer_in = OuterTable(g, l.out_outer, l.taps / l.k_inner);
   job.outer_in = outer_in.data();
   job.wp = job.pad_lo + l.in_inner + job.pad_hi;
 
-  int64_t longest = 0;
-  for (int j = 0; j < p.nseg; ++j) {
-    const int64_t e0 = Min(Max(p.seg_ptr[j], 0), p.cap);
-    longest = Max(longest, Min(Max(p.seg_ptr[j + 1], e0), p.cap) - e0);
-  }
-  job.max_segments = Max(1, longest * l.taps);
+  job.max_segments = MaxConvSegments(p, l);
 
   // The widened input with its zero border, and the weights as the products take them.
   const int64_t packed_floats = int64_t{p.nin} * p.n * l.in_outer * job.wp * BS;
@@ -466,7 +303,7 @@ bool RunConvBlock(ConvJob& job, const Parallel& par) {
   }
   int failed = 0;
   job.failed = &failed;
-  par.for_each(par.ctx, int64_t{p.nseg} * job.lines * num_units, &ConvItem<BS>, &job);
+  par.for_each(par.ctx, int64_t{p.nseg} * job.lines * job.num_units, &ConvItem<BS>, &job);
   return __atomic_load_n(&failed, __ATOMIC_RELAXED) == 0;
 }
 

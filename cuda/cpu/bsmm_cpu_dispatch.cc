@@ -4,9 +4,11 @@
 // The build compiles the kernel files (bsmm_cpu_kernels.cc, bsconv_cpu_kernels.cc) for
 // "baseline" everywhere and, on x86-64 (where it defines JBS_CPU_X86_VARIANTS), also for
 // "avx2" (AVX2 + FMA) and "avx512" (AVX-512F). Where the compiler has the AMX and
-// AVX512-BF16 flags it also builds bsmm_cpu_bf16.cc (JBS_CPU_BF16_KERNELS): bfloat16
-// products run there on "amx" (tiles) or "avx512_bf16" (dot products) machines; every
-// other dtype, and the convolutions, run the "avx512" kernels on those machines.
+// AVX512-BF16 flags it also builds bsmm_cpu_bf16.cc and bsconv_cpu_bf16.cc
+// (JBS_CPU_BF16_KERNELS): bfloat16 products run there on "amx" (tiles) or "avx512_bf16"
+// (dot products) machines, the bfloat16 convolution on "amx" only; every other dtype,
+// the weight gradient of the convolution, and the convolution on "avx512_bf16", run the
+// "avx512" kernels on those machines.
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -146,7 +148,13 @@ bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
 }
 
 bool RunConv(DType in, bool out_f32, const ConvParams& p, const Parallel& par) {
-  switch (Chosen()) {
+  const Isa isa = Chosen();
+#if defined(JBS_CPU_BF16_KERNELS)
+  // Tiles only: the convolution has no dot-engine form, "avx512_bf16" widens.
+  bf16::Engine engine;
+  if (OnMatrixUnits(isa, in, p.bs, &engine) && engine == bf16::Engine::kAmx) return bf16::RunConv(out_f32, p, par);
+#endif
+  switch (isa) {
 #if defined(JBS_CPU_X86_VARIANTS)
     case Isa::kAmx:
     case Isa::kAvx512Bf16:

@@ -1,0 +1,243 @@
+// The bfloat16 convolution on AMX tiles: the problem of bsconv_cpu.h (forward, input
+// gradient, transposed convolution), with its products on TDPBF16PS instead of widening
+// to float32 (bsconv_cpu_kernels.cc).
+//
+// Compiled once, with the AMX and AVX512-BF16 flags (CMakeLists.txt), like
+// bsmm_cpu_bf16.cc; the dispatcher (bsmm_cpu_dispatch.cc) calls it for bfloat16 inputs,
+// blocks of bf16::kMinBlock or more, on "amx" only. The weight gradient keeps the
+// widening kernels.
+//
+// The same plan as the widening kernel (bsconv_runs.h): one work item is one output
+// block column x one run of up to kUnitRows outputs of a line, summing every (slot, tap)
+// segment that feeds it. Here:
+//   * the input is copied once per call, as bf16, into the block-major [nin][n][in_outer]
+//     [wp][bs] layout with its zero border: an A tile is 16 outputs of a run (rows
+//     istep * bs bf16 apart, a tile load's stride) x 32 channels of the block (16 for
+//     block 16, half a tile's depth);
+//   * every (slot, tap) weight block is VNNI-packed once per call in column tiles
+//     (PackWeight, transposed for transpose_kernel);
+//   * an item sums its segments in 2 x 2 accumulator tiles (32 outputs x 32 channels),
+//     its tiles configured to the run's length, then writes the float32 sums to the
+//     output (narrowed to bf16 where the output is bf16).
+// Summation order: per output element, segment by segment (slots in segment order, taps
+// in kernel order), within a block in pairs of channels as TDPBF16PS adds them.
+#if defined(JBS_CPU_BF16_KERNELS)
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "bsmm_block_sizes.h"
+#include "bsmm_problem.h"
+#include "cpu/bf16_tiles.h"  // VNNI packing, AMX tile steps, narrowing
+#include "cpu/bsconv_cpu.h"
+#include "cpu/bsconv_runs.h"  // the geometry: lines, runs, segments
+#include "cpu/cpu_simd.h"     // buffers, Min/Max/CeilDiv (needs JBS_CPU_ISA: bf16)
+
+namespace jbs {
+namespace cpu {
+namespace bf16 {
+namespace {
+
+struct ConvJob {
+  const ConvParams* p;
+  bool out_f32;
+  int64_t nnz;
+  Lines l;
+  int64_t lines;  // n * out_outer
+  ConvRuns runs;
+  const int64_t* outer_in;  // [out_outer][k_outer] (OuterTable)
+  int64_t wp;               // pad_lo + in_inner + pad_hi
+  uint16_t* packed;         // [nin][n][in_outer][wp][bs] bf16
+  uint16_t* weights;        // [nnz][taps][bs][bs] VNNI-packed in column tiles
+  int64_t max_segments;
+  int* failed;  // set when an item found no scratch memory
+};
+
+// Copies block `block` of batch index b of the input into its runs of the packed input,
+// with the zero rows around each.
+template <int BS>
+void ConvPackItem(void* arg, int64_t item) {
+  const ConvJob& job = *static_cast<const ConvJob*>(arg);
+  const ConvParams& p = *job.p;
+  const Lines& l = job.l;
+  const int64_t block = item / p.n, b = item % p.n;
+  const int64_t ld = int64_t{p.nin} * BS, positions = l.in_outer * l.in_inner;
+  const uint16_t* src = static_cast<const uint16_t*>(p.a);
+  uint16_t* dst = job.packed + (block * p.n + b) * l.in_outer * job.wp * BS;
+  for (int64_t r = 0; r < l.in_outer; ++r) {
+    uint16_t* run = dst + r * job.wp * BS;
+    std::memset(run, 0, sizeof(uint16_t) * job.runs.pad_lo * BS);
+    for (int64_t i = 0; i < l.in_inner; ++i) {
+      const int64_t row = b * positions + r * l.in_inner + i;
+      std::memcpy(run + (job.runs.pad_lo + i) * BS, src + row * ld + block * BS, sizeof(uint16_t) * BS);
+    }
+    std::memset(run + (job.runs.pad_lo + l.in_inner) * BS, 0, sizeof(uint16_t) * job.runs.pad_hi * BS);
+  }
+}
+
+// The weights of one slot, every tap, as the tiles read them: M(t) = W(t) [in][out], or
+// W(t)^T with transpose_kernel (the item reads tap T - 1 - t then).
+template <int BS>
+void ConvWeightItem(void* arg, int64_t slot) {
+  const ConvJob& job = *static_cast<const ConvJob*>(arg);
+  const ConvParams& p = *job.p;
+  const uint16_t* w = static_cast<const uint16_t*>(p.w);
+  for (int64_t t = 0; t < job.l.taps; ++t) {
+    const int64_t at = (slot * job.l.taps + t) * BS * BS;
+    PackWeight<BS>(w + at, p.transpose_kernel, job.weights + at);
+  }
+}
+
+// Per-thread scratch of the items: the segments' A and B pointers and the accumulators.
+struct ItemScratch {
+  Buffer pointers;                         // 2 per segment, as floats' storage
+  alignas(64) float acc[kUnitRows * 128];  // [rows][BS]
+};
+
+ItemScratch& ThreadItemScratch() {
+  static thread_local ItemScratch scratch;
+  return scratch;
+}
+
+// acc rows [r0, r0 + 32) (or 16: kBottom false), columns [c0, c0 + 16 * NC), summed over
+// the segments: A[i] the run's first input row, rows a_stride bytes apart.
+template <int BS, int NC, bool kBottom>
+void SumSegments(const uint16_t* const* A, const uint16_t* const* B, int64_t count, int64_t a_stride, int64_t r0,
+                 int c0, float* acc) {
+  constexpr int kStep = BS < 32 ? BS : 32;  // channels per tile step
+  const int64_t row_elems = a_stride / 2;
+  AmxZero<NC, kBottom>();
+  for (int64_t i = 0; i < count; ++i) {
+    const uint16_t* a = A[i] + r0 * row_elems;
+    const uint16_t* b = B[i] + c0 * BS;
+    for (int k0 = 0; k0 < BS; k0 += kStep) {
+      AmxStep<NC, kBottom>(a + k0, a_stride, 16 * row_elems, b + k0 * 16, 64, 16 * BS);
+    }
+  }
+  AmxStoreC<NC, kBottom>(acc + r0 * BS + c0, BS);
+}
+
+// Rows [r0, r0 + rows) of the unit (rows <= 32), every column, into acc.
+template <int BS>
+void SumRows(const uint16_t* const* A, const uint16_t* const* B, int64_t count, int64_t a_stride, int64_t r0,
+             int64_t rows, float* acc) {
+  constexpr int kStep = BS < 32 ? BS : 32;
+  constexpr int NC = BS < 32 ? 1 : 2;
+  ConfigureTiles(static_cast<int>(Min(rows, 16)), static_cast<int>(Max(rows - 16, 0)), kStep, NC);
+  for (int c0 = 0; c0 < BS; c0 += 16 * NC) {
+    if (rows > 16) {
+      SumSegments<BS, NC, true>(A, B, count, a_stride, r0, c0, acc);
+    } else {
+      SumSegments<BS, NC, false>(A, B, count, a_stride, r0, c0, acc);
+    }
+  }
+}
+
+template <int BS>
+void ConvItem(void* arg, int64_t item) {
+  const ConvJob& job = *static_cast<const ConvJob*>(arg);
+  const ConvParams& p = *job.p;
+  const Lines& l = job.l;
+  const int64_t per_column = job.lines * job.runs.num_units;
+  const int64_t seg = p.order[item / per_column];
+  if (seg < 0 || seg >= p.nseg) return;  // not a permutation: the handler's contract is broken
+  const int64_t line = (item % per_column) / job.runs.num_units;
+  const Unit& unit = job.runs.units[item % job.runs.num_units];
+  const int64_t b = line / l.out_outer, o_outer = line % l.out_outer;
+
+  ItemScratch& scratch = ThreadItemScratch();
+  const uint16_t** A = reinterpret_cast<const uint16_t**>(scratch.pointers.Get(4 * job.max_segments + 4));
+  if (A == nullptr) {
+    __atomic_store_n(job.failed, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  const uint16_t** B = A + job.max_segments;
+  const ConvOperands<uint16_t> operands{job.packed, job.weights, job.wp, job.runs.pad_lo, BS * BS};
+  const int64_t count =
+      ListConvSegments(p, l, job.nnz, job.runs.tap_i0, job.outer_in, operands, seg, b, o_outer, unit, A, B);
+
+  float* acc = scratch.acc;
+  if (count == 0) {
+    std::memset(acc, 0, sizeof(float) * unit.len * BS);
+  } else {
+    const int64_t a_stride = l.istep * BS * 2;  // bytes between the outputs' input rows
+    const int64_t full = unit.len - unit.len % 32;
+    for (int64_t r0 = 0; r0 < full; r0 += 32) {
+      // One configuration serves every whole group of 32 rows; SumRows loads it each time,
+      // which costs little next to a group's products.
+      SumRows<BS>(A, B, count, a_stride, r0, 32, acc);
+    }
+    if (full < unit.len) SumRows<BS>(A, B, count, a_stride, full, unit.len - full, acc);
+    _tile_release();
+  }
+
+  const int64_t fout = int64_t{p.nseg} * BS;
+  const int64_t o_first = unit.phase + unit.m0 * l.ostep;  // first inner output
+  const int64_t row0 = (b * l.out_outer + o_outer) * l.out_inner + o_first;
+  for (int64_t m = 0; m < unit.len; ++m) {
+    const int64_t at = (row0 + m * l.ostep) * fout + seg * BS;
+    if (job.out_f32) {
+      std::memcpy(static_cast<float*>(p.out) + at, acc + m * BS, sizeof(float) * BS);
+    } else {
+      NarrowRow(acc + m * BS, static_cast<uint16_t*>(p.out) + at, BS);
+    }
+  }
+}
+
+template <int BS>
+bool RunConvBlock(ConvJob& job, const Parallel& par) {
+  const ConvParams& p = *job.p;
+  const ConvGeometry& g = p.g;
+  Lines& l = job.l;
+  l = MakeLines(g);
+  job.lines = p.n * l.out_outer;
+  int64_t* plan = reinterpret_cast<int64_t*>(CallerBuffer(2).Get(2 * ConvRunsWords(l) + 2));
+  if (plan == nullptr) return false;
+  job.runs = PlanConvRuns(g, l, plan);
+  const std::vector<int64_t> outer_in = OuterTable(g, l.out_outer, l.taps / l.k_inner);
+  job.outer_in = outer_in.data();
+  job.wp = job.runs.pad_lo + l.in_inner + job.runs.pad_hi;
+  job.max_segments = MaxConvSegments(p, l);
+
+  // The input as bf16 runs with their zero border, and the weights as the tiles read them
+  // (Buffer counts floats: two bf16 each).
+  const int64_t packed_elems = int64_t{p.nin} * p.n * l.in_outer * job.wp * BS;
+  job.packed = reinterpret_cast<uint16_t*>(CallerBuffer(0).Get(Max(CeilDiv(packed_elems, 2), 1)));
+  job.weights = reinterpret_cast<uint16_t*>(CallerBuffer(1).Get(Max(CeilDiv(job.nnz * l.taps * BS * BS, 2), 1)));
+  if (job.packed == nullptr || job.weights == nullptr) return false;
+  if (packed_elems > 0) par.for_each(par.ctx, int64_t{p.nin} * p.n, &ConvPackItem<BS>, &job);
+  if (job.nnz > 0) par.for_each(par.ctx, job.nnz, &ConvWeightItem<BS>, &job);
+  int failed = 0;
+  job.failed = &failed;
+  par.for_each(par.ctx, int64_t{p.nseg} * job.lines * job.runs.num_units, &ConvItem<BS>, &job);
+  return __atomic_load_n(&failed, __ATOMIC_RELAXED) == 0;
+}
+
+}  // namespace
+
+bool RunConv(bool out_f32, const ConvParams& p, const Parallel& par) {
+  if (p.bs < kMinBlock) return false;
+  ConvJob job{};
+  job.p = &p;
+  job.out_f32 = out_f32;
+  job.nnz = SlotsInUse(p.nnz, p.cap);
+  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) {
+    constexpr int BS = decltype(bs)::value;
+    if constexpr (BS < kMinBlock) {
+      return false;
+    } else {
+      return RunConvBlock<BS>(job, par);
+    }
+  });
+  ReleaseLargeBuffers();
+  return ok;
+}
+
+}  // namespace bf16
+}  // namespace cpu
+}  // namespace jbs
+
+#endif  // defined(JBS_CPU_BF16_KERNELS)
