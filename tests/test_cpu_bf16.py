@@ -155,9 +155,11 @@ def test_eight_threads_at_once(isa):
         assert sorted(pool.map(run, range(8))) == list(range(8))
 
 
-# The convolution: on "amx" its forward and input gradient run on the tiles (the weight
-# gradient widens); runs longer than one work item (64 outputs), tails of fewer than 16
-# rows, strides, dilations and the transposed kernel, against the reference path.
+# The convolution: on "amx" its forward and input gradient run on the tiles, and its
+# weight gradient where the innermost dim has unit steps and an even number of outputs
+# (else it widens: the strided, input-dilated and odd cases here). Runs longer than one
+# work item (64 outputs), tails of fewer than 16 rows or 32 positions, strides,
+# dilations, big padding and the transposed kernel, against the reference path.
 
 # name -> (op, kernel_size, input spatial, keyword arguments)
 CONV_CASES = {
@@ -167,6 +169,11 @@ CONV_CASES = {
     "2d_input_dilation": ("bsconv", (3, 3), (4, 23), dict(input_dilation=2, padding=[(2, 1), (1, 2)])),
     "2d_transpose_s2": ("bsconv_transpose", (3, 3), (4, 19), dict(strides=2, transpose_kernel=True)),
     "3d_same": ("bsconv", (3, 2, 3), (3, 4, 20), {}),
+    "2d_same_tail8": ("bsconv", (3, 3), (3, 40), {}),
+    "2d_valid": ("bsconv", (3, 3), (4, 34), dict(padding="VALID")),
+    "1d_dilated_big_pad": ("bsconv", (3,), (30,), dict(dilation=2, padding=[(7, 3)])),
+    "2d_outer_pad": ("bsconv", (2, 3), (2, 16), dict(padding=[(3, 2), (1, 1)])),
+    "2d_transpose_s1": ("bsconv_transpose", (3, 3), (3, 26), dict(transpose_kernel=True)),
 }
 CONV_GRIDS = {16: (3, 2), 32: (2, 3), 64: (2, 1), 128: (1, 1)}
 

@@ -105,12 +105,15 @@ JBS_DECLARE_CONV_KERNELS(avx2)
 JBS_DECLARE_CONV_KERNELS(avx512)
 #undef JBS_DECLARE_CONV_KERNELS
 
-// The bfloat16 convolution on AMX tiles (bsconv_cpu_bf16.cc, builds that define
-// JBS_CPU_BF16_KERNELS): bfloat16 operands, blocks of bf16::kMinBlock or more (false,
-// having written nothing, for smaller ones). The weight gradient has no tile form yet: it
-// runs the widening kernels.
+// The bfloat16 convolution and its weight gradient on AMX tiles (bsconv_cpu_bf16.cc,
+// builds that define JBS_CPU_BF16_KERNELS): bfloat16 operands, blocks of bf16::kMinBlock or
+// more (false, having written nothing, for smaller ones). The weight gradient only where
+// WgradOnTiles(p): unit steps along the innermost spatial dim and an even number of
+// outputs per line; other geometries run the widening kernels.
 namespace bf16 {
 bool RunConv(bool out_f32, const ConvParams& p, const Parallel& par);
+bool WgradOnTiles(const ConvWgradParams& p);
+bool RunConvWgrad(bool out_f32, const ConvWgradParams& p, const Parallel& par);
 }  // namespace bf16
 
 }  // namespace cpu

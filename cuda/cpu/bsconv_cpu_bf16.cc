@@ -4,8 +4,8 @@
 //
 // Compiled once, with the AMX and AVX512-BF16 flags (CMakeLists.txt), like
 // bsmm_cpu_bf16.cc; the dispatcher (bsmm_cpu_dispatch.cc) calls it for bfloat16 inputs,
-// blocks of bf16::kMinBlock or more, on "amx" only. The weight gradient keeps the
-// widening kernels.
+// blocks of bf16::kMinBlock or more, on "amx" only: the convolution always, the weight
+// gradient where WgradOnTiles says its geometry has a tile form.
 //
 // The same plan as the widening kernel (bsconv_runs.h): one work item is one output
 // block column x one run of up to kUnitRows outputs of a line, summing every (slot, tap)
@@ -21,6 +21,18 @@
 //     output (narrowed to bf16 where the output is bf16).
 // Summation order: per output element, segment by segment (slots in segment order, taps
 // in kernel order), within a block in pairs of channels as TDPBF16PS adds them.
+//
+// The weight gradient, for unit steps along the innermost dim (stride == input dilation:
+// every output of a line reads the input positions i0 + m, m < L, L = the line's
+// outputs, even) is one work item per (slot, tap) summing over the lines
+//   C[i][j] += sum over m of a[i0 + m][i] * b[m][j]     (a: the input, b: the output gradient)
+// with A = the input's line transposed ([bs][wp] per block and line, zero-padded so that
+// every tap reads L positions without clipping: a tap's shift is where its tiles start) and
+// B = the output gradient's line VNNI-packed along m ([L / 2][bs][2]); both are packed once
+// per call. Lines of 32 positions per step, then the last L % 32 with the tiles
+// reconfigured to that depth (nothing read past a line). With transpose_kernel the roles
+// of the layout's rows and columns swap, so C is stored transposed. Summation order: line
+// by line, 32 positions per step (pairs as TDPBF16PS adds them); other geometries widen.
 #if defined(JBS_CPU_BF16_KERNELS)
 
 #include <immintrin.h>
@@ -93,8 +105,8 @@ void ConvWeightItem(void* arg, int64_t slot) {
 
 // Per-thread scratch of the items: the segments' A and B pointers and the accumulators.
 struct ItemScratch {
-  Buffer pointers;                         // 2 per segment, as floats' storage
-  alignas(64) float acc[kUnitRows * 128];  // [rows][BS]
+  Buffer pointers;                   // 2 per segment, as floats' storage
+  alignas(64) float acc[128 * 128];  // the convolution's [kUnitRows][BS], the weight gradient's [BS][BS]
 };
 
 ItemScratch& ThreadItemScratch() {
@@ -216,6 +228,200 @@ bool RunConvBlock(ConvJob& job, const Parallel& par) {
   return __atomic_load_n(&failed, __ATOMIC_RELAXED) == 0;
 }
 
+// ---------------------------------------------------------------------------------
+// The weight gradient
+// ---------------------------------------------------------------------------------
+
+// Whether the weight gradient of geometry g has the tile form: unit steps along the
+// innermost dim and an even, nonzero number of outputs per line.
+bool UnitStepLines(const ConvGeometry& g) {
+  const Lines l = MakeLines(g);
+  return l.istep == 1 && l.ostep == 1 && l.out_inner > 0 && l.out_inner % 2 == 0;
+}
+
+struct WgradJob {
+  const ConvWgradParams* p;
+  bool out_f32;
+  int64_t nnz;
+  Lines l;
+  int64_t lines;          // n * out_outer
+  int64_t pad_lo, wp;     // the transposed input's lines: pad_lo zeros, then in_inner positions; wp in all (even)
+  const int64_t* tap_i0;  // [k_inner] (one phase)
+  const int64_t* outer_in;
+  uint16_t* at;  // [a_blocks][n][in_outer][bs][wp]: the input transposed per line
+  uint16_t* bv;  // [b_blocks][n][out_outer][L / 2][bs][2]: the output gradient VNNI-packed per line
+};
+
+// One line of one block of the input, transposed: at_line[i][pad_lo + q] = a[q][i]. Per 32
+// positions: positions q, q + 1 interleaved into 32-bit pairs, then the pairs transposed.
+template <int BS>
+void WgradPackInputLine(const WgradJob& job, int64_t block, int64_t b, int64_t i_outer) {
+  const ConvWgradParams& p = *job.p;
+  const Lines& l = job.l;
+  const int64_t ld = int64_t{p.a_blocks} * BS;
+  const uint16_t* src = static_cast<const uint16_t*>(p.a) + ((b * l.in_outer + i_outer) * l.in_inner) * ld + block * BS;
+  uint16_t* line = job.at + ((block * p.n + b) * l.in_outer + i_outer) * BS * job.wp;
+  const int64_t filled = CeilDiv(l.in_inner, 32) * 32;  // written by the transposes (zeros past in_inner)
+  for (int i = 0; i < BS; ++i) {
+    std::memset(line + i * job.wp, 0, sizeof(uint16_t) * job.pad_lo);
+    std::memset(line + i * job.wp + job.pad_lo + filled, 0, sizeof(uint16_t) * (job.wp - job.pad_lo - filled));
+  }
+  alignas(64) uint16_t pairs[16 * 2 * BS];
+  for (int64_t q0 = 0; q0 < l.in_inner; q0 += 32) {
+    for (int64_t k = 0; k < 16; ++k) {
+      const int64_t q = q0 + 2 * k;
+      const uint16_t* r0 = q < l.in_inner ? src + q * ld : kZeros;
+      const uint16_t* r1 = q + 1 < l.in_inner ? src + (q + 1) * ld : kZeros;
+      InterleaveRows(r0, r1, pairs + k * 2 * BS, BS);
+    }
+    TransposeWords(reinterpret_cast<const uint32_t*>(pairs), BS, 16, BS,
+                   reinterpret_cast<uint32_t*>(line + job.pad_lo + q0), job.wp / 2);
+  }
+}
+
+// One line of one block of the output gradient, VNNI-packed along its positions:
+// bv_line[m / 2][j][m % 2] = b[m][j].
+template <int BS>
+void WgradPackGradientLine(const WgradJob& job, int64_t block, int64_t b, int64_t o_outer) {
+  const ConvWgradParams& p = *job.p;
+  const Lines& l = job.l;
+  const int64_t ld = int64_t{p.b_blocks} * BS;
+  const uint16_t* src =
+      static_cast<const uint16_t*>(p.b) + ((b * l.out_outer + o_outer) * l.out_inner) * ld + block * BS;
+  uint16_t* line = job.bv + ((block * p.n + b) * l.out_outer + o_outer) * l.out_inner * BS;
+  for (int64_t m = 0; m < l.out_inner; m += 2) InterleaveRows(src + m * ld, src + (m + 1) * ld, line + m * BS, BS);
+}
+
+template <int BS>
+void WgradPackItem(void* arg, int64_t item) {
+  const WgradJob& job = *static_cast<const WgradJob*>(arg);
+  const ConvWgradParams& p = *job.p;
+  const Lines& l = job.l;
+  const int64_t a_lines = int64_t{p.a_blocks} * p.n * l.in_outer;
+  if (item < a_lines) {
+    WgradPackInputLine<BS>(job, item / (p.n * l.in_outer), (item / l.in_outer) % p.n, item % l.in_outer);
+  } else {
+    item -= a_lines;
+    WgradPackGradientLine<BS>(job, item / (p.n * l.out_outer), (item / l.out_outer) % p.n, item % l.out_outer);
+  }
+}
+
+// C tiles for rows [c0, c0 + 32) (16 for block 16) x columns [j0, j0 + 16 * NC) of the
+// block, summed over every line at positions [m0, m0 + depth) (depth = the configured
+// reduction). `load`: start from acc rather than zero; the tiles go back to acc.
+template <int BS, int NC, bool kBottom>
+void WgradTiles(const WgradJob& job, int64_t a_block, int64_t b_block, int64_t i0, int64_t to, int c0, int j0,
+                int64_t m_first, int64_t m_end, int depth, bool load, float* acc) {
+  const ConvWgradParams& p = *job.p;
+  const Lines& l = job.l;
+  const int64_t k_outer = l.taps / l.k_inner;
+  if (load) {
+    AmxLoadC<NC, kBottom>(acc + c0 * BS + j0, BS);
+  } else {
+    AmxZero<NC, kBottom>();
+  }
+  for (int64_t line = 0; line < job.lines; ++line) {
+    const int64_t b = line / l.out_outer, o_outer = line % l.out_outer;
+    const int64_t i_outer = job.outer_in[o_outer * k_outer + to];
+    if (i_outer < 0) continue;
+    const uint16_t* a = job.at + ((a_block * p.n + b) * l.in_outer + i_outer) * BS * job.wp + c0 * job.wp;
+    const uint16_t* bv = job.bv + ((b_block * p.n + b) * l.out_outer + o_outer) * l.out_inner * BS + j0 * 2;
+    for (int64_t m0 = m_first; m0 < m_end; m0 += depth) {
+      AmxStep<NC, kBottom>(a + job.pad_lo + i0 + m0, job.wp * 2, 16 * job.wp, bv + m0 * BS, 4 * BS, 32);
+    }
+  }
+  AmxStoreC<NC, kBottom>(acc + c0 * BS + j0, BS);
+}
+
+// Every tile of the block over positions [m_first, m_end) at one configured depth.
+template <int BS>
+void WgradPass(const WgradJob& job, int64_t a_block, int64_t b_block, int64_t i0, int64_t to, int64_t m_first,
+               int64_t m_end, int depth, bool load, float* acc) {
+  constexpr int NC = BS < 32 ? 1 : 2;
+  constexpr bool kBottom = BS >= 32;
+  ConfigureTiles(16, kBottom ? 16 : 0, depth, NC);
+  for (int c0 = 0; c0 < BS; c0 += kBottom ? 32 : 16) {
+    for (int j0 = 0; j0 < BS; j0 += 16 * NC) {
+      WgradTiles<BS, NC, kBottom>(job, a_block, b_block, i0, to, c0, j0, m_first, m_end, depth, load, acc);
+    }
+  }
+}
+
+template <int BS>
+void WgradItem(void* arg, int64_t item) {
+  const WgradJob& job = *static_cast<const WgradJob*>(arg);
+  const ConvWgradParams& p = *job.p;
+  const Lines& l = job.l;
+  const int64_t slot = item / l.taps, tap = item % l.taps;
+  const int64_t rb = slot < job.nnz ? p.block_rows[slot] : -1;
+  const int64_t cb = slot < job.nnz ? p.block_cols[slot] : -1;
+  // The input's block and the output gradient's (the layout's rows and columns, swapped
+  // with transpose_kernel).
+  const int64_t a_block = p.transpose_kernel ? cb : rb, b_block = p.transpose_kernel ? rb : cb;
+  const bool valid = rb >= 0 && cb >= 0 && a_block < p.a_blocks && b_block < p.b_blocks;
+  const int64_t gtap = p.transpose_kernel ? l.taps - 1 - tap : tap;  // the tap the geometry reads
+  const int64_t i0 = job.tap_i0[gtap % l.k_inner];
+  float* acc = ThreadItemScratch().acc;  // [BS][BS]: C[input channel][output gradient channel]
+  if (!valid || i0 == kNoInput) {
+    std::memset(acc, 0, sizeof(float) * BS * BS);
+  } else {
+    const int64_t to = gtap / l.k_inner, whole = l.out_inner - l.out_inner % 32;
+    if (whole > 0) WgradPass<BS>(job, a_block, b_block, i0, to, 0, whole, 32, false, acc);
+    if (whole < l.out_inner) {
+      WgradPass<BS>(job, a_block, b_block, i0, to, whole, l.out_inner, static_cast<int>(l.out_inner - whole), whole > 0,
+                    acc);
+    }
+    _tile_release();
+  }
+  // dw[s][t] is [rows(s)][cols(s)]: C itself, or C transposed with transpose_kernel.
+  float* dst32 = static_cast<float*>(p.dw) + item * BS * BS;
+  uint16_t* dst16 = static_cast<uint16_t*>(p.dw) + item * BS * BS;
+  alignas(64) float row[BS];
+  for (int i = 0; i < BS; ++i) {
+    const float* src = acc + i * BS;
+    if (p.transpose_kernel) {
+      for (int j = 0; j < BS; ++j) row[j] = acc[j * BS + i];
+      src = row;
+    }
+    if (job.out_f32) {
+      std::memcpy(dst32 + i * BS, src, sizeof(float) * BS);
+    } else {
+      NarrowRow(src, dst16 + i * BS, BS);
+    }
+  }
+}
+
+template <int BS>
+bool RunWgradBlock(WgradJob& job, const Parallel& par) {
+  const ConvWgradParams& p = *job.p;
+  Lines& l = job.l;
+  l = MakeLines(p.g);
+  job.lines = p.n * l.out_outer;
+  // One phase: the inner taps' starts, and the zero border every tap's L positions need.
+  std::vector<int64_t> tap_i0(static_cast<size_t>(l.k_inner), kNoInput);
+  int64_t lo = 0, hi = l.in_inner;
+  for (int64_t t = 0; t < l.k_inner; ++t) {
+    int64_t i0;
+    if (!InnerStart(p.g, 0, t, &i0)) continue;
+    tap_i0[static_cast<size_t>(t)] = i0;
+    lo = Min(lo, i0);
+    hi = Max(hi, i0 + l.out_inner);
+  }
+  job.tap_i0 = tap_i0.data();
+  job.pad_lo = CeilDiv(-lo, 2) * 2;  // even: the transposes write 32-bit pairs
+  job.wp = CeilDiv(Max(job.pad_lo + hi, job.pad_lo + CeilDiv(l.in_inner, 32) * 32), 2) * 2;
+  const std::vector<int64_t> outer_in = OuterTable(p.g, l.out_outer, l.taps / l.k_inner);
+  job.outer_in = outer_in.data();
+
+  const int64_t a_lines = int64_t{p.a_blocks} * p.n * l.in_outer, b_lines = int64_t{p.b_blocks} * p.n * l.out_outer;
+  job.at = reinterpret_cast<uint16_t*>(CallerBuffer(0).Get(Max(CeilDiv(a_lines * BS * job.wp, 2), 1)));
+  job.bv = reinterpret_cast<uint16_t*>(CallerBuffer(1).Get(Max(CeilDiv(b_lines * l.out_inner * BS, 2), 1)));
+  if (job.at == nullptr || job.bv == nullptr) return false;
+  par.for_each(par.ctx, a_lines + b_lines, &WgradPackItem<BS>, &job);
+  par.for_each(par.ctx, int64_t{p.cap} * l.taps, &WgradItem<BS>, &job);
+  return true;
+}
+
 }  // namespace
 
 bool RunConv(bool out_f32, const ConvParams& p, const Parallel& par) {
@@ -230,6 +436,26 @@ bool RunConv(bool out_f32, const ConvParams& p, const Parallel& par) {
       return false;
     } else {
       return RunConvBlock<BS>(job, par);
+    }
+  });
+  ReleaseLargeBuffers();
+  return ok;
+}
+
+bool WgradOnTiles(const ConvWgradParams& p) { return p.bs >= kMinBlock && UnitStepLines(p.g); }
+
+bool RunConvWgrad(bool out_f32, const ConvWgradParams& p, const Parallel& par) {
+  if (!WgradOnTiles(p)) return false;
+  WgradJob job{};
+  job.p = &p;
+  job.out_f32 = out_f32;
+  job.nnz = SlotsInUse(p.nnz, p.cap);
+  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) {
+    constexpr int BS = decltype(bs)::value;
+    if constexpr (BS < kMinBlock) {
+      return false;
+    } else {
+      return RunWgradBlock<BS>(job, par);
     }
   });
   ReleaseLargeBuffers();

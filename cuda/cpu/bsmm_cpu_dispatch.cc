@@ -6,9 +6,9 @@
 // "avx2" (AVX2 + FMA) and "avx512" (AVX-512F). Where the compiler has the AMX and
 // AVX512-BF16 flags it also builds bsmm_cpu_bf16.cc and bsconv_cpu_bf16.cc
 // (JBS_CPU_BF16_KERNELS): bfloat16 products run there on "amx" (tiles) or "avx512_bf16"
-// (dot products) machines, the bfloat16 convolution on "amx" only; every other dtype,
-// the weight gradient of the convolution, and the convolution on "avx512_bf16", run the
-// "avx512" kernels on those machines.
+// (dot products) machines, the bfloat16 convolution and (for unit-step geometries) its
+// weight gradient on "amx" only; every other dtype, and the convolutions that have no
+// tile form there, run the "avx512" kernels on those machines.
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -166,7 +166,14 @@ bool RunConv(DType in, bool out_f32, const ConvParams& p, const Parallel& par) {
 }
 
 bool RunConvWgrad(DType in, bool out_f32, const ConvWgradParams& p, const Parallel& par) {
-  switch (Chosen()) {
+  const Isa isa = Chosen();
+#if defined(JBS_CPU_BF16_KERNELS)
+  bf16::Engine engine;
+  if (OnMatrixUnits(isa, in, p.bs, &engine) && engine == bf16::Engine::kAmx && bf16::WgradOnTiles(p)) {
+    return bf16::RunConvWgrad(out_f32, p, par);
+  }
+#endif
+  switch (isa) {
 #if defined(JBS_CPU_X86_VARIANTS)
     case Isa::kAmx:
     case Isa::kAvx512Bf16:
