@@ -2,6 +2,7 @@
 
     python examples/resnet.py                       # scikit-learn digits, a few minutes on 2 CPU cores
     python examples/resnet.py --epochs 30 --seed 1 --width 64 --block-size 16
+    python examples/resnet.py --dtype bfloat16      # bf16 convs (AMX tiles on CPUs that have them)
     python examples/resnet.py --data-dir ~/data/mnist       # MNIST IDX files
     python examples/resnet.py --data-dir ~/data/cifar-10-batches-py
 
@@ -157,11 +158,14 @@ class ResidualBlock(nn.Module):
     width: int
     masks: Sequence[Any] | None = None  # two block masks: block-sparse convs; None: dense
     block_size: int = 8
+    dtype: Any = None  # the convs' computation dtype (float32 parameters either way)
 
     def conv(self, i):
         if self.masks is None:
-            return nn.Conv(self.width, (3, 3), use_bias=False, name=f"conv{i}")
-        return BlockSparseConv(self.width, (3, 3), self.masks[i], self.block_size, use_bias=False, name=f"conv{i}")
+            return nn.Conv(self.width, (3, 3), use_bias=False, dtype=self.dtype, name=f"conv{i}")
+        return BlockSparseConv(
+            self.width, (3, 3), self.masks[i], self.block_size, use_bias=False, dtype=self.dtype, name=f"conv{i}"
+        )
 
     @nn.compact
     def __call__(self, x):
@@ -178,17 +182,22 @@ class ResNet(nn.Module):
     blocks_per_stage: int
     masks: Sequence[Any] | None = None  # per stage, per block: two masks; None: dense
     block_size: int = 8
+    dtype: Any = None  # every conv's computation dtype; the norms and the head stay float32
+
+    def conv(self, width, **kwargs):
+        return nn.Conv(width, (3, 3), use_bias=False, dtype=self.dtype, **kwargs)
 
     @nn.compact
     def __call__(self, x):
-        x = nn.relu(nn.LayerNorm()(nn.Conv(self.widths[0], (3, 3), use_bias=False, name="stem")(x)))
+        conv = self.conv
+        x = nn.relu(nn.LayerNorm()(conv(self.widths[0], name="stem")(x)))
         for s, width in enumerate(self.widths):
             if s > 0:  # dense strided transition to the next stage's width
-                x = nn.relu(nn.LayerNorm()(nn.Conv(width, (3, 3), strides=2, use_bias=False, name=f"down{s}")(x)))
+                x = nn.relu(nn.LayerNorm()(conv(width, strides=2, name=f"down{s}")(x)))
             for b in range(self.blocks_per_stage):
                 masks = None if self.masks is None else self.masks[s][b]
-                x = ResidualBlock(width, masks, self.block_size, name=f"stage{s}_block{b}")(x)
-        return nn.Dense(self.num_classes, name="head")(x.mean(axis=(1, 2)))
+                x = ResidualBlock(width, masks, self.block_size, self.dtype, name=f"stage{s}_block{b}")(x)
+        return nn.Dense(self.num_classes, name="head")(x.astype(jnp.float32).mean(axis=(1, 2)))
 
 
 def make_models(args, image_size: int, num_classes: int):
@@ -197,7 +206,8 @@ def make_models(args, image_size: int, num_classes: int):
     for w in widths:
         if w % args.block_size:
             raise SystemExit(f"--width {args.width}: every stage width {widths} must be a multiple of --block-size")
-    dense = ResNet(num_classes, widths, args.blocks)
+    dtype = jnp.dtype(args.dtype)
+    dense = ResNet(num_classes, widths, args.blocks, dtype=dtype)
     rng = np.random.default_rng(args.seed)
 
     def mask(width):
@@ -206,7 +216,7 @@ def make_models(args, image_size: int, num_classes: int):
 
     # per stage, per residual block (twice as many), per conv: a block mask
     masks = [[[mask(w) for _conv in range(2)] for _block in range(2 * args.blocks)] for w in widths]
-    sparse = ResNet(num_classes, widths, 2 * args.blocks, masks, args.block_size)
+    sparse = ResNet(num_classes, widths, 2 * args.blocks, masks, args.block_size, dtype)
     return dense, sparse, masks
 
 
@@ -278,6 +288,12 @@ def main(argv=None):
     parser.add_argument("--blocks", type=int, default=1, help="residual blocks per stage of the dense model")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3, help="adam learning rate")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the convs' computation dtype (mixed precision: float32 parameters, norms and head)",
+    )
     args = parser.parse_args(argv)
 
     *data, description = load_data(args.data_dir, args.seed)
@@ -295,7 +311,10 @@ def main(argv=None):
         f"BlockSparseConv at block density {density:.2f} ({args.layout} layouts, "
         f"{args.block_size}x{args.block_size} blocks)"
     )
-    print(f"training: adam lr={args.lr}, batch {args.batch_size}, {args.epochs} epochs, seed {args.seed}")
+    print(
+        f"training: adam lr={args.lr}, batch {args.batch_size}, {args.epochs} epochs, seed {args.seed}, "
+        f"convs in {args.dtype}"
+    )
 
     results = {
         name: train_and_evaluate(name, model, data, args) for name, model in (("dense", dense), ("sparse", sparse))
