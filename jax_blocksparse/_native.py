@@ -124,7 +124,10 @@ def extension_info() -> dict:
 
 # What each instruction set of the CPU kernels runs (the extension's ``cpu_isa``).
 _CPU_KERNEL_PATHS = {
-    "amx": "amx: bfloat16 products on AMX tiles; float32, float16 and the convolutions on AVX-512",
+    "amx": (
+        "amx: bfloat16 products and convolutions on AMX tiles (a convolution's weight gradient without unit "
+        "steps or with odd line lengths on AVX-512); float32 and float16 on AVX-512"
+    ),
     "avx512_bf16": (
         "avx512_bf16: bfloat16 products on AVX512-BF16 dot products; float32, float16 and the convolutions on AVX-512"
     ),

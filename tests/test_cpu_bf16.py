@@ -127,16 +127,23 @@ def test_runs_are_deterministic(isa):
 
 
 def test_eight_threads_at_once(isa):
-    # Tile configurations differ per block size; every thread configures its own tiles
-    # per work item and releases them, so concurrent callers cannot see each other's.
+    # Tile configurations differ per block size and product; every thread configures its
+    # own tiles per work item and releases them, so concurrent callers cannot see each
+    # other's. Four threads run products, four convolutions (and their gradients).
     problems = []
     for i, bs in enumerate((16, 32, 64, 128, 16, 32, 64, 128)):
         _, layout, w = make_problem("random", block_size=bs, dtype=jnp.bfloat16, seed=i)
-        x = rand((40 + 13 * i, layout.shape[0]), jnp.bfloat16, 10 + i)
+        if i < 4:
+            x = rand((40 + 13 * i, layout.shape[0]), jnp.bfloat16, 10 + i)
+            product = jbs.bsmm
+        else:
+            w = rand((layout.capacity, 3, 3, bs, bs), jnp.bfloat16, 20 + i)
+            x = rand((2, 5, 18 + 4 * i, layout.shape[0]), jnp.bfloat16, 10 + i)
+            product = jbs.bsconv
 
-        def step(x, w, layout=layout):
+        def step(x, w, layout=layout, product=product):
             def loss(x, w):
-                return jnp.sum(jbs.bsmm(x, w, layout, preferred_element_type=jnp.float32, impl="kernels") ** 2)
+                return jnp.sum(product(x, w, layout, preferred_element_type=jnp.float32, impl="kernels") ** 2)
 
             return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
 
