@@ -13,12 +13,30 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu/cpu_simd.h"  // FloatToBf16 (needs JBS_CPU_ISA: bf16)
+#include "bsmm_block_sizes.h"
+#include "cpu/bsmm_cpu.h"  // bf16::kMinBlock
+#include "cpu/cpu_simd.h"  // FloatToBf16, ReleaseLargeBuffers (needs JBS_CPU_ISA: bf16)
 
 namespace jbs {
 namespace cpu {
 namespace bf16 {
 namespace {
+
+// The entry points' frame: run(bs) (bs a std::integral_constant of the block size) for
+// blocks of kMinBlock or more, false for smaller ones; then the calling thread's large
+// buffers are freed.
+template <typename Run>
+bool ForTileBlockSize(int bs, Run run) {
+  const bool ok = DispatchBlockSize(bs, [&](auto b) {
+    if constexpr (decltype(b)::value < kMinBlock) {
+      return false;
+    } else {
+      return run(b);
+    }
+  });
+  ReleaseLargeBuffers();
+  return ok;
+}
 
 // ---------------------------------------------------------------------------------
 // Narrowing float32 to bf16, 16 at a time, like FloatToBf16 (round to nearest even;

@@ -57,15 +57,10 @@ struct ConvJob {
   const ConvParams* p;
   bool out_f32;
   int64_t nnz;
-  Lines l;
-  int64_t lines;  // n * out_outer
-  ConvRuns runs;
-  const int64_t* outer_in;  // [out_outer][k_outer] (OuterTable)
-  int64_t wp;               // pad_lo + in_inner + pad_hi
-  uint16_t* packed;         // [nin][n][in_outer][wp][bs] bf16
-  uint16_t* weights;        // [nnz][taps][bs][bs] VNNI-packed in column tiles
-  int64_t max_segments;
-  int* failed;  // set when an item found no scratch memory
+  const ConvPlan* plan;
+  uint16_t* packed;   // [nin][n][in_outer][wp][bs] bf16
+  uint16_t* weights;  // [nnz][taps][bs][bs] VNNI-packed in column tiles
+  int* failed;        // set when an item found no scratch memory
 };
 
 // Copies block `block` of batch index b of the input into its runs of the packed input,
@@ -73,20 +68,21 @@ struct ConvJob {
 template <int BS>
 void ConvPackItem(void* arg, int64_t item) {
   const ConvJob& job = *static_cast<const ConvJob*>(arg);
+  const ConvPlan& plan = *job.plan;
   const ConvParams& p = *job.p;
-  const Lines& l = job.l;
+  const Lines& l = plan.l;
   const int64_t block = item / p.n, b = item % p.n;
   const int64_t ld = int64_t{p.nin} * BS, positions = l.in_outer * l.in_inner;
   const uint16_t* src = static_cast<const uint16_t*>(p.a);
-  uint16_t* dst = job.packed + (block * p.n + b) * l.in_outer * job.wp * BS;
+  uint16_t* dst = job.packed + (block * p.n + b) * l.in_outer * plan.wp * BS;
   for (int64_t r = 0; r < l.in_outer; ++r) {
-    uint16_t* run = dst + r * job.wp * BS;
-    std::memset(run, 0, sizeof(uint16_t) * job.runs.pad_lo * BS);
+    uint16_t* run = dst + r * plan.wp * BS;
+    std::memset(run, 0, sizeof(uint16_t) * plan.runs.pad_lo * BS);
     for (int64_t i = 0; i < l.in_inner; ++i) {
       const int64_t row = b * positions + r * l.in_inner + i;
-      std::memcpy(run + (job.runs.pad_lo + i) * BS, src + row * ld + block * BS, sizeof(uint16_t) * BS);
+      std::memcpy(run + (plan.runs.pad_lo + i) * BS, src + row * ld + block * BS, sizeof(uint16_t) * BS);
     }
-    std::memset(run + (job.runs.pad_lo + l.in_inner) * BS, 0, sizeof(uint16_t) * job.runs.pad_hi * BS);
+    std::memset(run + (plan.runs.pad_lo + l.in_inner) * BS, 0, sizeof(uint16_t) * plan.runs.pad_hi * BS);
   }
 }
 
@@ -95,10 +91,11 @@ void ConvPackItem(void* arg, int64_t item) {
 template <int BS>
 void ConvWeightItem(void* arg, int64_t slot) {
   const ConvJob& job = *static_cast<const ConvJob*>(arg);
+  const ConvPlan& plan = *job.plan;
   const ConvParams& p = *job.p;
   const uint16_t* w = static_cast<const uint16_t*>(p.w);
-  for (int64_t t = 0; t < job.l.taps; ++t) {
-    const int64_t at = (slot * job.l.taps + t) * BS * BS;
+  for (int64_t t = 0; t < plan.l.taps; ++t) {
+    const int64_t at = (slot * plan.l.taps + t) * BS * BS;
     PackWeight<BS>(w + at, p.transpose_kernel, job.weights + at);
   }
 }
@@ -151,25 +148,22 @@ void SumRows(const uint16_t* const* A, const uint16_t* const* B, int64_t count, 
 template <int BS>
 void ConvItem(void* arg, int64_t item) {
   const ConvJob& job = *static_cast<const ConvJob*>(arg);
+  const ConvPlan& plan = *job.plan;
   const ConvParams& p = *job.p;
-  const Lines& l = job.l;
-  const int64_t per_column = job.lines * job.runs.num_units;
-  const int64_t seg = p.order[item / per_column];
-  if (seg < 0 || seg >= p.nseg) return;  // not a permutation: the handler's contract is broken
-  const int64_t line = (item % per_column) / job.runs.num_units;
-  const Unit& unit = job.runs.units[item % job.runs.num_units];
-  const int64_t b = line / l.out_outer, o_outer = line % l.out_outer;
+  const Lines& l = plan.l;
+  ConvItemOf it;
+  if (!DecodeConvItem(p, plan, item, &it)) return;
+  const Unit& unit = *it.unit;
 
   ItemScratch& scratch = ThreadItemScratch();
-  const uint16_t** A = reinterpret_cast<const uint16_t**>(scratch.pointers.Get(4 * job.max_segments + 4));
+  const uint16_t** A = reinterpret_cast<const uint16_t**>(scratch.pointers.Get(4 * plan.max_segments + 4));
   if (A == nullptr) {
     __atomic_store_n(job.failed, 1, __ATOMIC_RELAXED);
     return;
   }
-  const uint16_t** B = A + job.max_segments;
-  const ConvOperands<uint16_t> operands{job.packed, job.weights, job.wp, job.runs.pad_lo, BS * BS};
-  const int64_t count =
-      ListConvSegments(p, l, job.nnz, job.runs.tap_i0, job.outer_in, operands, seg, b, o_outer, unit, A, B);
+  const uint16_t** B = A + plan.max_segments;
+  const ConvOperands<uint16_t> operands{job.packed, job.weights, BS * BS};
+  const int64_t count = ListConvSegments(p, plan, job.nnz, operands, it.seg, it.b, it.o_outer, unit, A, B);
 
   float* acc = scratch.acc;
   if (count == 0) {
@@ -187,10 +181,8 @@ void ConvItem(void* arg, int64_t item) {
   }
 
   const int64_t fout = int64_t{p.nseg} * BS;
-  const int64_t o_first = unit.phase + unit.m0 * l.ostep;  // first inner output
-  const int64_t row0 = (b * l.out_outer + o_outer) * l.out_inner + o_first;
   for (int64_t m = 0; m < unit.len; ++m) {
-    const int64_t at = (row0 + m * l.ostep) * fout + seg * BS;
+    const int64_t at = (it.row0 + m * l.ostep) * fout + it.seg * BS;
     if (job.out_f32) {
       std::memcpy(static_cast<float*>(p.out) + at, acc + m * BS, sizeof(float) * BS);
     } else {
@@ -202,21 +194,14 @@ void ConvItem(void* arg, int64_t item) {
 template <int BS>
 bool RunConvBlock(ConvJob& job, const Parallel& par) {
   const ConvParams& p = *job.p;
-  const ConvGeometry& g = p.g;
-  Lines& l = job.l;
-  l = MakeLines(g);
-  job.lines = p.n * l.out_outer;
-  int64_t* plan = reinterpret_cast<int64_t*>(CallerBuffer(2).Get(2 * ConvRunsWords(l) + 2));
-  if (plan == nullptr) return false;
-  job.runs = PlanConvRuns(g, l, plan);
-  const std::vector<int64_t> outer_in = OuterTable(g, l.out_outer, l.taps / l.k_inner);
-  job.outer_in = outer_in.data();
-  job.wp = job.runs.pad_lo + l.in_inner + job.runs.pad_hi;
-  job.max_segments = MaxConvSegments(p, l);
+  ConvPlan plan;
+  if (!MakeConvPlan(p, &plan)) return false;
+  job.plan = &plan;
+  const Lines& l = plan.l;
 
   // The input as bf16 runs with their zero border, and the weights as the tiles read them
   // (Buffer counts floats: two bf16 each).
-  const int64_t packed_elems = int64_t{p.nin} * p.n * l.in_outer * job.wp * BS;
+  const int64_t packed_elems = int64_t{p.nin} * p.n * l.in_outer * plan.wp * BS;
   job.packed = reinterpret_cast<uint16_t*>(CallerBuffer(0).Get(Max(CeilDiv(packed_elems, 2), 1)));
   job.weights = reinterpret_cast<uint16_t*>(CallerBuffer(1).Get(Max(CeilDiv(job.nnz * l.taps * BS * BS, 2), 1)));
   if (job.packed == nullptr || job.weights == nullptr) return false;
@@ -224,7 +209,7 @@ bool RunConvBlock(ConvJob& job, const Parallel& par) {
   if (job.nnz > 0) par.for_each(par.ctx, job.nnz, &ConvWeightItem<BS>, &job);
   int failed = 0;
   job.failed = &failed;
-  par.for_each(par.ctx, int64_t{p.nseg} * job.lines * job.runs.num_units, &ConvItem<BS>, &job);
+  par.for_each(par.ctx, int64_t{p.nseg} * plan.lines * plan.runs.num_units, &ConvItem<BS>, &job);
   return __atomic_load_n(&failed, __ATOMIC_RELAXED) == 0;
 }
 
@@ -425,21 +410,11 @@ bool RunWgradBlock(WgradJob& job, const Parallel& par) {
 }  // namespace
 
 bool RunConv(bool out_f32, const ConvParams& p, const Parallel& par) {
-  if (p.bs < kMinBlock) return false;
   ConvJob job{};
   job.p = &p;
   job.out_f32 = out_f32;
   job.nnz = SlotsInUse(p.nnz, p.cap);
-  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) {
-    constexpr int BS = decltype(bs)::value;
-    if constexpr (BS < kMinBlock) {
-      return false;
-    } else {
-      return RunConvBlock<BS>(job, par);
-    }
-  });
-  ReleaseLargeBuffers();
-  return ok;
+  return ForTileBlockSize(p.bs, [&](auto bs) { return RunConvBlock<decltype(bs)::value>(job, par); });
 }
 
 bool WgradOnTiles(const ConvWgradParams& p) { return p.bs >= kMinBlock && UnitStepLines(p.g); }
@@ -450,16 +425,7 @@ bool RunConvWgrad(bool out_f32, const ConvWgradParams& p, const Parallel& par) {
   job.p = &p;
   job.out_f32 = out_f32;
   job.nnz = SlotsInUse(p.nnz, p.cap);
-  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) {
-    constexpr int BS = decltype(bs)::value;
-    if constexpr (BS < kMinBlock) {
-      return false;
-    } else {
-      return RunWgradBlock<BS>(job, par);
-    }
-  });
-  ReleaseLargeBuffers();
-  return ok;
+  return ForTileBlockSize(p.bs, [&](auto bs) { return RunWgradBlock<decltype(bs)::value>(job, par); });
 }
 
 }  // namespace bf16

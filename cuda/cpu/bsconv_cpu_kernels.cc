@@ -170,38 +170,32 @@ struct ConvJob {
   const ConvParams* p;
   DType in, out;
   int64_t nnz;
-  Lines l;
-  int64_t lines;      // n * out_outer
-  const Unit* units;  // per line
-  int64_t num_units;
-  const int64_t* tap_i0;    // [phases][k_inner] inner input start, or INT64_MIN for a dilation zero
-  const int64_t* outer_in;  // [out_outer][k_outer] (OuterTable)
-  int64_t pad_lo, pad_hi;   // zero rows around each inner run of the widened input
-  int64_t wp;               // pad_lo + in_inner + pad_hi
-  float* packed;            // [nin][n][in_outer][wp][bs]
-  const float* weights;     // [cap][taps][bs][bs], M(t) of slot s at [s][t] (transposed if needed)
-  int64_t max_segments;     // per item
-  int* failed;              // set when an item found no scratch memory
+  const ConvPlan* plan;
+  float* packed;         // [nin][n][in_outer][wp][bs]
+  const float* weights;  // [cap][taps][bs][bs], M(t) of slot s at [s][t] (transposed if needed)
+  int* failed;           // set when an item found no scratch memory
 };
 
 template <int BS>
 void ConvPackItem(void* arg, int64_t item) {
   const ConvJob& job = *static_cast<const ConvJob*>(arg);
+  const ConvPlan& plan = *job.plan;
   const ConvParams& p = *job.p;
   const int64_t block = item / p.n, b = item % p.n;
-  const int64_t positions = job.l.in_outer * job.l.in_inner;
-  float* dst = job.packed + (block * p.n + b) * job.l.in_outer * job.wp * BS;
-  PackRows<BS>(job.in, p.a, p.nin, positions, job.l.in_inner, job.pad_lo, job.pad_hi, b, block, dst);
+  const int64_t positions = plan.l.in_outer * plan.l.in_inner;
+  float* dst = job.packed + (block * p.n + b) * plan.l.in_outer * plan.wp * BS;
+  PackRows<BS>(job.in, p.a, p.nin, positions, plan.l.in_inner, plan.runs.pad_lo, plan.runs.pad_hi, b, block, dst);
 }
 
 // Weights as the products take them: float32 [bs_in][bs_out] per (slot, tap).
 template <int BS>
 void ConvWeightItem(void* arg, int64_t slot) {
   const ConvJob& job = *static_cast<const ConvJob*>(arg);
+  const ConvPlan& plan = *job.plan;
   const ConvParams& p = *job.p;
-  float* dst = const_cast<float*>(job.weights) + slot * job.l.taps * BS * BS;
-  for (int64_t t = 0; t < job.l.taps; ++t, dst += BS * BS) {
-    const void* src = Offset(p.w, (slot * job.l.taps + t) * BS * BS, job.in);
+  float* dst = const_cast<float*>(job.weights) + slot * plan.l.taps * BS * BS;
+  for (int64_t t = 0; t < plan.l.taps; ++t, dst += BS * BS) {
+    const void* src = Offset(p.w, (slot * plan.l.taps + t) * BS * BS, job.in);
     if (!p.transpose_kernel) {
       Widen(job.in, src, dst, BS * BS);
       continue;
@@ -217,32 +211,27 @@ void ConvWeightItem(void* arg, int64_t slot) {
 template <int BS>
 void ConvItem(void* arg, int64_t item) {
   const ConvJob& job = *static_cast<const ConvJob*>(arg);
+  const ConvPlan& plan = *job.plan;
   const ConvParams& p = *job.p;
-  const ConvGeometry& g = p.g;
-  const Lines& l = job.l;
-  const int64_t per_column = job.lines * job.num_units;
-  const int64_t seg = p.order[item / per_column];
-  if (seg < 0 || seg >= p.nseg) return;  // not a permutation: the handler's contract is broken
-  const int64_t line = (item % per_column) / job.num_units;
-  const Unit& unit = job.units[item % job.num_units];
-  const int64_t b = line / l.out_outer, o_outer = line % l.out_outer;
+  const Lines& l = plan.l;
+  ConvItemOf it;
+  if (!DecodeConvItem(p, plan, item, &it)) return;
+  const Unit& unit = *it.unit;
+  const int64_t seg = it.seg, row0 = it.row0;
 
   ItemScratch& scratch = ThreadItemScratch();
-  const float** A = reinterpret_cast<const float**>(scratch.pointers.Get(4 * job.max_segments + 4));
+  const float** A = reinterpret_cast<const float**>(scratch.pointers.Get(4 * plan.max_segments + 4));
   float* acc = scratch.floats.Get(kUnitRows * BS);
   if (A == nullptr || acc == nullptr) {
     __atomic_store_n(job.failed, 1, __ATOMIC_RELAXED);
     return;
   }
-  const float** B = A + job.max_segments;
+  const float** B = A + plan.max_segments;
 
-  const ConvOperands<float> operands{job.packed, job.weights, job.wp, job.pad_lo, BS * BS};
-  const int64_t count =
-      ListConvSegments(p, l, job.nnz, job.tap_i0, job.outer_in, operands, seg, b, o_outer, unit, A, B);
+  const ConvOperands<float> operands{job.packed, job.weights, BS * BS};
+  const int64_t count = ListConvSegments(p, plan, job.nnz, operands, seg, it.b, it.o_outer, unit, A, B);
 
   const int64_t fout = int64_t{p.nseg} * BS;
-  const int64_t o_first = unit.phase + unit.m0 * l.ostep;  // first inner output
-  const int64_t row0 = (b * l.out_outer + o_outer) * l.out_inner + o_first;
   if (job.out == DType::kF32) {
     // Straight into the output: rows ostep outputs apart.
     float* C = static_cast<float*>(p.out) + row0 * fout + seg * BS;
@@ -269,27 +258,13 @@ void ConvItem(void* arg, int64_t item) {
 template <int BS>
 bool RunConvBlock(ConvJob& job, const Parallel& par) {
   const ConvParams& p = *job.p;
-  const ConvGeometry& g = p.g;
-  Lines& l = job.l;
-  l = MakeLines(g);
-  job.lines = p.n * l.out_outer;
-
-  int64_t* plan = reinterpret_cast<int64_t*>(CallerBuffer(2).Get(2 * ConvRunsWords(l) + 2));
-  if (plan == nullptr) return false;
-  const ConvRuns runs = PlanConvRuns(g, l, plan);
-  job.units = runs.units;
-  job.num_units = runs.num_units;
-  job.tap_i0 = runs.tap_i0;
-  job.pad_lo = runs.pad_lo;
-  job.pad_hi = runs.pad_hi;
-  const std::vector<int64_t> outer_in = OuterTable(g, l.out_outer, l.taps / l.k_inner);
-  job.outer_in = outer_in.data();
-  job.wp = job.pad_lo + l.in_inner + job.pad_hi;
-
-  job.max_segments = MaxConvSegments(p, l);
+  ConvPlan plan;
+  if (!MakeConvPlan(p, &plan)) return false;
+  job.plan = &plan;
+  const Lines& l = plan.l;
 
   // The widened input with its zero border, and the weights as the products take them.
-  const int64_t packed_floats = int64_t{p.nin} * p.n * l.in_outer * job.wp * BS;
+  const int64_t packed_floats = int64_t{p.nin} * p.n * l.in_outer * plan.wp * BS;
   job.packed = CallerBuffer(0).Get(Max(packed_floats, 1));
   if (job.packed == nullptr) return false;
   if (packed_floats > 0) par.for_each(par.ctx, int64_t{p.nin} * p.n, &ConvPackItem<BS>, &job);
@@ -303,7 +278,7 @@ bool RunConvBlock(ConvJob& job, const Parallel& par) {
   }
   int failed = 0;
   job.failed = &failed;
-  par.for_each(par.ctx, int64_t{p.nseg} * job.lines * job.num_units, &ConvItem<BS>, &job);
+  par.for_each(par.ctx, int64_t{p.nseg} * plan.lines * plan.runs.num_units, &ConvItem<BS>, &job);
   return __atomic_load_n(&failed, __ATOMIC_RELAXED) == 0;
 }
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "cpu/bsconv_cpu.h"
-#include "cpu/cpu_simd.h"  // Min, Max, CeilDiv
+#include "cpu/cpu_simd.h"  // Min, Max, CeilDiv, CallerBuffer
 
 #ifndef JBS_CPU_ISA
 #error "bsconv_runs.h needs JBS_CPU_ISA (the namespace of this compilation's kernels)"
@@ -179,56 +179,6 @@ ConvRuns PlanConvRuns(const ConvGeometry& g, const Lines& l, int64_t* plan) {
   return runs;
 }
 
-// The packed operands of the convolution, in elements of T: the input [nin][n][in_outer]
-// [wp][bs] with pad_lo zero rows before each inner run, and the weights, block_elems per
-// (slot, tap) at [slot][tap].
-template <typename T>
-struct ConvOperands {
-  const T* packed;
-  const T* weights;
-  int64_t wp, pad_lo;
-  int64_t block_elems;
-};
-
-// The segments of unit `unit` of line (b, o_outer) in output block `seg`: every (slot, tap)
-// whose input run is not all padding, as A[i] (the run's first input row in `packed`, rows
-// istep * bs elements apart) and B[i] (the tap's weights). Returns their count.
-template <typename T>
-int64_t ListConvSegments(const ConvParams& p, const Lines& l, int64_t nnz, const int64_t* tap_i0,
-                         const int64_t* outer_in, const ConvOperands<T>& ops, int64_t seg, int64_t b, int64_t o_outer,
-                         const Unit& unit, const T** A, const T** B) {
-  const int64_t bs = p.bs;
-  int64_t count = 0;
-  const int64_t e0 = Min(Max(p.seg_ptr[seg], 0), p.cap);
-  const int64_t e1 = Min(Max(p.seg_ptr[seg + 1], e0), p.cap);
-  const int64_t k_outer = l.taps / l.k_inner;
-  const int64_t* i0s = tap_i0 + unit.phase * l.k_inner;
-  for (int64_t e = e0; e < e1; ++e) {
-    const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
-    if (slot < 0 || slot >= nnz) continue;  // padding
-    const int64_t block = p.in_block[slot];
-    if (block < 0 || block >= p.nin) continue;
-    const T* image = ops.packed + (block * p.n + b) * l.in_outer * ops.wp * bs;
-    for (int64_t to = 0; to < k_outer; ++to) {
-      const int64_t i_outer = outer_in[o_outer * k_outer + to];
-      if (i_outer < 0) continue;
-      const T* run = image + i_outer * ops.wp * bs;
-      for (int64_t ti = 0; ti < l.k_inner; ++ti) {
-        if (i0s[ti] == kNoInput) continue;
-        const int64_t first = i0s[ti] + unit.m0 * l.istep;
-        const int64_t last = first + (unit.len - 1) * l.istep;
-        if (last < 0 || first >= l.in_inner) continue;  // all padding
-        const int64_t tap = to * l.k_inner + ti;
-        const int64_t wtap = p.transpose_kernel ? l.taps - 1 - tap : tap;
-        A[count] = run + (ops.pad_lo + first) * bs;
-        B[count] = ops.weights + (slot * l.taps + wtap) * ops.block_elems;
-        ++count;
-      }
-    }
-  }
-  return count;
-}
-
 // The longest segment list of any unit: the most slots of an output block times the taps.
 int64_t MaxConvSegments(const ConvParams& p, const Lines& l) {
   int64_t longest = 0;
@@ -237,6 +187,105 @@ int64_t MaxConvSegments(const ConvParams& p, const Lines& l) {
     longest = Max(longest, Min(Max(p.seg_ptr[j + 1], e0), p.cap) - e0);
   }
   return Max(1, longest * l.taps);
+}
+
+// What a convolution call plans before its work items run (both kernels): its lines,
+// their runs (in the calling thread's buffer 2), the outer table, the width of a run of
+// the packed input with its zero border, and the longest segment list of a unit.
+struct ConvPlan {
+  Lines l;
+  int64_t lines;  // n * out_outer
+  ConvRuns runs;
+  std::vector<int64_t> outer_in;  // [out_outer][k_outer] (OuterTable)
+  int64_t wp;                     // pad_lo + in_inner + pad_hi
+  int64_t max_segments;
+};
+
+// False when there is no memory for the runs.
+bool MakeConvPlan(const ConvParams& p, ConvPlan* plan) {
+  plan->l = MakeLines(p.g);
+  const Lines& l = plan->l;
+  plan->lines = p.n * l.out_outer;
+  int64_t* words = reinterpret_cast<int64_t*>(CallerBuffer(2).Get(2 * ConvRunsWords(l) + 2));
+  if (words == nullptr) return false;
+  plan->runs = PlanConvRuns(p.g, l, words);
+  plan->outer_in = OuterTable(p.g, l.out_outer, l.taps / l.k_inner);
+  plan->wp = plan->runs.pad_lo + l.in_inner + plan->runs.pad_hi;
+  plan->max_segments = MaxConvSegments(p, l);
+  return true;
+}
+
+// A convolution work item: output block `seg` x unit `unit` of line (b, o_outer), whose
+// outputs are rows row0, row0 + ostep, ... of the output.
+struct ConvItemOf {
+  int64_t seg, b, o_outer, row0;
+  const Unit* unit;
+};
+
+// Work item `item` (output blocks in p.order, then lines, then units); false when p.order
+// is not a permutation (the handler's contract is broken: the item does nothing).
+bool DecodeConvItem(const ConvParams& p, const ConvPlan& plan, int64_t item, ConvItemOf* it) {
+  const Lines& l = plan.l;
+  const int64_t per_column = plan.lines * plan.runs.num_units;
+  it->seg = p.order[item / per_column];
+  if (it->seg < 0 || it->seg >= p.nseg) return false;
+  const int64_t line = (item % per_column) / plan.runs.num_units;
+  it->unit = &plan.runs.units[item % plan.runs.num_units];
+  it->b = line / l.out_outer;
+  it->o_outer = line % l.out_outer;
+  const int64_t o_first = it->unit->phase + it->unit->m0 * l.ostep;  // first inner output
+  it->row0 = (it->b * l.out_outer + it->o_outer) * l.out_inner + o_first;
+  return true;
+}
+
+// The packed operands of the convolution, in elements of T: the input [nin][n][in_outer]
+// [wp][bs] with pad_lo zero rows before each inner run (ConvPlan), and the weights,
+// block_elems per (slot, tap) at [slot][tap].
+template <typename T>
+struct ConvOperands {
+  const T* packed;
+  const T* weights;
+  int64_t block_elems;
+};
+
+// The segments of unit `unit` of line (b, o_outer) in output block `seg`: every (slot, tap)
+// whose input run is not all padding, as A[i] (the run's first input row in `packed`, rows
+// istep * bs elements apart) and B[i] (the tap's weights). Returns their count.
+template <typename T>
+int64_t ListConvSegments(const ConvParams& p, const ConvPlan& plan, int64_t nnz, const ConvOperands<T>& ops,
+                         int64_t seg, int64_t b, int64_t o_outer, const Unit& unit, const T** A, const T** B) {
+  const Lines& l = plan.l;
+  const int64_t bs = p.bs, wp = plan.wp;
+  const int64_t* outer_in = plan.outer_in.data();
+  int64_t count = 0;
+  const int64_t e0 = Min(Max(p.seg_ptr[seg], 0), p.cap);
+  const int64_t e1 = Min(Max(p.seg_ptr[seg + 1], e0), p.cap);
+  const int64_t k_outer = l.taps / l.k_inner;
+  const int64_t* i0s = plan.runs.tap_i0 + unit.phase * l.k_inner;
+  for (int64_t e = e0; e < e1; ++e) {
+    const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
+    if (slot < 0 || slot >= nnz) continue;  // padding
+    const int64_t block = p.in_block[slot];
+    if (block < 0 || block >= p.nin) continue;
+    const T* image = ops.packed + (block * p.n + b) * l.in_outer * wp * bs;
+    for (int64_t to = 0; to < k_outer; ++to) {
+      const int64_t i_outer = outer_in[o_outer * k_outer + to];
+      if (i_outer < 0) continue;
+      const T* run = image + i_outer * wp * bs;
+      for (int64_t ti = 0; ti < l.k_inner; ++ti) {
+        if (i0s[ti] == kNoInput) continue;
+        const int64_t first = i0s[ti] + unit.m0 * l.istep;
+        const int64_t last = first + (unit.len - 1) * l.istep;
+        if (last < 0 || first >= l.in_inner) continue;  // all padding
+        const int64_t tap = to * l.k_inner + ti;
+        const int64_t wtap = p.transpose_kernel ? l.taps - 1 - tap : tap;
+        A[count] = run + (plan.runs.pad_lo + first) * bs;
+        B[count] = ops.weights + (slot * l.taps + wtap) * ops.block_elems;
+        ++count;
+      }
+    }
+  }
+  return count;
 }
 
 }  // namespace

@@ -575,12 +575,7 @@ bool RunDsd(Engine engine, bool out_f32, bool transpose_w, const DsdParams& p, c
   job.out_f32 = out_f32;
   job.transpose_w = transpose_w;
   job.nnz = SlotsInUse(p.nnz, p.cap);
-  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) {
-    if constexpr (decltype(bs)::value < kMinBlock) return false;
-    else return RunDsdBlock<decltype(bs)::value>(job, par);
-  });
-  ReleaseLargeBuffers();
-  return ok;
+  return ForTileBlockSize(p.bs, [&](auto bs) { return RunDsdBlock<decltype(bs)::value>(job, par); });
 }
 
 bool RunSdd(Engine engine, bool out_f32, const SddParams& p, const Parallel& par) {
@@ -589,12 +584,7 @@ bool RunSdd(Engine engine, bool out_f32, const SddParams& p, const Parallel& par
   job.engine = engine;
   job.out_f32 = out_f32;
   job.nnz = SlotsInUse(p.nnz, p.cap);
-  const bool ok = DispatchBlockSize(p.bs, [&](auto bs) {
-    if constexpr (decltype(bs)::value < kMinBlock) return false;
-    else return RunSddBlock<decltype(bs)::value>(job, par);
-  });
-  ReleaseLargeBuffers();
-  return ok;
+  return ForTileBlockSize(p.bs, [&](auto bs) { return RunSddBlock<decltype(bs)::value>(job, par); });
 }
 
 double TilePeakFlops(int64_t steps) {
