@@ -129,13 +129,12 @@ void SumSegments(const uint16_t* const* A, const uint16_t* const* B, int64_t cou
   AmxStoreC<NC, kBottom>(acc + r0 * BS + c0, BS);
 }
 
-// Rows [r0, r0 + rows) of the unit (rows <= 32), every column, into acc.
+// Rows [r0, r0 + rows) of the unit (rows <= 32, the tiles configured for them), every
+// column, into acc.
 template <int BS>
 void SumRows(const uint16_t* const* A, const uint16_t* const* B, int64_t count, int64_t a_stride, int64_t r0,
              int64_t rows, float* acc) {
-  constexpr int kStep = BS < 32 ? BS : 32;
   constexpr int NC = BS < 32 ? 1 : 2;
-  ConfigureTiles(static_cast<int>(Min(rows, 16)), static_cast<int>(Max(rows - 16, 0)), kStep, NC);
   for (int c0 = 0; c0 < BS; c0 += 16 * NC) {
     if (rows > 16) {
       SumSegments<BS, NC, true>(A, B, count, a_stride, r0, c0, acc);
@@ -162,21 +161,24 @@ void ConvItem(void* arg, int64_t item) {
     return;
   }
   const uint16_t** B = A + plan.max_segments;
-  const ConvOperands<uint16_t> operands{job.packed, job.weights, BS * BS};
-  const int64_t count = ListConvSegments(p, plan, job.nnz, operands, it.seg, it.b, it.o_outer, unit, A, B);
+  const int64_t count =
+      ListConvSegments<uint16_t>(p, plan, job.nnz, job.packed, job.weights, it.seg, it.b, it.o_outer, unit, A, B);
 
   float* acc = scratch.acc;
   if (count == 0) {
     std::memset(acc, 0, sizeof(float) * unit.len * BS);
   } else {
+    constexpr int kStep = BS < 32 ? BS : 32, NC = BS < 32 ? 1 : 2;
     const int64_t a_stride = l.istep * BS * 2;  // bytes between the outputs' input rows
-    const int64_t full = unit.len - unit.len % 32;
-    for (int64_t r0 = 0; r0 < full; r0 += 32) {
-      // One configuration serves every whole group of 32 rows; SumRows loads it each time,
-      // which costs little next to a group's products.
-      SumRows<BS>(A, B, count, a_stride, r0, 32, acc);
+    const int64_t full = unit.len - unit.len % 32, tail = unit.len - full;
+    if (full > 0) {  // one configuration for every whole group of 32 rows
+      ConfigureTiles(16, 16, kStep, NC);
+      for (int64_t r0 = 0; r0 < full; r0 += 32) SumRows<BS>(A, B, count, a_stride, r0, 32, acc);
     }
-    if (full < unit.len) SumRows<BS>(A, B, count, a_stride, full, unit.len - full, acc);
+    if (tail > 0) {
+      ConfigureTiles(static_cast<int>(Min(tail, 16)), static_cast<int>(Max(tail - 16, 0)), kStep, NC);
+      SumRows<BS>(A, B, count, a_stride, full, tail, acc);
+    }
     _tile_release();
   }
 
@@ -383,12 +385,11 @@ bool RunWgradBlock(WgradJob& job, const Parallel& par) {
   l = MakeLines(p.g);
   job.lines = p.n * l.out_outer;
   // One phase: the inner taps' starts, and the zero border every tap's L positions need.
-  std::vector<int64_t> tap_i0(static_cast<size_t>(l.k_inner), kNoInput);
+  std::vector<int64_t> tap_i0(static_cast<size_t>(l.phases * l.k_inner));  // l.phases == 1
+  TapStarts(p.g, l, tap_i0.data());
   int64_t lo = 0, hi = l.in_inner;
-  for (int64_t t = 0; t < l.k_inner; ++t) {
-    int64_t i0;
-    if (!InnerStart(p.g, 0, t, &i0)) continue;
-    tap_i0[static_cast<size_t>(t)] = i0;
+  for (const int64_t i0 : tap_i0) {
+    if (i0 == kNoInput) continue;
     lo = Min(lo, i0);
     hi = Max(hi, i0 + l.out_inner);
   }

@@ -228,8 +228,8 @@ void ConvItem(void* arg, int64_t item) {
   }
   const float** B = A + plan.max_segments;
 
-  const ConvOperands<float> operands{job.packed, job.weights, BS * BS};
-  const int64_t count = ListConvSegments(p, plan, job.nnz, operands, seg, it.b, it.o_outer, unit, A, B);
+  const int64_t count =
+      ListConvSegments<float>(p, plan, job.nnz, job.packed, job.weights, seg, it.b, it.o_outer, unit, A, B);
 
   const int64_t fout = int64_t{p.nseg} * BS;
   if (job.out == DType::kF32) {
@@ -411,13 +411,8 @@ bool RunWgradBlock(WgradJob& job, const Parallel& par) {
   const int64_t a_floats = int64_t{p.a_blocks} * p.n * l.in_outer * l.in_inner * BS;
   const int64_t b_floats = int64_t{p.b_blocks} * p.n * l.out_outer * l.out_inner * BS;
   const std::vector<int64_t> outer_in = OuterTable(p.g, l.out_outer, l.taps / l.k_inner);
-  std::vector<int64_t> tap_i0(static_cast<size_t>(l.phases * l.k_inner), kNoInput);
-  for (int64_t ph = 0; ph < l.phases; ++ph) {
-    for (int64_t t = 0; t < l.k_inner; ++t) {
-      int64_t i0;
-      if (InnerStart(p.g, ph, t, &i0)) tap_i0[static_cast<size_t>(ph * l.k_inner + t)] = i0;
-    }
-  }
+  std::vector<int64_t> tap_i0(static_cast<size_t>(l.phases * l.k_inner));
+  TapStarts(p.g, l, tap_i0.data());
   job.outer_in = outer_in.data();
   job.tap_i0 = tap_i0.data();
   job.pa = CallerBuffer(0).Get(Max(a_floats, 1));

@@ -131,6 +131,17 @@ struct Unit {
 // Marks a (phase, inner tap) that reads only zeros of the input dilation.
 constexpr int64_t kNoInput = INT64_MIN;
 
+// Every inner tap's first input per phase: tap_i0[ph * k_inner + t], or kNoInput where
+// the tap reads only zeros of the input dilation.
+void TapStarts(const ConvGeometry& g, const Lines& l, int64_t* tap_i0) {
+  for (int64_t ph = 0; ph < l.phases; ++ph) {
+    for (int64_t t = 0; t < l.k_inner; ++t) {
+      int64_t i0;
+      tap_i0[ph * l.k_inner + t] = InnerStart(g, ph, t, &i0) ? i0 : kNoInput;
+    }
+  }
+}
+
 // The runs of every line and what they read: inner input starts per (phase, inner tap)
 // (tap_i0 [phases][k_inner], kNoInput for a dilation zero), the units of work, and the
 // zero rows around each inner run of the packed input that the runs read beyond it.
@@ -156,12 +167,9 @@ ConvRuns PlanConvRuns(const ConvGeometry& g, const Lines& l, int64_t* plan) {
   int64_t* tap_i0 = plan;
   Unit* units = reinterpret_cast<Unit*>(plan + l.phases * l.k_inner);
   ConvRuns runs{tap_i0, units, CountUnits(l), 0, 0};
+  TapStarts(g, l, tap_i0);
   int64_t u = 0;
   for (int64_t ph = 0; ph < l.phases; ++ph) {
-    for (int64_t t = 0; t < l.k_inner; ++t) {
-      int64_t i0;
-      tap_i0[ph * l.k_inner + t] = InnerStart(g, ph, t, &i0) ? i0 : kNoInput;
-    }
     const int64_t length = PhaseLength(l, ph);
     for (int64_t m0 = 0; m0 < length; m0 += kUnitRows) {
       units[u++] = Unit{ph, m0, Min(kUnitRows, length - m0)};
@@ -238,21 +246,13 @@ bool DecodeConvItem(const ConvParams& p, const ConvPlan& plan, int64_t item, Con
   return true;
 }
 
-// The packed operands of the convolution, in elements of T: the input [nin][n][in_outer]
-// [wp][bs] with pad_lo zero rows before each inner run (ConvPlan), and the weights,
-// block_elems per (slot, tap) at [slot][tap].
-template <typename T>
-struct ConvOperands {
-  const T* packed;
-  const T* weights;
-  int64_t block_elems;
-};
-
 // The segments of unit `unit` of line (b, o_outer) in output block `seg`: every (slot, tap)
 // whose input run is not all padding, as A[i] (the run's first input row in `packed`, rows
-// istep * bs elements apart) and B[i] (the tap's weights). Returns their count.
+// istep * bs elements apart) and B[i] (the tap's weights). Returns their count. `packed` is
+// the input as [nin][n][in_outer][wp][bs] with pad_lo zero rows before each inner run (the
+// plan's), `weights` bs * bs elements per (slot, tap) at [slot][tap], both of type T.
 template <typename T>
-int64_t ListConvSegments(const ConvParams& p, const ConvPlan& plan, int64_t nnz, const ConvOperands<T>& ops,
+int64_t ListConvSegments(const ConvParams& p, const ConvPlan& plan, int64_t nnz, const T* packed, const T* weights,
                          int64_t seg, int64_t b, int64_t o_outer, const Unit& unit, const T** A, const T** B) {
   const Lines& l = plan.l;
   const int64_t bs = p.bs, wp = plan.wp;
@@ -267,7 +267,7 @@ int64_t ListConvSegments(const ConvParams& p, const ConvPlan& plan, int64_t nnz,
     if (slot < 0 || slot >= nnz) continue;  // padding
     const int64_t block = p.in_block[slot];
     if (block < 0 || block >= p.nin) continue;
-    const T* image = ops.packed + (block * p.n + b) * l.in_outer * wp * bs;
+    const T* image = packed + (block * p.n + b) * l.in_outer * wp * bs;
     for (int64_t to = 0; to < k_outer; ++to) {
       const int64_t i_outer = outer_in[o_outer * k_outer + to];
       if (i_outer < 0) continue;
@@ -280,7 +280,7 @@ int64_t ListConvSegments(const ConvParams& p, const ConvPlan& plan, int64_t nnz,
         const int64_t tap = to * l.k_inner + ti;
         const int64_t wtap = p.transpose_kernel ? l.taps - 1 - tap : tap;
         A[count] = run + (plan.runs.pad_lo + first) * bs;
-        B[count] = ops.weights + (slot * l.taps + wtap) * ops.block_elems;
+        B[count] = weights + (slot * l.taps + wtap) * bs * bs;
         ++count;
       }
     }
