@@ -130,6 +130,19 @@ def measure_size(n: int, blocks, densities, repeats: int, matrix: str | None, wi
     return {"n": n, "dense_bf16_ms": dense_s * 1e3, "rows": rows}
 
 
+def report_header(benchmark: str, where: dict) -> dict:
+    """The fields every CPU bf16 report starts with: what ran, where (``measured_on``) and when."""
+    return {
+        "benchmark": benchmark,
+        "commit": git_commit(),
+        "date": datetime.date.today().isoformat(),
+        **where,
+        "cpu_isa_detected": jbs.extension_info()["cpu_isa_detected"],
+        "cpu_cores": cpu_cores(),
+        "jax": jax.__version__,
+    }
+
+
 def targets(sizes: list[dict], matrix: str | None) -> dict:
     """The goals of the matrix units' path, per size: the worst product's speedup at density 1
     (>= 3x) and at density 0.1 (>= 25x) over XLA's dense bf16."""
@@ -183,13 +196,7 @@ def main(argv=None) -> int:
             )
         )
     report = {
-        "benchmark": "cpu_bf16",
-        "commit": git_commit(),
-        "date": datetime.date.today().isoformat(),
-        **where,
-        "cpu_isa_detected": jbs.extension_info()["cpu_isa_detected"],
-        "cpu_cores": cpu_cores(),
-        "jax": jax.__version__,
+        **report_header("cpu_bf16", where),
         "matrix_isa": matrix,
         "widening_isa": widening,
         "amx_peak_gflops": peak / 1e9 if peak else None,

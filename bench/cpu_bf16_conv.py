@@ -26,7 +26,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 
@@ -36,8 +35,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import cpu_cores, git_commit, measured_on, write_report  # noqa: E402
-from cpu_bf16 import instruction_sets, time_round_robin  # noqa: E402
+from _report import measured_on, write_report  # noqa: E402
+from cpu_bf16 import instruction_sets, report_header, time_round_robin  # noqa: E402
 
 import jax_blocksparse as jbs  # noqa: E402
 from jax_blocksparse import tune  # noqa: E402
@@ -74,8 +73,9 @@ def dense_conv(x, W):
 
 def mask_of(grid: int, density: float, seed: int) -> np.ndarray:
     """A random block mask of about ``density`` with every block row and column kept."""
-    mask = jbs.layouts.random((grid, grid), density, seed=seed) | np.eye(grid, dtype=bool)
-    return np.ones((grid, grid), bool) if density >= 1 else mask
+    if density >= 1:
+        return np.ones((grid, grid), bool)
+    return jbs.layouts.random((grid, grid), density, seed=seed) | np.eye(grid, dtype=bool)
 
 
 def measure_shape(shape, blocks, densities, repeats: int, widening: str, peak) -> dict:
@@ -143,13 +143,7 @@ def main(argv=None) -> int:
     print(f"{where['device']}: AMX against {widening}; AMX peak {peak / 1e9:.0f} GFLOP/s")
     shapes = [measure_shape(s, args.blocks, args.densities, args.repeats, widening, peak) for s in args.shapes]
     report = {
-        "benchmark": "cpu_bf16_conv",
-        "commit": git_commit(),
-        "date": datetime.date.today().isoformat(),
-        **where,
-        "cpu_isa_detected": jbs.extension_info()["cpu_isa_detected"],
-        "cpu_cores": cpu_cores(),
-        "jax": jax.__version__,
+        **report_header("cpu_bf16_conv", where),
         "widening_isa": widening,
         "amx_peak_gflops": peak / 1e9,
         "shapes": shapes,
