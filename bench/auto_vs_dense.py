@@ -8,15 +8,17 @@ For each dtype, block size, density and op (fprop ``x @ W``, bprop ``dy @ W.T``,
   table), and what auto chose (``choice``: the kernel called, or "dense");
 * ``dense_path_s``: the op with ``impl="dense"`` (the blocks into a dense weight, then
   XLA's dot: what auto runs above the crossover);
-* ``xw_s``: XLA's dot on a ready dense weight, ``jnp.dot``, timed just before and just
-  after the row's two (their mean).
+* ``xw_s``: XLA's dot on a ready dense weight, ``jnp.dot``.
 
 Every time is the fastest (``--statistic min``, the default; or the median) of a few
-samples of back-to-back calls of one compiled program: on a shared machine, each program
-at its cost when nothing else runs. The whole grid is measured ``--runs`` times and each
-row keeps the median of its runs' ratios, so a burst of load moves one run, not the result. ``ratio`` = xw_s /
-auto_s (>= 1: auto at least as fast as ``x @ W``); ``dense_path_ratio`` = xw_s /
-dense_path_s.
+samples of back-to-back calls of one compiled program, the three programs' samples taken
+in turn (``jax_blocksparse.tune.call_times``): on a shared machine, each program at its
+cost when nothing else runs, and a drift of the machine's speed moves all three alike.
+The whole grid is measured ``--runs`` times and each row keeps the median of its runs'
+ratios, so a burst of load moves one run, not the result. ``ratio`` = xw_s / auto_s
+(>= 1: auto at least as fast as ``x @ W``); ``dense_path_ratio`` = xw_s / dense_path_s.
+``--size`` sets the batch N too: "auto" moves each crossover for it (the batch model of
+``jax_blocksparse.crossover.Crossover.at_rows``).
 
     python bench/auto_vs_dense.py --json bench/results/auto-vs-dense-cpu-avx512-2c-DATE.json
     python bench/auto_vs_dense.py --quick          # seconds: one block size and density
@@ -36,7 +38,7 @@ import numpy as np
 
 import jax_blocksparse as jbs
 from jax_blocksparse import crossover
-from jax_blocksparse.tune import call_time
+from jax_blocksparse.tune import call_times
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -87,12 +89,11 @@ def run(args) -> dict:
                         auto = jax.jit(_ops("auto")[op])
                         dense = jax.jit(_ops("dense")[op])
                         timing = dict(repeats=args.repeats, min_time=args.min_time, statistic=args.statistic)
-                        # x @ W before and after, its mean the row's baseline: a shared
-                        # machine's speed drifts over a run by tens of percent.
-                        before = call_time(xw_fns[op], x, W, g, **timing)
-                        auto_s = call_time(auto, x, w, g, lay, **timing)
-                        dense_s = call_time(dense, x, w, g, lay, **timing)
-                        xw_s = 0.5 * (before + call_time(xw_fns[op], x, W, g, **timing))
+                        # The three programs' samples in turn: a shared machine's speed
+                        # drifts over a run by tens of percent, and so moves them alike.
+                        xw_s, auto_s, dense_s = call_times(
+                            [(xw_fns[op], (x, W, g)), (auto, (x, w, g, lay)), (dense, (x, w, g, lay))], **timing
+                        )
                         row = rows.setdefault(
                             (dtype, bs, density, op),
                             dict(
@@ -140,9 +141,8 @@ def run(args) -> dict:
         jax_version=jax.__version__,
         size=dict(C=c, K=k, N=n),
         runs=args.runs,
-        timing=f"{args.statistic} of {args.repeats} samples of back-to-back calls (>= {args.min_time} s each); x @ W "
-        f"timed before and after each row's auto and dense path (their mean); per row the median of {args.runs} "
-        "runs' ratios",
+        timing=f"{args.statistic} of {args.repeats} samples of back-to-back calls (>= {args.min_time} s each), the "
+        f"samples of x @ W, auto and the dense path taken in turn; per row the median of {args.runs} runs' ratios",
         results=sorted(out, key=lambda r: (r["dtype"], r["block_size"], -r["density"], r["op"])),
         worst_ratio=min(r["ratio"] for r in out),
         worst_dense_path_ratio=min(r["dense_path_ratio"] for r in out),

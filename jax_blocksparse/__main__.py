@@ -157,6 +157,12 @@ def crossover_lines(table: crossover.CrossoverTable) -> list[str]:
             groups.setdefault((e.target, e.mode), []).append(f"bs{e.block_size} {e.crossover:.2f}")
         lines.append(f"  {plat:5} {kind}{borrowed}:")
         lines.extend(f"    {target:22} {mode:9} " + "  ".join(vals) for (target, mode), vals in sorted(groups.items()))
+        batches = sorted({e.rows for e in entries if e.full_density})
+        if batches:
+            lines.append(
+                f"    measured at {', '.join(map(str, batches))} rows of activations; a product of another batch "
+                "moves them (the entries' density-1 times at two batches: Crossover.at_rows)"
+            )
     return lines
 
 

@@ -11,10 +11,19 @@ updat), when a call is lowered:
   is at most the crossover density of that kernel on that device;
 * the dense product above it.
 
-The decision reads only what is static (capacity, grid, dtype, precision and the device),
-so a layout that changes within its capacity (dynamic sparse training) keeps its
-compiled program. ``impl="kernels"`` always runs the kernels, ``impl="dense"`` always the
-dense product.
+The decision reads only what is static (capacity, grid, dtype, precision, the product's
+rows and the device), so a layout that changes within its capacity (dynamic sparse
+training) keeps its compiled program. ``impl="kernels"`` always runs the kernels,
+``impl="dense"`` always the dense product.
+
+A crossover is measured at one batch: ``rows`` rows of activations (the leading dims of x,
+or of dy in bprop; the dims updat contracts). Both sides have a cost that does not shrink
+with the batch: the dense product converts the blocks to a dense weight (or the dense
+weight gradient back to blocks), a kernel may transpose its weights once per call. So at
+a small batch the kernel may win at a density where it lost at ``rows``, and at a large one
+the reverse. An entry that also holds its kernel's and dense product's times at density 1
+at two or more batches (``full_density``, which ``tune`` measures) has its crossover moved
+for the batch of each product (:meth:`Crossover.at_rows`).
 
 The table is data, one entry per (platform, device kind, FFI target, arithmetic mode,
 block size), each with its ``family``: what decides the kernels' speed beside the device
@@ -152,6 +161,11 @@ class Crossover:
         where ``tune`` measured it).
       family: what the device shares with others of its speed: the CPU's instruction set,
         the GPU's compute capability ("" where unknown).
+      rows: the batch the crossover was measured at (the rows of the activations); 0
+        where unknown (then the crossover holds for every batch).
+      full_density: ``(rows, kernel seconds, dense seconds)`` per batch measured at
+        density 1, two or more batches (``rows`` among them), or none: what
+        :meth:`at_rows` moves the crossover by.
     """
 
     platform: str
@@ -162,6 +176,8 @@ class Crossover:
     crossover: float
     source: str = ""
     family: str = ""
+    rows: int = 0
+    full_density: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self):
         _check_kernel_fields(self, ("platform", "device_kind", "target", "mode", "source", "family"))
@@ -169,10 +185,76 @@ class Crossover:
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0.0 <= c <= 1.0:
             raise ValueError(f"Crossover: crossover must be a density in [0, 1], got {c!r}")
         object.__setattr__(self, "crossover", float(c))
+        if isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 0:
+            raise ValueError(f"Crossover: rows must be an int >= 0, got {self.rows!r}")
+        points = []
+        for point in self.full_density:
+            ok = isinstance(point, (tuple, list)) and len(point) == 3
+            n, kernel_s, dense_s = point if ok else (None, None, None)
+            ok = ok and isinstance(n, int) and not isinstance(n, bool) and n > 0
+            ok = ok and all(_positive_seconds(v) for v in (kernel_s, dense_s))
+            if not ok:
+                raise ValueError(
+                    f"Crossover: full_density must hold (rows > 0, kernel seconds > 0, dense seconds > 0) "
+                    f"points, got {point!r}"
+                )
+            points.append((n, float(kernel_s), float(dense_s)))
+        batches = [n for n, _, _ in points]
+        if points and (len(set(batches)) < 2 or self.rows not in batches):
+            raise ValueError(
+                f"Crossover: full_density needs two or more distinct batches, rows={self.rows} among them, "
+                f"got batches {batches}"
+            )
+        object.__setattr__(self, "full_density", tuple(sorted(points)))
 
     @property
     def key(self) -> tuple:
         return (self.platform, self.device_kind, self.target, self.mode, self.block_size)
+
+    def at_rows(self, rows: int | None) -> float:
+        """The crossover for a product of ``rows`` rows of activations.
+
+        Each side's time at density 1 is modelled as ``a * rows + b`` (a cost per row and
+        one per call: the dense product's conversion, a kernel's once-per-call transpose),
+        fitted by least squares to :attr:`full_density`. The measured crossover moves by
+        how the dense-to-kernel ratio at density 1 moves from :attr:`rows` to ``rows``
+        (a kernel's time falls about in proportion to the density, so that ratio is where
+        the two meet, in units of density). Where the kernel won at every measured density
+        (crossover 1), the ratio at :attr:`rows` is where it would have lost. Without
+        ``full_density`` or ``rows``, or where a fit has no positive cost per row (noise),
+        the measured crossover."""
+        if not self.full_density or not rows or rows == self.rows:
+            return self.crossover
+        kernel = _line([(n, t) for n, t, _ in self.full_density])
+        dense = _line([(n, t) for n, _, t in self.full_density])
+        if kernel is None or dense is None:
+            return self.crossover
+
+        def ratio(n):
+            return (dense[0] * n + dense[1]) / (kernel[0] * n + kernel[1])
+
+        measured = ratio(self.rows)
+        base = max(1.0, measured) if self.crossover >= 1.0 else self.crossover
+        return round(min(1.0, max(0.0, base * ratio(rows) / measured)), DIGITS)
+
+
+def _positive_seconds(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """``(a, b)`` of the least-squares line ``t = a * n + b`` through ``(n, t)`` points, with
+    ``b`` clipped at 0 (a call costs nothing negative); None where ``a <= 0``."""
+    mean_n = sum(n for n, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    spread = sum((n - mean_n) ** 2 for n, _ in points)
+    a = sum((n - mean_n) * (t - mean_t) for n, t in points) / spread
+    if a <= 0:
+        return None
+    b = mean_t - a * mean_n
+    if b < 0:  # through the origin instead
+        a, b = sum(n * t for n, t in points) / sum(n * n for n, _ in points), 0.0
+    return a, b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,13 +374,19 @@ class CrossoverTable:
     def to_json(self, **extra) -> dict:
         """The JSON form: ``{"format": 1, **extra, "entries": [{field: value}, ...]}``, with
         ``"variants"`` where the table has any."""
-        out = {"format": FORMAT, **extra, "entries": [dataclasses.asdict(e) for e in self.entries]}
+        out = {"format": FORMAT, **extra, "entries": [_entry_json(e) for e in self.entries]}
         if self.variants:
             out["variants"] = [dataclasses.asdict(v) for v in self.variants]
         return out
 
     def lookup(self, platform: str, device_kind: str | None, target: str, mode: str, block_size: int):
-        """The crossover density of that kernel on that device, or None where unmeasured."""
+        """The crossover density of that kernel on that device (at the batch it was
+        measured at), or None where unmeasured."""
+        entry = self.entry(platform, device_kind, target, mode, block_size)
+        return None if entry is None else entry.crossover
+
+    def entry(self, platform: str, device_kind: str | None, target: str, mode: str, block_size: int):
+        """The :class:`Crossover` of that kernel on that device, or None where unmeasured."""
         return self._index().get((platform, device_kind, target, mode, block_size))
 
     def for_device(self, platform: str, device_kind: str | None) -> tuple[Crossover, ...]:
@@ -311,7 +399,19 @@ class CrossoverTable:
 
 @functools.lru_cache(maxsize=64)
 def _index_of(entries: tuple[Crossover, ...]) -> dict:
-    return {e.key: e.crossover for e in entries}
+    return {e.key: e for e in entries}
+
+
+def _entry_json(entry: Crossover) -> dict:
+    """An entry's JSON fields; the batch fields only where measured (older tables lack them)."""
+    out = dataclasses.asdict(entry)
+    if not entry.rows:
+        del out["rows"]
+    if entry.full_density:
+        out["full_density"] = [list(p) for p in entry.full_density]
+    else:
+        del out["full_density"]
+    return out
 
 
 def load_table(path: str | os.PathLike) -> CrossoverTable:
@@ -451,17 +551,19 @@ def crossover_for(
     *,
     family: str | None = None,
     table: CrossoverTable | None = None,
+    rows: int | None = None,
 ) -> float | None:
     """The crossover of a kernel on a device: its own entry, else the nearest of its family
     (CPU: same instruction set, nearest core count, the lower crossover on a tie; CUDA:
     same compute capability, the lowest crossover: the safe one); None where neither has
-    one (:data:`UNMEASURED` then decides)."""
+    one (:data:`UNMEASURED` then decides). With ``rows`` (the product's rows of
+    activations), the entry's crossover for that batch (:meth:`Crossover.at_rows`)."""
     table = table_in_force() if table is None else table
-    own = table.lookup(platform, device_kind, target, mode, block_size)
+    own = table.entry(platform, device_kind, target, mode, block_size)
     if own is not None or not family:
-        return own
+        return None if own is None else own.at_rows(rows)
     kin = [
-        e
+        (_cores(e.device_kind) or 0, e.at_rows(rows))
         for e in table.entries
         if (e.platform, e.family, e.target, e.mode, e.block_size) == (platform, family, target, mode, block_size)
     ]
@@ -469,8 +571,8 @@ def crossover_for(
         return None
     if platform == "cpu":
         cores = _cores(device_kind or "") or 0
-        return min(kin, key=lambda e: (abs((_cores(e.device_kind) or 0) - cores), e.crossover)).crossover
-    return min(e.crossover for e in kin)
+        return min(kin, key=lambda k: (abs(k[0] - cores), k[1]))[1]
+    return min(c for _, c in kin)
 
 
 def variant_for(
@@ -541,13 +643,14 @@ def prefers_dense(
     table: CrossoverTable | None = None,
     *,
     family: str | None = None,
+    rows: int | None = None,
 ) -> bool:
     """Whether ``"auto"`` computes a product densely instead of with ``target``.
 
     True where the layout's ``block_fraction`` (its capacity over its grid) exceeds the
-    kernel's crossover on that device (:func:`crossover_for`; :data:`UNMEASURED` where
-    the table has none for the device or its family)."""
-    crossover = crossover_for(platform, device_kind, target, mode, block_size, family=family, table=table)
+    kernel's crossover on that device for a product of ``rows`` rows (:func:`crossover_for`;
+    :data:`UNMEASURED` where the table has none for the device or its family)."""
+    crossover = crossover_for(platform, device_kind, target, mode, block_size, family=family, table=table, rows=rows)
     if crossover is None:
         crossover = UNMEASURED.get(platform, 1.0)
     return block_fraction > crossover

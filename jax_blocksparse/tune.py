@@ -14,9 +14,13 @@ Per kernel (op, dtype, block size and, on CUDA, each verified kernel path) it ti
 product at densities 1, 0.5, 0.25, 0.1 and 0.05, from the top, and stops at the first
 density where the kernel wins (below it the kernel does less work still); the crossover is
 where its time meets the dense product's, interpolated between the measured densities
-(:func:`jax_blocksparse.crossover.crossover_density`). Each time is the fastest of a few
-samples of back-to-back calls of one compiled program (:func:`call_time`), the dense path
-timed beside each kernel product: on a shared machine a burst of load then moves neither.
+(:func:`jax_blocksparse.crossover.crossover_density`). At density 1 it also times both
+at a quarter of the batch (:func:`small_rows`): what each side costs per call whatever
+the batch, from which ``"auto"`` moves the crossover for the batch of each product
+(:meth:`jax_blocksparse.crossover.Crossover.at_rows`). Each time is the fastest of a few
+samples of back-to-back calls of one compiled program (:func:`call_times`), the dense
+path's samples taken in turn with each kernel product's: on a shared machine a burst of
+load or a drift of speed then moves neither alone.
 
 Defaults: every supported block size, float32 and bfloat16, under 4 minutes on a 2-core CPU;
 ``--quick``: blocks 16 to 64, float32, under a minute. A progress bar goes to stderr.
@@ -45,12 +49,29 @@ from jax_blocksparse import _native, crossover, layouts
 from jax_blocksparse.layout import SUPPORTED_BLOCK_SIZES, Layout
 from jax_blocksparse.ops import _lowering, _sm90, matmul, paths
 
-__all__ = ["DENSITIES", "SHAPES", "call_time", "median_call_time", "measure", "tune", "main"]
+__all__ = [
+    "DENSITIES",
+    "SHAPES",
+    "call_time",
+    "call_times",
+    "median_call_time",
+    "measure",
+    "small_rows",
+    "tune",
+    "main",
+]
 
 #: The problem measured per platform: (C, K, N): W [C, K], activations [N, C] / [N, K].
 SHAPES = {"cpu": (1024, 1024, 1024), "cuda": (4096, 4096, 4096)}
 #: The densities measured, from the top (each kernel stops at its first win).
 DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
+
+
+def small_rows(rows: int) -> int:
+    """The second batch timed at density 1: a quarter of the stated one (at least 1)."""
+    return max(1, rows // 4)
+
+
 OPS = ("fprop", "bprop", "updat")
 _TARGETS = {op: f"jbs_bsmm_{op}" for op in OPS}
 
@@ -65,22 +86,41 @@ def call_time(
 
     That is device time only while a call's host work is shorter than its device work
     (otherwise host time)."""
+    return call_times([(fn, args)], repeats=repeats, min_time=min_time, max_inner=max_inner, statistic=statistic)[0]
+
+
+def call_times(
+    calls: Sequence[tuple[Callable, tuple]],
+    *,
+    repeats: int = 5,
+    min_time: float = 0.05,
+    max_inner: int = 1000,
+    statistic: str = "min",
+) -> list[float]:
+    """:func:`call_time` of each ``(fn, args)`` in ``calls``, their samples interleaved: each
+    of the ``repeats`` rounds takes one sample of every call in turn, so a drift of a shared
+    machine's speed (tens of percent over seconds) moves them alike and a comparison of
+    programs holds. Default statistic: the fastest sample of each."""
     if statistic not in ("median", "min"):
         raise ValueError(f"statistic must be 'median' or 'min', got {statistic!r}")
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = max(time.perf_counter() - t0, 1e-7)
-    inner = int(min(max(1, min_time / one), max_inner))
-    samples = []
-    for _ in range(max(1, repeats)):
+    inner = []
+    for fn, args in calls:
+        jax.block_until_ready(fn(*args))  # compile and warm up
         t0 = time.perf_counter()
-        out = None
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / inner)
-    return float(np.median(samples) if statistic == "median" else np.min(samples))
+        jax.block_until_ready(fn(*args))
+        one = max(time.perf_counter() - t0, 1e-7)
+        inner.append(int(min(max(1, min_time / one), max_inner)))
+    samples: list[list[float]] = [[] for _ in calls]
+    for _ in range(max(1, repeats)):
+        for i, (fn, args) in enumerate(calls):
+            t0 = time.perf_counter()
+            out = None
+            for _ in range(inner[i]):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            samples[i].append((time.perf_counter() - t0) / inner[i])
+    pick = np.median if statistic == "median" else np.min
+    return [float(pick(s)) for s in samples]
 
 
 def median_call_time(fn: Callable, *args, repeats: int = 5, min_time: float = 0.05, max_inner: int = 1000) -> float:
@@ -160,18 +200,26 @@ def measure(
                     target, mode = _target_of(platform, op, hopper, jnp.dtype(dtype), bs)
                     if progress:
                         progress(done, total, f"{op} {dtype} bs{bs} {label}")
-                    points = []
+                    points, full = [], []
                     for density in sorted(densities, reverse=True):
                         lay, w = layout_at(bs, density, kw)
-                        s_args = {"fprop": (x, w, lay), "bprop": (g, w, lay), "updat": (x, g, lay)}[op]
-                        with paths.hopper_gate(hopper):
-                            compiled = jax.jit(_product(op, "kernels")).lower(*s_args).compile()
-                        # What "auto" runs instead: the dense path, timed beside the kernel (a
-                        # shared machine's speed drifts between products).
-                        dense_s = call_time(dense, *s_args, **timing)
-                        t = call_time(compiled, *s_args, **timing)
-                        points.append((lay.density, dense_s / t))
-                        if dense_s / t >= 1.0 + crossover.WIN_MARGIN:
+                        # At density 1, a smaller batch too: how each side's cost per call
+                        # (the dense path's conversion, a kernel's transposes) moves the
+                        # crossover with the batch (Crossover.at_rows).
+                        for rows in (n, small_rows(n)) if lay.density == 1.0 else (n,):
+                            s_args = {"fprop": (x, w, lay), "bprop": (g, w, lay), "updat": (x, g, lay)}[op]
+                            s_args = (s_args[0][:rows], s_args[1][:rows] if op == "updat" else s_args[1], lay)
+                            with paths.hopper_gate(hopper):
+                                compiled = jax.jit(_product(op, "kernels")).lower(*s_args).compile()
+                            # What "auto" runs instead: the dense path, its samples taken in
+                            # turn with the kernel's (a shared machine's speed drifts).
+                            dense_s, t = call_times([(dense, s_args), (compiled, s_args)], **timing)
+                            if lay.density == 1.0:
+                                full.append((rows, t, dense_s))
+                            if rows == n:
+                                ratio = dense_s / t
+                        points.append((lay.density, ratio))
+                        if ratio >= 1.0 + crossover.WIN_MARGIN:
                             break  # a win: below it the kernel does less work still
                     done += 1
                     entries.append(
@@ -184,6 +232,7 @@ def measure(
                             crossover=crossover.crossover_density(points, crossover.WIN_MARGIN),
                             source=source,
                             family=family,
+                            **(dict(rows=n, full_density=tuple(full)) if len(full) > 1 else {}),
                         )
                     )
     if progress:

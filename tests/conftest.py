@@ -4,14 +4,22 @@
 * :func:`exact_float32_matmuls` (autouse): every module runs at
   ``jax.default_matmul_precision("highest")`` (the float32 comparisons mean exact
   float32, not the GPU's TF32 default).
+
+The suite never reads the user's crossover cache (``python -m jax_blocksparse tune``'s): the
+cache folder is an empty one of its own, so "auto" decides from the shipped table as on a
+fresh machine (tests of the cache point it elsewhere themselves).
 """
 
+import os
 import pathlib
+import tempfile
 
 import jax
 import pytest
 
 from helpers import MATMUL_PRECISION, cpu_devices
+
+os.environ["JAX_BLOCKSPARSE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jbs-test-cache-")
 
 _GPU_TESTS = pathlib.Path(__file__).resolve().parent / "gpu"
 

@@ -210,6 +210,13 @@ def block_fraction(table_avals) -> float:
     return block_rows.shape[-1] / grid if grid else 0.0
 
 
+def product_rows(activation_aval) -> int:
+    """A product's rows of activations, from its first operand's static shape (x in fprop
+    and updat, dy in bprop): every dim but the feature dim. What a crossover is measured
+    per (:meth:`jax_blocksparse.crossover.Crossover.at_rows`)."""
+    return int(np.prod(activation_aval.shape[:-1], dtype=np.int64))
+
+
 def choose_variant(sm90: str, mode: str, block_size: int, fraction: float) -> str:
     """Which variant of the Hopper target ``sm90`` runs a product (the first of the two
     decisions; kernel-or-dense comes after, with that variant's crossover):
@@ -266,11 +273,12 @@ def auto_choice(platform: str, target: str, ctx, *, block_size: int, precision) 
     Each has a crossover density from the table in
     force (:func:`jax_blocksparse.crossover.crossover_for`; where nothing was measured: 0.5
     on CPU, 0 on a verified GPU, that is the dense product, and 1 for a Hopper kernel the
-    environment variable forces). The candidate with the highest crossover runs (the
-    Hopper one on a tie), unless the layout's block capacity exceeds it: then the dense
-    product."""
+    environment variable forces), for the product's batch (:func:`product_rows`). The
+    candidate with the highest crossover runs (the Hopper one on a tie), unless the
+    layout's block capacity exceeds it: then the dense product."""
     dtype = ctx.avals_in[0].dtype
     fraction = block_fraction(ctx.avals_in[2:])
+    rows = product_rows(ctx.avals_in[0])
     kind = device_kind(platform)
     if platform == "cpu":
         candidates = [(target, None)]
@@ -294,7 +302,9 @@ def auto_choice(platform: str, target: str, ctx, *, block_size: int, precision) 
     best, best_crossover = None, -1.0
     for name, unmeasured in candidates:
         mode = kernel_mode(_sm90.split_key(name)[0], dtype, block_size, precision)
-        found = crossover.crossover_for(platform, kind, name, mode, block_size, family=device_family(platform))
+        found = crossover.crossover_for(
+            platform, kind, name, mode, block_size, family=device_family(platform), rows=rows
+        )
         if found is None:
             found = crossover.UNMEASURED[platform] if unmeasured is None else unmeasured
         if found > best_crossover:
