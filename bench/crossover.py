@@ -37,12 +37,20 @@ which densities: at each density every variant measured, the fastest, if it beat
 baseline by ``WIN_MARGIN``; a run of consecutive measured densities won by one variant gives
 its range ``[low, high]``. Elsewhere the baseline runs.
 
+The batch: a run may time density 1 at several batches (rows of activations; ``tune``'s
+timings do: ``bench/tune_sweep.py``). Its ``config.batch`` names the batch its crossovers
+are measured at; rows of another ``batch`` give the entry's ``rows`` and ``full_density``
+only, from which ``"auto"`` moves the crossover for each product's batch
+(``jax_blocksparse.crossover.Crossover.at_rows``). A run whose ``config.stop_at_win`` is
+true stopped each kernel at its first win from the top, so its sweep is complete down to
+that win.
+
 Fields read: the file's ``platform`` ("gpu" means "cuda"), ``device_kind``,
 ``datetime``, ``compute_capability`` (CUDA), ``extension.cpu_isa`` and ``cpu_cores``
 (CPU: the entry's device kind is ``cpu:<isa>:<cores>``, its family the instruction set);
 each row's ``op``, ``dtype``, ``block_size``, ``density`` (and ``requested_density``),
 ``target``, ``mode``, ``sparse_s`` and ``dense_path_s`` (``dense_s``, XLA's dot on a ready
-dense weight, where the dense path was not timed).
+dense weight, where the dense path was not timed), and ``batch`` where timed at several.
 """
 
 from __future__ import annotations
@@ -91,17 +99,40 @@ def crossover_rows(report) -> list[dict]:
     ]
 
 
+def _config(report, row) -> dict:
+    return (report.get("configs") or {}).get(row.get("item")) or report.get("config") or {}
+
+
 def _asked(report, row) -> set[float] | None:
     """The densities the run of ``row`` asked for (None where the report does not say)."""
-    config = (report.get("configs") or {}).get(row.get("item")) or report.get("config") or {}
-    densities = config.get("densities")
+    densities = _config(report, row).get("densities")
     return {round(float(d), 6) for d in densities} if densities else None
 
 
-def _covers(measured: set[float], asked: set[float]) -> bool:
-    """Whether every asked density was measured (a row that does not record the density it
-    asked for has its layout's own, which random masks put within a block or two)."""
-    return all(any(abs(m - a) <= max(0.01, 0.05 * a) for m in measured) for a in asked)
+def _near(measured: float, asked: float) -> bool:
+    """Whether a layout's density is the asked one (a row that does not record the density
+    it asked for has its layout's own, which random masks put within a block or two)."""
+    return abs(measured - asked) <= max(0.01, 0.05 * asked)
+
+
+def _covers(points: list[tuple[float, float]], asked: set[float], stops_at_win: bool) -> bool:
+    """Whether a kernel's ``(requested density, ratio)`` points are a complete sweep: every
+    asked density measured or, for a run that stops at a kernel's first win from the top
+    (``tune``'s rule: below a win the kernel does less work still), every asked density
+    down to a measured win."""
+    for a in sorted(asked, reverse=True):
+        hit = [r for d, r in points if _near(d, a)]
+        if not hit:
+            return False
+        if stops_at_win and hit[0] >= 1.0 + WIN_MARGIN:
+            return True
+    return True
+
+
+def _batch(report, row) -> int | None:
+    """The rows of activations ``row`` was timed at: its ``batch``, else its run's."""
+    batch = row.get("batch") or _config(report, row).get("batch")
+    return int(batch) if batch else None
 
 
 def kernel_key(row) -> str:
@@ -120,11 +151,17 @@ def entries_of(report, source: str) -> list[dict]:
     one per kernel whose sweep is complete (see the module docstring)."""
     kind, family = device_of(report)
     groups: dict[tuple, list] = {}
+    full: dict[tuple, dict[int, tuple]] = {}  # density-1 times per batch
     for r in crossover_rows(report):
         dense = r.get("dense_path_s") or r["dense_s"]
         key = (_platform(report), kind, kernel_key(r), r["mode"], int(r["block_size"]))
+        batch, main = _batch(report, r), _config(report, r).get("batch")
+        if _requested(r) == 1.0 and batch:
+            full.setdefault(key, {})[batch] = (batch, r["sparse_s"], dense)
+        if batch and main and batch != int(main):
+            continue  # another batch than the run's: for the batch model only
         groups.setdefault(key, []).append(
-            (float(r["density"]), dense / r["sparse_s"], _requested(r), _asked(report, r))
+            (float(r["density"]), dense / r["sparse_s"], _requested(r), _asked(report, r), _config(report, r))
         )
     failed = {
         (kernel_key(r), r.get("mode"), r.get("block_size"))
@@ -132,22 +169,27 @@ def entries_of(report, source: str) -> list[dict]:
         if r.get("error") and r.get("target")
     }
     out = []
-    for (p, kind_, t, m, bs), points in sorted(groups.items()):
-        asked = points[0][3]
-        if (t, m, bs) in failed or (asked is not None and not _covers({q for _, _, q, _ in points}, asked)):
+    for key, points in sorted(groups.items()):
+        p, kind_, t, m, bs = key
+        asked, config = points[0][3], points[0][4]
+        swept = sorted(((q, ratio) for _, ratio, q, _, _ in points), reverse=True)
+        if (t, m, bs) in failed or (asked is not None and not _covers(swept, asked, bool(config.get("stop_at_win")))):
             continue  # an incomplete sweep: no entry
-        out.append(
-            dict(
-                platform=p,
-                device_kind=kind_,
-                target=t,
-                mode=m,
-                block_size=bs,
-                crossover=crossover_density([(d, ratio) for d, ratio, _, _ in points], WIN_MARGIN),
-                source=source,
-                family=family,
-            )
+        entry = dict(
+            platform=p,
+            device_kind=kind_,
+            target=t,
+            mode=m,
+            block_size=bs,
+            crossover=crossover_density([(d, ratio) for d, ratio, _, _, _ in points], WIN_MARGIN),
+            source=source,
+            family=family,
         )
+        batches = full.get(key, {})
+        main = config.get("batch")
+        if main and int(main) in batches and len(batches) > 1:
+            entry.update(rows=int(main), full_density=[list(batches[b]) for b in sorted(batches)])
+        out.append(entry)
     return out
 
 

@@ -166,9 +166,15 @@ def measure(
     min_time: float = 0.05,
     progress: Callable[[int, int, str], None] | None = None,
     seed: int = 0,
+    timings: list | None = None,
 ) -> list[dict]:
     """The crossover of every kernel of ``platform`` on its first device: a list of
-    :class:`jax_blocksparse.crossover.Crossover` fields (see the module docstring)."""
+    :class:`jax_blocksparse.crossover.Crossover` fields (see the module docstring).
+
+    ``timings``, a list, receives one row per product timed, in the fields of a bench
+    report's rows (``bench/crossover.py`` reads them): op, dtype, block_size, density (the
+    layout's), requested_density, batch (the rows of activations), target, mode,
+    sparse_s and dense_path_s."""
     device = jax.devices(platform)[0]
     c, k, n = SHAPES[platform] if shape is None else shape
     kind = _lowering.device_kind(platform)
@@ -216,6 +222,21 @@ def measure(
                             dense_s, t = call_times([(dense, s_args), (compiled, s_args)], **timing)
                             if lay.density == 1.0:
                                 full.append((rows, t, dense_s))
+                            if timings is not None:
+                                timings.append(
+                                    dict(
+                                        op=op,
+                                        dtype=str(dtype),
+                                        block_size=bs,
+                                        density=lay.density,
+                                        requested_density=density,
+                                        batch=rows,
+                                        target=target,
+                                        mode=mode,
+                                        sparse_s=t,
+                                        dense_path_s=dense_s,
+                                    )
+                                )
                             if rows == n:
                                 ratio = dense_s / t
                         points.append((lay.density, ratio))

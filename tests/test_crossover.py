@@ -96,6 +96,41 @@ def test_table_of_reports_takes_the_newest_measurement_per_kernel():
     CrossoverTable.from_json(table)  # the library reads what the script writes
 
 
+def test_a_sweep_that_stops_at_a_win_and_its_other_batch():
+    # tune's rule: from the top, each kernel stops at its first win. Its rows at another batch
+    # than the run's (density 1 at a quarter of it) give the batch model, not crossover points.
+    def timed(bs, density, sparse, dense, batch=64):
+        return dict(_row(bs, density, sparse, dense), requested_density=density, batch=batch)
+
+    rows = [timed(64, 1.0, 2.0, 1.0), timed(64, 1.0, 0.2, 0.4, batch=16), timed(64, 0.5, 1.0, 1.0)]
+    rows += [timed(64, 0.25, 0.5, 1.0)]  # a win at 0.25: complete
+    rows += [timed(32, 1.0, 2.0, 1.0), timed(32, 0.5, 1.5, 1.0)]  # cut short before a win: no entry
+    config = dict(densities=[1.0, 0.5, 0.25, 0.1], batch=64, stop_at_win=True)
+    report = dict(_report("H", "2026-03-01T00:00:00", rows), config=config)
+    (entry,) = crossover_script.table_of([("t.json", report)])["entries"]
+    assert entry["block_size"] == 64 and entry["crossover"] == pytest.approx(0.25 + 0.97 / 1.0 * 0.25, abs=1e-3)
+    assert entry["rows"] == 64 and entry["full_density"] == [[16, 0.2, 0.4], [64, 2.0, 1.0]]
+    # Without stop_at_win the same rows are an incomplete sweep (0.1 was asked for).
+    report["config"] = dict(config, stop_at_win=False)
+    assert crossover_script.table_of([("t.json", report)])["entries"] == []
+
+
+def test_a_tune_sweep_report_gives_the_entries_tune_computed(tmp_path):
+    require_kernels("cpu")
+    sweep = load_script("bench/tune_sweep.py")
+    out = tmp_path / "sweep.json"
+    argv = ["--size", "256", "256", "64", "--block-sizes", "32", "--dtypes", "float32", "--repeats", "1"]
+    report = sweep.main([*argv, "--min-time", "0", "--densities", "1", "0.25", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert {r["batch"] for r in report["results"] if r["requested_density"] == 1.0} == {16, 64}
+
+    def plain(entries):
+        return sorted((Crossover(**dict(e, source="")) for e in entries), key=lambda e: e.key)
+
+    assert plain(crossover_script.entries_of(report, "s.json")) == plain(report["crossovers"])
+    assert all(e.full_density for e in plain(report["crossovers"]))
+
+
 def test_the_script_keys_variants_apart_and_writes_their_winners():
     # Three variants of one kernel timed in one report: each gets its own entry
     # ("<target>:<variant>"), and the table says which won where (by the margin over the
