@@ -45,7 +45,12 @@ def test_auto_lowers_to_the_cpu_kernels():
     _, layout, w = make_problem(block_size=16)
     x = rand((5, layout.shape[0]), jnp.float32, 1)
     grad = jax.grad(lambda x, w: jnp.sum(jbs.bsmm(x, w, layout) ** 2), argnums=(0, 1))
-    with jbs.config.implementation("auto"):
+    # A table where every kernel wins (the shipped one decides per machine and batch).
+    kind = jbs.crossover.cpu_device_kind()
+    wins = [
+        dict(platform="cpu", device_kind=kind, target=t, mode="float32", block_size=16, crossover=1.0) for t in TARGETS
+    ]
+    with jbs.config.implementation("auto"), jbs.crossover.use_table(jbs.crossover.CrossoverTable.from_entries(wins)):
         text = jax.jit(grad).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
     assert kernel_calls(text) == set(TARGETS)
     assert "native CPU kernels" in _lowering.describe_path("cpu", "auto")
@@ -126,6 +131,27 @@ def test_long_inputs_run_in_chunks_of_rows(dtype):
         # The kernels and the reference sum in different orders: a 16-bit output can
         # differ by one rounding, hence the length of the dot product in the tolerance.
         assert_close(got, np.asarray(jnp.asarray(want, jnp.float32)), dtype, length=n if name == "updat" else bs)
+
+
+def test_results_of_many_megabytes():
+    # Results of 4 MiB or more get huge pages advised for their aligned interior (the
+    # handlers and the dense path's conversions): here the dense weight is 16 MiB, its
+    # blocks about 8 MiB, dx 16 MiB.
+    mask = np.random.default_rng(0).random((16, 16)) < 0.5
+    layout = jbs.Layout.from_mask(mask, 128)
+    w = rand(layout.w_shape, jnp.float32, 2)
+    x, dy, g = rand((8, 2048), jnp.float32, 3), rand((8, 2048), jnp.float32, 4), rand((2048, 2048), jnp.float32, 5)
+
+    def products(x, w, dy, g):
+        return [op(x, w, dy) for op in _ops(layout).values()] + [jbs.bsmm(g, w, layout, transpose=True)]
+
+    with jbs.config.implementation("reference"):
+        want = jax.jit(products)(x, w, dy, g)
+    for impl in ("kernels", "dense"):
+        with jbs.config.implementation(impl):
+            got = jax.jit(products)(x, w, dy, g)
+        for a, b in zip(got, want):
+            assert_close(a, np.asarray(b), jnp.float32, length=2048)
 
 
 def test_empty_rows_and_empty_layout():

@@ -177,6 +177,7 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer w, ff
   p.transpose_kernel = transpose_kernel;
   if (out->element_count() == 0) return ffi::Error::Success();
   if (const char* isa_error = cpu::IsaOverrideError()) return ffi::Error::InvalidArgument(isa_error);
+  cpu::AdviseHugePages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
   if (!cpu::RunConv(dt.in, dt.out_f32, p, cpu::Workers(pool, Macs(p.n, p.g, p.nnz, t.cap, bs)))) {
     return Unsupported(op, shapes);
   }
@@ -221,6 +222,7 @@ ffi::Error WgradImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, f
   p.transpose_kernel = transpose_kernel;
   if (t.cap == 0) return ffi::Error::Success();
   if (const char* isa_error = cpu::IsaOverrideError()) return ffi::Error::InvalidArgument(isa_error);
+  cpu::AdviseHugePages(dw->untyped_data(), static_cast<int64_t>(dw->size_bytes()));
   if (!cpu::RunConvWgrad(dt.in, dt.out_f32, p, cpu::Workers(pool, Macs(p.n, p.g, p.nnz, t.cap, bs)))) {
     return Unsupported(op, shapes);
   }

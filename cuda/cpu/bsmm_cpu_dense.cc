@@ -172,6 +172,7 @@ ffi::Error ToDenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::AnyBuffer bl
   auto* body = Instance<ToDenseBody>(p);
   if (body == nullptr)
     return ffi::Error::Internal("jbs_blocks_to_dense: no instance for block size " + std::to_string(p.bs));
+  cpu::AdviseHugePages(dense->untyped_data(), static_cast<int64_t>(dense->size_bytes()));
   cpu::Parallel par = cpu::Workers(pool, Weight(p));
   par.for_each(par.ctx, p.cb, body, &args);
   return ffi::Error::Success();
@@ -193,6 +194,7 @@ ffi::Error ToBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer dense, ffi::AnyBuff
   auto* body = Instance<ToBlocksBody>(p);
   if (body == nullptr)
     return ffi::Error::Internal("jbs_dense_to_blocks: no instance for block size " + std::to_string(p.bs));
+  cpu::AdviseHugePages(w->untyped_data(), static_cast<int64_t>(w->size_bytes()));
   cpu::Parallel par = cpu::Workers(pool, Weight(p));
   const int64_t per = SlotsPerItem(static_cast<int>(p.bs));
   par.for_each(par.ctx, (p.cap + per - 1) / per, body, &args);

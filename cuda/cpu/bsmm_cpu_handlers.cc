@@ -41,6 +41,7 @@ ffi::Error DsdImpl(const char* op, bool transpose, ffi::ThreadPool pool, ffi::An
   }
   if (IsEmpty(p)) return ffi::Error::Success();
   if (const char* isa_error = cpu::IsaOverrideError()) return ffi::Error::InvalidArgument(isa_error);
+  cpu::AdviseHugePages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
   if (!cpu::RunDsd(dt.in, dt.out_f32, transpose, p, cpu::Workers(pool, Macs(p.n, p.nnz, p.cap, p.bs)))) {
     return Unsupported(op, DescribeDsd(a, w, *out));
   }
@@ -71,6 +72,7 @@ ffi::Error UpdatImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy, 
   }
   if (IsEmpty(p)) return ffi::Error::Success();
   if (const char* isa_error = cpu::IsaOverrideError()) return ffi::Error::InvalidArgument(isa_error);
+  cpu::AdviseHugePages(dw->untyped_data(), static_cast<int64_t>(dw->size_bytes()));
   if (!cpu::RunSdd(dt.in, dt.out_f32, p, cpu::Workers(pool, Macs(p.n, p.nnz, p.cap, p.bs)))) {
     return Unsupported(op, DescribeSdd(x, dy, *dw));
   }

@@ -7,6 +7,9 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#if defined(__linux__)
+#include <sys/mman.h>  // madvise
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -64,6 +67,18 @@ void ForEachHere(void*, int64_t count, void (*body)(void*, int64_t), void* arg) 
 Parallel Workers(ffi::ThreadPool& pool, int64_t macs) {
   if (macs < kSerialMacs) return Parallel{nullptr, 1, &ForEachHere};
   return Parallel{&pool, static_cast<int>(std::max<int64_t>(1, pool.num_threads())), &ForEachOnPool};
+}
+
+void AdviseHugePages(void* data, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  if (bytes > 0 && end >= begin + 2 * kHuge) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
 }
 
 }  // namespace cpu

@@ -23,6 +23,13 @@ constexpr int64_t kSerialMacs = int64_t{1} << 20;
 // The pool, or the calling thread alone for a call of `macs` multiply-adds.
 Parallel Workers(xla::ffi::ThreadPool& pool, int64_t macs);
 
+// Advises huge pages for the 2 MiB-aligned interior of a result buffer of `bytes` that XLA
+// allocated, where it holds at least two such pages. glibc maps a block of 32 MiB or more
+// afresh for each allocation and unmaps it when freed, so such a result faults in every
+// call: 4 KiB at a time, one fault per page written (8,192 for a 32 MiB result), unless
+// the pages are huge. Advice only: where the kernel declines, nothing changes.
+void AdviseHugePages(void* data, int64_t bytes);
+
 }  // namespace cpu
 }  // namespace jbs
 
