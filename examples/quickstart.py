@@ -29,6 +29,7 @@ from tqdm import tqdm
 import jax_blocksparse as jbs
 from jax_blocksparse.nn import BlockSparseDense
 from jax_blocksparse.ops import paths  # which path the products take here
+from jax_blocksparse.tune import call_times
 
 
 def header(title: str):
@@ -72,15 +73,10 @@ def check_small_world(seed: int):
 # ---------------------------------------------------------------------------------
 
 
-def median_ms(fn, *args, reps: int):
-    fn(*args).block_until_ready()  # compile and warm up
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
+def median_ms_in_turn(calls, reps: int) -> list[float]:
+    """Median milliseconds per call of each ``(fn, args)``, their samples taken in turn: a
+    shared machine's speed drifts by tens of percent, and so moves them alike."""
+    return [1e3 * t for t in call_times(calls, repeats=reps, min_time=0.02, statistic="median")]
 
 
 def benchmark(seed: int, size: int | None = None, reps: int | None = None):
@@ -102,21 +98,19 @@ def benchmark(seed: int, size: int | None = None, reps: int | None = None):
         f"device: {device.device_kind} ({device.platform}); bsmm path: {paths.describe_path(platform, impl)} "
         f"(implementation={impl!r})"
     )
-    print(f"x [{n}, {size}] @ W [{size}, {size}], float32, block {bs}, median of {reps} runs")
+    print(f"x [{n}, {size}] @ W [{size}, {size}], float32, block {bs}, median of {reps} samples taken in turn")
 
     x = jax.random.normal(jax.random.key(seed), (n, size), jnp.float32)
     W = jax.random.normal(jax.random.key(seed + 1), (size, size), jnp.float32)
     dense = jax.jit(lambda x, W: x @ W)
     sparse = jax.jit(lambda x, w, layout: jbs.bsmm(x, w, layout))
-    dense_ms = median_ms(dense, x, W, reps=reps)
-
     print(f"{'density':>8} {'dense ms':>10} {'sparse ms':>10} {'speedup':>8}")
     rows = []
     for density in (1.0, 0.5, 0.25, 0.1, 0.05):
         mask = jbs.layouts.random((size // bs, size // bs), density, seed=seed)
         layout = jbs.Layout.from_mask(mask, bs)
         w = jbs.from_dense(W, layout)
-        sparse_ms = median_ms(sparse, x, w, layout, reps=reps)
+        dense_ms, sparse_ms = median_ms_in_turn([(dense, (x, W)), (sparse, (x, w, layout))], reps)
         print(f"{density:>8.2f} {dense_ms:>10.2f} {sparse_ms:>10.2f} {dense_ms / sparse_ms:>7.2f}x")
         rows.append(dict(density=density, dense_ms=dense_ms, sparse_ms=sparse_ms))
     return rows

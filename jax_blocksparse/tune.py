@@ -15,7 +15,8 @@ product at densities 1, 0.5, 0.25, 0.1 and 0.05, from the top, and stops at the 
 density where the kernel wins (below it the kernel does less work still); the crossover is
 where its time meets the dense product's, interpolated between the measured densities
 (:func:`jax_blocksparse.crossover.crossover_density`). At density 1 it also times both
-at a quarter of the batch (:func:`small_rows`): what each side costs per call whatever
+at a quarter and a sixty-fourth of the batch (:func:`batch_rows`): what each side costs
+per call whatever
 the batch, from which ``"auto"`` moves the crossover for the batch of each product
 (:meth:`jax_blocksparse.crossover.Crossover.at_rows`). Each time is the fastest of a few
 samples of back-to-back calls of one compiled program (:func:`call_times`), the dense
@@ -56,7 +57,7 @@ __all__ = [
     "call_times",
     "median_call_time",
     "measure",
-    "small_rows",
+    "batch_rows",
     "tune",
     "main",
 ]
@@ -67,9 +68,10 @@ SHAPES = {"cpu": (1024, 1024, 1024), "cuda": (4096, 4096, 4096)}
 DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
 
 
-def small_rows(rows: int) -> int:
-    """The second batch timed at density 1: a quarter of the stated one (at least 1)."""
-    return max(1, rows // 4)
+def batch_rows(rows: int) -> tuple[int, ...]:
+    """The batches timed at density 1: the stated one, a quarter and a sixty-fourth of it
+    (at least 1), so that each side's cost per call is measured, not extrapolated."""
+    return tuple(sorted({rows, max(1, rows // 4), max(1, rows // 64)}, reverse=True))
 
 
 OPS = ("fprop", "bprop", "updat")
@@ -209,10 +211,10 @@ def measure(
                     points, full = [], []
                     for density in sorted(densities, reverse=True):
                         lay, w = layout_at(bs, density, kw)
-                        # At density 1, a smaller batch too: how each side's cost per call
+                        # At density 1, smaller batches too: how each side's cost per call
                         # (the dense path's conversion, a kernel's transposes) moves the
                         # crossover with the batch (Crossover.at_rows).
-                        for rows in (n, small_rows(n)) if lay.density == 1.0 else (n,):
+                        for rows in batch_rows(n) if lay.density == 1.0 else (n,):
                             s_args = {"fprop": (x, w, lay), "bprop": (g, w, lay), "updat": (x, g, lay)}[op]
                             s_args = (s_args[0][:rows], s_args[1][:rows] if op == "updat" else s_args[1], lay)
                             with paths.hopper_gate(hopper):

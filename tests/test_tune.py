@@ -101,9 +101,9 @@ def test_tune_writes_the_cache_that_auto_prefers(cache):
     assert sorted(e.target for e in mine) == ["jbs_bsmm_bprop", "jbs_bsmm_fprop", "jbs_bsmm_updat"]
     assert all(e.family == isa and e.block_size == 32 and 0.0 <= e.crossover <= 1.0 for e in mine)
     assert all("W 256 x 256, N = 64" in e.source for e in mine)
-    # Density 1 timed at the stated batch and a quarter of it: the batch model's points.
-    assert all(e.rows == 64 and [p[0] for p in e.full_density] == [16, 64] for e in mine)
-    assert tune.small_rows(64) == 16 and tune.small_rows(2) == 1
+    # Density 1 timed at the stated batch, a quarter and a sixty-fourth of it: the batch model's points.
+    assert all(e.rows == 64 and [p[0] for p in e.full_density] == [1, 16, 64] for e in mine)
+    assert tune.batch_rows(1024) == (1024, 256, 16) and tune.batch_rows(2) == (2, 1)
     # The cache, and the table in force: this machine's entries over the shipped ones.
     on_disk = crossover.load_table(cache)
     assert set(on_disk.entries) == set(table.entries)
