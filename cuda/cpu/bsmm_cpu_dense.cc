@@ -84,13 +84,31 @@ struct ToDenseArgs {
 
 // One block row of W: bs rows, each K elements of copied block rows or zeros. The row
 // length is a compile-time constant (BS elements of ITEM bytes), so each copy is a few
-// vector moves, not a call: at block 8 there are C * K / 8 of them.
+// vector moves, not a call: at block 8 there are C * K / 8 of them. Small blocks are
+// copied whole, one after another (the source read in order: a block of 8 is 4 rows of a
+// cache line, and row by row across the blocks it ran 25% slower than a memory copy);
+// large ones row by row across the blocks (the destination written in order).
 template <int BS, int ITEM>
 void ToDenseRow(void* arg, int64_t r) {
   const auto* a = static_cast<const ToDenseArgs*>(arg);
   const Placement& p = *a->p;
   constexpr size_t kRow = static_cast<size_t>(BS) * ITEM;
   const int32_t* slots = p.slot.data() + r * p.kb;
+  if constexpr (BS <= 16) {
+    char* first = a->W + r * BS * p.kb * kRow;
+    for (int64_t c = 0; c < p.kb; ++c) {
+      const char* block = slots[c] < 0 ? nullptr : a->w + static_cast<int64_t>(slots[c]) * BS * kRow;
+      for (int64_t i = 0; i < BS; ++i) {
+        char* out = first + (i * p.kb + c) * kRow;
+        if (block == nullptr) {
+          std::memset(out, 0, kRow);
+        } else {
+          std::memcpy(out, block + i * kRow, kRow);
+        }
+      }
+    }
+    return;
+  }
   for (int64_t i = 0; i < BS; ++i) {
     char* out = a->W + (r * BS + i) * p.kb * kRow;
     for (int64_t c = 0; c < p.kb; ++c, out += kRow) {
