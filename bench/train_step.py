@@ -28,12 +28,16 @@ variance 1 / fan-in, zero biases), not from the layers' initializers, whose comp
 would double a CPU run's time; the step's cost does not depend on the values.
 
 Timing: each jitted step (state donated) is compiled and run ``--warmup`` times,
-then ``--steps`` steps are each timed to ``jax.block_until_ready`` of the new state
-and loss; the median is reported (``step_ms`` keeps them all). A training step is
+then ``--steps`` samples are timed, each ``--group`` consecutive steps dispatched as a
+training loop does and timed to ``jax.block_until_ready`` of the last new state and loss,
+per step; the median is reported (``step_ms`` keeps them all). A training step is
 milliseconds of device work, far above its host dispatch cost, so this is device
 time on a GPU. The model's dense step stays compiled for the whole model's rows, and
-every (block, density) row alternates its steps with dense steps, so both medians
-come from the same stretch of time (a shared CPU's load, a GPU's clocks):
+every (block, density) row alternates its samples with dense samples, so both medians
+come from the same stretch of time (a shared CPU's load, a GPU's clocks). A group of
+steps, not one: on a CPU a dense step's 13 ms evict a short step's working set from the
+caches, so a sparse step timed right after a dense one ran cold, as in no training loop
+(``--group 1`` times single steps):
 
     speedup = dense ms/step / sparse ms/step      (dense: its steps timed beside the row's)
 
@@ -339,7 +343,7 @@ class Trainer:
     step (state donated) and its fixed batch.
 
     Construction compiles the step and runs it once (``first_loss``); :meth:`run` takes
-    untimed steps, :meth:`timed_step` one step timed to ``block_until_ready``.
+    untimed steps, :meth:`timed_steps` consecutive steps timed to ``block_until_ready``.
     """
 
     def __init__(self, model, x, y, *, out_features: int, learning_rate: float, seed: int):
@@ -362,12 +366,14 @@ class Trainer:
             self.state, self.loss = self.step(self.state, self.x, self.y)
         jax.block_until_ready((self.state, self.loss))
 
-    def timed_step(self) -> float:
-        """Seconds of one step, dispatch to ``block_until_ready`` of the new state and loss."""
+    def timed_steps(self, n: int) -> float:
+        """Seconds per step of ``n`` consecutive steps, from the first dispatch to
+        ``block_until_ready`` of the last new state and loss."""
         t0 = time.perf_counter()
-        self.state, self.loss = self.step(self.state, self.x, self.y)
+        for _ in range(n):
+            self.state, self.loss = self.step(self.state, self.x, self.y)
         jax.block_until_ready((self.state, self.loss))
-        return time.perf_counter() - t0
+        return (time.perf_counter() - t0) / n
 
     def summary(self, times) -> dict:
         """The row fields of this model from its timed steps' seconds."""
@@ -449,10 +455,11 @@ def header(args, device) -> dict:
         init="host_params: kernels normal with variance 1 / fan-in (size / output width), biases zero",
         timing=dict(
             steps=args.steps,
+            group=args.group,
             warmup=args.warmup,
             statistic="median",
-            method="jax.jit(step, donate_argnums=0), compiled once; each timed step blocked on "
-            "(new state, loss) with jax.block_until_ready; warmup steps not timed",
+            method="jax.jit(step, donate_argnums=0), compiled once; each sample `group` consecutive steps "
+            "blocked on the last (new state, loss) with jax.block_until_ready, per step; warmup steps not timed",
         ),
     )
 
@@ -504,7 +511,7 @@ def run(args) -> dict:
         out_features = args.mlp_hidden if model_name == "mlp" else 4 * args.lstm_hidden
         dense = Trainer(build_model(model_name, args, dtype), x, y, out_features=out_features, **setup)
         dense.run(args.warmup - 1)
-        dense_times = [dense.timed_step() for _ in range(args.steps)]
+        dense_times = [dense.timed_steps(args.group) for _ in range(args.steps)]
         dense_row = dense.summary(dense_times)
         _add_row(
             report,
@@ -535,8 +542,8 @@ def run(args) -> dict:
                 # load, a GPU's clocks), so their ratio holds even when the load drifts.
                 times = {"dense": [], "sparse": []}
                 for _ in range(args.steps):
-                    times["dense"].append(dense.timed_step())
-                    times["sparse"].append(sparse.timed_step())
+                    times["dense"].append(dense.timed_steps(args.group))
+                    times["sparse"].append(sparse.timed_steps(args.group))
                 row = sparse.summary(times["sparse"])
                 dense_ms = 1e3 * float(np.median(times["dense"]))
                 _add_row(
@@ -605,6 +612,7 @@ def check_args(args):
         "lstm_steps",
         "lstm_batch",
         "steps",
+        "group",
     ):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
     if args.warmup < 1:
@@ -645,7 +653,8 @@ def parse_args(argv=None):
     p.add_argument("--block-sizes", type=int, nargs="+")
     p.add_argument("--densities", type=float, nargs="+")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="compute dtype (params stay float32)")
-    p.add_argument("--steps", type=int, help="timed steps (the median is reported)")
+    p.add_argument("--steps", type=int, help="timed samples (the median is reported)")
+    p.add_argument("--group", type=int, default=5, help="consecutive steps per timed sample, per step")
     p.add_argument("--warmup", type=int, help="untimed steps after compiling, the first included")
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)

@@ -91,6 +91,19 @@ def test_products_match_float64(isa, block_size, kind, rows):
             assert_close(got[name], want[name], out_dtype, length=length)
 
 
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("C", [512, 2048])
+def test_wide_inputs_copied_into_tiles_or_read_in_place(isa, block_size, C):
+    # The matrix units read input rows up to 1 KiB apart where they are (512 bf16
+    # features) and copy wider ones into tiles first: both forms, with a tail of rows.
+    _, layout, w = make_problem("random", block_size=block_size, grid=(C // block_size, 2), dtype=jnp.bfloat16)
+    x, dy = rand((77, C), jnp.bfloat16, 1), rand((77, 2 * block_size), jnp.bfloat16, 2)
+    want = _oracles(x, w, dy, layout)
+    got = _products(x, w, dy, layout, jnp.float32)
+    for name in want:
+        assert_close(got[name], want[name], jnp.float32, length=77 if name == "updat" else C)
+
+
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 def test_updat_over_several_chunks_of_rows(isa, out_dtype):
     # The packed activations of one chunk stay under 32 MiB: 1024 bytes per row here, so

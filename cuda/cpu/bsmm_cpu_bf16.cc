@@ -198,10 +198,22 @@ struct PackedRows {
   static constexpr int kStep = BS < 32 ? BS : 32;  // reduction elements per AMX step
   const uint16_t* data;
   int64_t first, rows;
+  int64_t lda = 0;  // > 0: `data` is the input itself, its rows lda elements apart (no copy)
   const uint16_t* Tile(int64_t r, int64_t block, int k0) const {
+    if (lda > 0) return data + r * lda + block * BS + k0;
     return data + ((block * (BS / kStep) + k0 / kStep) * rows + (r - first)) * kStep;
   }
+  int64_t Stride() const { return 2 * (lda > 0 ? lda : kStep); }  // bytes between a tile's rows
+  int64_t Next() const { return 16 * (lda > 0 ? lda : kStep); }   // elements to the next 16 rows
 };
+
+// Input rows at most this many bytes apart are read by the A tiles where they are: the 16
+// rows of a tile then fall in four L1 sets (of 64), four lines each, and span four pages.
+// Wider rows are copied into tiles first (PackLhsRows): 4 KiB apart, every row of a tile
+// falls in one set, and at 2 KiB the copy measured no slower than reading in place. For a
+// small product the copy costs about as much as the products: at 256 x 512 with 6 blocks
+// of 64 it took 18% of the time, and reading in place cut the call from 97 to 67 us.
+constexpr int64_t kDirectRowBytes = 1024;
 
 // Copies rows [first, first + rows) of the input blocks marked in `used` into dst.
 template <int BS>
@@ -233,7 +245,7 @@ void DsdAmxRows(const DsdJob& job, const PackedRows<BS>& pa, const int32_t* slot
     const int64_t slot = slots[s];
     const uint16_t* b = job.packed_w + slot * BS * BS + c0 * BS;
     for (int k0 = 0; k0 < BS; k0 += kStep) {
-      AmxStep<NC, kBottom>(pa.Tile(r0, p.in_block[slot], k0), kStep * 2, 16 * kStep, b + k0 * 16, 64, 16 * BS);
+      AmxStep<NC, kBottom>(pa.Tile(r0, p.in_block[slot], k0), pa.Stride(), pa.Next(), b + k0 * 16, 64, 16 * BS);
     }
   }
   const int64_t fout = int64_t{p.nseg} * BS;
@@ -244,6 +256,14 @@ void DsdAmxRows(const DsdJob& job, const PackedRows<BS>& pa, const int32_t* slot
   float* acc = ThreadScratch().acc;  // [32][32]
   AmxStoreC<NC, kBottom>(acc, 32);
   StoreOutput(job, acc, 32, r0, rows, seg * BS + c0, 16 * NC);
+}
+
+// `rows` rows of kBytes zero bytes, `stride` bytes apart. The row's size is a constant, so
+// each is a few vector stores: a memset of a size known only at run time became `rep stos`,
+// whose start-up cost made zeroing an output block cost a quarter of a small product.
+template <int kBytes>
+void ZeroRows(char* first, int64_t stride, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) std::memset(first + r * stride, 0, kBytes);
 }
 
 // Reduction elements per pass: a B panel of kChunk x 32 columns (16 KiB) stays in L1 while
@@ -269,9 +289,11 @@ void DsdAmxItem(const DsdJob& job, const PackedRows<BS>& pa, int64_t seg, int64_
     if (slot >= 0) slots[count++] = static_cast<int32_t>(slot);
   }
   if (count == 0) {  // an output block no slot feeds: zeros (0.0 is all-zero bits in every dtype)
-    const int64_t fout = int64_t{p.nseg} * BS, bytes = job.out_f32 ? 4 : 2;
-    for (int64_t r = first; r < first + rows; ++r) {
-      std::memset(static_cast<char*>(p.out) + (r * fout + seg * BS) * bytes, 0, BS * bytes);
+    const int64_t fout = int64_t{p.nseg} * BS;
+    if (job.out_f32) {
+      ZeroRows<BS * 4>(static_cast<char*>(p.out) + (first * fout + seg * BS) * 4, fout * 4, rows);
+    } else {
+      ZeroRows<BS * 2>(static_cast<char*>(p.out) + (first * fout + seg * BS) * 2, fout * 2, rows);
     }
     return;
   }
@@ -295,7 +317,7 @@ void DsdAmxItem(const DsdJob& job, const PackedRows<BS>& pa, int64_t seg, int64_
               const int64_t block = p.in_block[slots[s]];
               const uint16_t* b = job.packed_w + int64_t{slots[s]} * BS * BS + c0 * BS;
               for (int k0 = 0; k0 < BS; k0 += kStep) {
-                AmxStep<NC, true>(pa.Tile(b0 + r, block, k0), kStep * 2, 16 * kStep, b + k0 * 16, 64, 16 * BS);
+                AmxStep<NC, true>(pa.Tile(b0 + r, block, k0), pa.Stride(), pa.Next(), b + k0 * 16, 64, 16 * BS);
               }
             }
             AmxStoreC<NC, true>(c, kCols);
@@ -351,6 +373,15 @@ void DsdItem(void* arg, int64_t item) {
   // L2 for all of them, where one item per output block would read it again each time.
   const int64_t group = item / job.tiles;
   if (job.engine == Engine::kAmx) {
+    const int64_t lda = int64_t{p.nin} * BS;
+    if (2 * lda <= kDirectRowBytes) {
+      const PackedRows<BS> pa{static_cast<const uint16_t*>(p.a), first, rows, lda};
+      for (int64_t q = group; q < p.nseg; q += job.groups) {
+        const int64_t seg = p.order[q];
+        if (seg >= 0 && seg < p.nseg) DsdAmxItem<BS>(job, pa, seg, first, rows);
+      }
+      return;
+    }
     // The input blocks the group reads, copied once into A tiles.
     uint8_t* used = reinterpret_cast<uint8_t*>(ThreadBuffer(kUsed).Get(CeilDiv(int64_t{p.nin} + 1, 4)));
     uint16_t* packed = reinterpret_cast<uint16_t*>(ThreadBuffer(kRows).Get(CeilDiv(rows * p.nin * BS, 2)));

@@ -9,12 +9,14 @@
 // (dot products) machines, the bfloat16 convolution and (for unit-step geometries) its
 // weight gradient on "amx" only; every other dtype, and the convolutions that have no
 // tile form there, run the "avx512" kernels on those machines.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
 #include "cpu/bsconv_cpu.h"
 #include "cpu/bsmm_cpu.h"
+#include "cpu/cpu_parallel.h"
 
 #if defined(JBS_CPU_X86_VARIANTS) && (defined(__x86_64__) || defined(__i386__))
 #include <cpuid.h>
@@ -109,6 +111,13 @@ bool OnMatrixUnits(Isa isa, DType in, int bs, bf16::Engine* engine) {
   *engine = isa == Isa::kAmx ? bf16::Engine::kAmx : bf16::Engine::kDot;
   return true;
 }
+
+// The workers of a product of `rows` rows on `engine` (cpu::OnTiles for the tiles).
+Parallel ProductWorkers(bf16::Engine engine, const Parallel& par, int64_t rows, const int32_t* nnz, int cap, int bs) {
+  if (engine != bf16::Engine::kAmx) return par;
+  const int64_t blocks = std::min<int64_t>(std::max<int32_t>(*nnz, 0), cap);
+  return OnTiles(par, rows * blocks * bs * bs);
+}
 #endif
 
 }  // namespace
@@ -117,7 +126,9 @@ bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const 
   const Isa isa = Chosen();
 #if defined(JBS_CPU_BF16_KERNELS)
   bf16::Engine engine;
-  if (OnMatrixUnits(isa, in, p.bs, &engine)) return bf16::RunDsd(engine, out_f32, transpose_w, p, par);
+  if (OnMatrixUnits(isa, in, p.bs, &engine)) {
+    return bf16::RunDsd(engine, out_f32, transpose_w, p, ProductWorkers(engine, par, p.n, p.nnz, p.cap, p.bs));
+  }
 #endif
   switch (isa) {
 #if defined(JBS_CPU_X86_VARIANTS)
@@ -134,7 +145,9 @@ bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
   const Isa isa = Chosen();
 #if defined(JBS_CPU_BF16_KERNELS)
   bf16::Engine engine;
-  if (OnMatrixUnits(isa, in, p.bs, &engine)) return bf16::RunSdd(engine, out_f32, p, par);
+  if (OnMatrixUnits(isa, in, p.bs, &engine)) {
+    return bf16::RunSdd(engine, out_f32, p, ProductWorkers(engine, par, p.n, p.nnz, p.cap, p.bs));
+  }
 #endif
   switch (isa) {
 #if defined(JBS_CPU_X86_VARIANTS)

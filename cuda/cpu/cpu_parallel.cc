@@ -69,6 +69,11 @@ Parallel Workers(ffi::ThreadPool& pool, int64_t macs) {
   return Parallel{&pool, static_cast<int>(std::max<int64_t>(1, pool.num_threads())), &ForEachOnPool};
 }
 
+Parallel OnTiles(const Parallel& par, int64_t macs) {
+  if (macs / kTileMacsPerFmaMac < kSerialMacs) return Parallel{nullptr, 1, &ForEachHere};
+  return par;
+}
+
 void AdviseHugePages(void* data, int64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
