@@ -26,6 +26,7 @@ struct Parallel {
   void* ctx;
   int workers;  // how many threads may run items at once (>= 1), for sizing the items
   void (*for_each)(void* ctx, int64_t count, void (*body)(void* arg, int64_t i), void* arg);
+  int64_t macs = 0;  // the multiply-adds of the call it was chosen for (cpu::Workers)
 };
 
 // fprop (transpose_w = false) or bprop (transpose_w = true). Returns false for an

@@ -374,29 +374,24 @@ void DsdItem(void* arg, int64_t item) {
   const int64_t group = item / job.tiles;
   if (job.engine == Engine::kAmx) {
     const int64_t lda = int64_t{p.nin} * BS;
-    if (2 * lda <= kDirectRowBytes) {
-      const PackedRows<BS> pa{static_cast<const uint16_t*>(p.a), first, rows, lda};
+    PackedRows<BS> pa{static_cast<const uint16_t*>(p.a), first, rows, lda};  // read in place
+    if (2 * lda > kDirectRowBytes) {
+      // The input blocks the group reads, copied once into A tiles.
+      uint8_t* used = reinterpret_cast<uint8_t*>(ThreadBuffer(kUsed).Get(CeilDiv(int64_t{p.nin} + 1, 4)));
+      uint16_t* packed = reinterpret_cast<uint16_t*>(ThreadBuffer(kRows).Get(CeilDiv(rows * p.nin * BS, 2)));
+      if (used == nullptr || packed == nullptr) return;  // no memory for a tile of rows: cannot happen at <= 1 MiB
+      std::memset(used, 0, p.nin);
       for (int64_t q = group; q < p.nseg; q += job.groups) {
         const int64_t seg = p.order[q];
-        if (seg >= 0 && seg < p.nseg) DsdAmxItem<BS>(job, pa, seg, first, rows);
+        if (seg < 0 || seg >= p.nseg) continue;
+        for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
+          const int64_t slot = DsdSlot(job, e);
+          if (slot >= 0) used[p.in_block[slot]] = 1;
+        }
       }
-      return;
+      PackLhsRows<BS>(p, used, first, rows, packed);
+      pa = PackedRows<BS>{packed, first, rows};
     }
-    // The input blocks the group reads, copied once into A tiles.
-    uint8_t* used = reinterpret_cast<uint8_t*>(ThreadBuffer(kUsed).Get(CeilDiv(int64_t{p.nin} + 1, 4)));
-    uint16_t* packed = reinterpret_cast<uint16_t*>(ThreadBuffer(kRows).Get(CeilDiv(rows * p.nin * BS, 2)));
-    if (used == nullptr || packed == nullptr) return;  // no memory for a tile of rows: cannot happen at <= 1 MiB
-    std::memset(used, 0, p.nin);
-    for (int64_t q = group; q < p.nseg; q += job.groups) {
-      const int64_t seg = p.order[q];
-      if (seg < 0 || seg >= p.nseg) continue;
-      for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
-        const int64_t slot = DsdSlot(job, e);
-        if (slot >= 0) used[p.in_block[slot]] = 1;
-      }
-    }
-    PackLhsRows<BS>(p, used, first, rows, packed);
-    const PackedRows<BS> pa{packed, first, rows};
     for (int64_t q = group; q < p.nseg; q += job.groups) {
       const int64_t seg = p.order[q];
       if (seg >= 0 && seg < p.nseg) DsdAmxItem<BS>(job, pa, seg, first, rows);

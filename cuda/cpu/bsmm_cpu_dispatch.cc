@@ -9,7 +9,6 @@
 // (dot products) machines, the bfloat16 convolution and (for unit-step geometries) its
 // weight gradient on "amx" only; every other dtype, and the convolutions that have no
 // tile form there, run the "avx512" kernels on those machines.
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -112,11 +111,9 @@ bool OnMatrixUnits(Isa isa, DType in, int bs, bf16::Engine* engine) {
   return true;
 }
 
-// The workers of a product of `rows` rows on `engine` (cpu::OnTiles for the tiles).
-Parallel ProductWorkers(bf16::Engine engine, const Parallel& par, int64_t rows, const int32_t* nnz, int cap, int bs) {
-  if (engine != bf16::Engine::kAmx) return par;
-  const int64_t blocks = std::min<int64_t>(std::max<int32_t>(*nnz, 0), cap);
-  return OnTiles(par, rows * blocks * bs * bs);
+// The workers of a product on `engine`: on the tiles, fewer (cpu::OnTiles).
+Parallel EngineWorkers(bf16::Engine engine, const Parallel& par) {
+  return engine == bf16::Engine::kAmx ? OnTiles(par) : par;
 }
 #endif
 
@@ -127,7 +124,7 @@ bool RunDsd(DType in, bool out_f32, bool transpose_w, const DsdParams& p, const 
 #if defined(JBS_CPU_BF16_KERNELS)
   bf16::Engine engine;
   if (OnMatrixUnits(isa, in, p.bs, &engine)) {
-    return bf16::RunDsd(engine, out_f32, transpose_w, p, ProductWorkers(engine, par, p.n, p.nnz, p.cap, p.bs));
+    return bf16::RunDsd(engine, out_f32, transpose_w, p, EngineWorkers(engine, par));
   }
 #endif
   switch (isa) {
@@ -146,7 +143,7 @@ bool RunSdd(DType in, bool out_f32, const SddParams& p, const Parallel& par) {
 #if defined(JBS_CPU_BF16_KERNELS)
   bf16::Engine engine;
   if (OnMatrixUnits(isa, in, p.bs, &engine)) {
-    return bf16::RunSdd(engine, out_f32, p, ProductWorkers(engine, par, p.n, p.nnz, p.cap, p.bs));
+    return bf16::RunSdd(engine, out_f32, p, EngineWorkers(engine, par));
   }
 #endif
   switch (isa) {

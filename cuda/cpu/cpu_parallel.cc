@@ -65,12 +65,12 @@ void ForEachHere(void*, int64_t count, void (*body)(void*, int64_t), void* arg) 
 }  // namespace
 
 Parallel Workers(ffi::ThreadPool& pool, int64_t macs) {
-  if (macs < kSerialMacs) return Parallel{nullptr, 1, &ForEachHere};
-  return Parallel{&pool, static_cast<int>(std::max<int64_t>(1, pool.num_threads())), &ForEachOnPool};
+  if (macs < kSerialMacs) return Parallel{nullptr, 1, &ForEachHere, macs};
+  return Parallel{&pool, static_cast<int>(std::max<int64_t>(1, pool.num_threads())), &ForEachOnPool, macs};
 }
 
-Parallel OnTiles(const Parallel& par, int64_t macs) {
-  if (macs / kTileMacsPerFmaMac < kSerialMacs) return Parallel{nullptr, 1, &ForEachHere};
+Parallel OnTiles(const Parallel& par) {
+  if (par.macs / kTileMacsPerFmaMac < kSerialMacs) return Parallel{nullptr, 1, &ForEachHere, par.macs};
   return par;
 }
 

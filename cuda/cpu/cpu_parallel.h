@@ -27,10 +27,10 @@ Parallel Workers(xla::ffi::ThreadPool& pool, int64_t macs);
 // (TDPBF16PS) does 16 x 16 x 32 per instruction, 512-bit FMA 16 per lane group.
 constexpr int64_t kTileMacsPerFmaMac = 16;
 
-// `par`, or the calling thread alone where the call's `macs` multiply-adds run on the
+// `par`, or the calling thread alone where its call's multiply-adds (par.macs) run on the
 // matrix units: they weigh kTileMacsPerFmaMac times less than Workers assumed. A product
 // of 256 x 512 with 6 blocks of 64 took 62 us on the pool and 47 us on the calling thread.
-Parallel OnTiles(const Parallel& par, int64_t macs);
+Parallel OnTiles(const Parallel& par);
 
 // Advises huge pages for the 2 MiB-aligned interior of a result buffer of `bytes` that XLA
 // allocated, where it holds at least two such pages. glibc maps a block of 32 MiB or more
