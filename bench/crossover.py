@@ -103,9 +103,9 @@ def _config(report, row) -> dict:
     return (report.get("configs") or {}).get(row.get("item")) or report.get("config") or {}
 
 
-def _asked(report, row) -> set[float] | None:
-    """The densities the run of ``row`` asked for (None where the report does not say)."""
-    densities = _config(report, row).get("densities")
+def _asked(config) -> set[float] | None:
+    """The densities a run (its ``config``) asked for (None where the report does not say)."""
+    densities = config.get("densities")
     return {round(float(d), 6) for d in densities} if densities else None
 
 
@@ -129,9 +129,9 @@ def _covers(points: list[tuple[float, float]], asked: set[float], stops_at_win: 
     return True
 
 
-def _batch(report, row) -> int | None:
+def _batch(row, config) -> int | None:
     """The rows of activations ``row`` was timed at: its ``batch``, else its run's."""
-    batch = row.get("batch") or _config(report, row).get("batch")
+    batch = row.get("batch") or config.get("batch")
     return int(batch) if batch else None
 
 
@@ -150,19 +150,19 @@ def entries_of(report, source: str) -> list[dict]:
     """The table entries one bench report gives, in the form of ``Crossover``'s fields:
     one per kernel whose sweep is complete (see the module docstring)."""
     kind, family = device_of(report)
-    groups: dict[tuple, list] = {}
+    groups: dict[tuple, list] = {}  # (density, ratio, requested density) per kernel
+    configs: dict[tuple, dict] = {}  # the run of each kernel's first row
     full: dict[tuple, dict[int, tuple]] = {}  # density-1 times per batch
     for r in crossover_rows(report):
         dense = r.get("dense_path_s") or r["dense_s"]
         key = (_platform(report), kind, kernel_key(r), r["mode"], int(r["block_size"]))
-        batch, main = _batch(report, r), _config(report, r).get("batch")
+        config = configs.setdefault(key, _config(report, r))
+        batch, main = _batch(r, config), config.get("batch")
         if _requested(r) == 1.0 and batch:
             full.setdefault(key, {})[batch] = (batch, r["sparse_s"], dense)
         if batch and main and batch != int(main):
             continue  # another batch than the run's: for the batch model only
-        groups.setdefault(key, []).append(
-            (float(r["density"]), dense / r["sparse_s"], _requested(r), _asked(report, r), _config(report, r))
-        )
+        groups.setdefault(key, []).append((float(r["density"]), dense / r["sparse_s"], _requested(r)))
     failed = {
         (kernel_key(r), r.get("mode"), r.get("block_size"))
         for r in report.get("results", [])
@@ -171,8 +171,9 @@ def entries_of(report, source: str) -> list[dict]:
     out = []
     for key, points in sorted(groups.items()):
         p, kind_, t, m, bs = key
-        asked, config = points[0][3], points[0][4]
-        swept = sorted(((q, ratio) for _, ratio, q, _, _ in points), reverse=True)
+        config = configs[key]
+        asked = _asked(config)
+        swept = sorted(((q, ratio) for _, ratio, q in points), reverse=True)
         if (t, m, bs) in failed or (asked is not None and not _covers(swept, asked, bool(config.get("stop_at_win")))):
             continue  # an incomplete sweep: no entry
         entry = dict(
@@ -181,7 +182,7 @@ def entries_of(report, source: str) -> list[dict]:
             target=t,
             mode=m,
             block_size=bs,
-            crossover=crossover_density([(d, ratio) for d, ratio, _, _, _ in points], WIN_MARGIN),
+            crossover=crossover_density([(d, ratio) for d, ratio, _ in points], WIN_MARGIN),
             source=source,
             family=family,
         )

@@ -3,10 +3,10 @@
 ``python -m jax_blocksparse tune`` writes this machine's crossovers to a user cache. This
 script runs the same measurement (:func:`jax_blocksparse.tune.measure`: each kernel against
 the dense path at densities 1 to 0.05 from the top, stopping at its first win, and at
-density 1 also at a quarter and a sixty-fourth of the batch) and writes every timed product as a row, so a
-machine's sweep can be committed under ``bench/results/`` and become the package's
-shipped entries for its kind (``python bench/crossover.py --package``), batch model
-included.
+density 1 also at a quarter and a sixty-fourth of the batch) and writes every timed
+product as a row, so a machine's sweep can be committed under ``bench/results/`` and
+become the package's shipped entries for its kind (``python bench/crossover.py
+--package``), batch model included.
 
     python bench/tune_sweep.py                       # bench/results/tune_sweep-<device>-<date>.json
     python bench/tune_sweep.py --block-sizes 32 --dtypes float32 --json /tmp/t.json

@@ -161,7 +161,7 @@ def crossover_lines(table: crossover.CrossoverTable) -> list[str]:
         if batches:
             lines.append(
                 f"    measured at {', '.join(map(str, batches))} rows of activations; a product of another batch "
-                "moves them (the entries' density-1 times at two batches: Crossover.at_rows)"
+                "moves them (the entries' density-1 times at several batches: Crossover.at_rows)"
             )
     return lines
 

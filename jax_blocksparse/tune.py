@@ -16,9 +16,8 @@ density where the kernel wins (below it the kernel does less work still); the cr
 where its time meets the dense product's, interpolated between the measured densities
 (:func:`jax_blocksparse.crossover.crossover_density`). At density 1 it also times both
 at a quarter and a sixty-fourth of the batch (:func:`batch_rows`): what each side costs
-per call whatever
-the batch, from which ``"auto"`` moves the crossover for the batch of each product
-(:meth:`jax_blocksparse.crossover.Crossover.at_rows`). Each time is the fastest of a few
+per call whatever the batch, from which ``"auto"`` moves the crossover for the batch of
+each product (:meth:`jax_blocksparse.crossover.Crossover.at_rows`). Each time is the fastest of a few
 samples of back-to-back calls of one compiled program (:func:`call_times`), the dense
 path's samples taken in turn with each kernel product's: on a shared machine a burst of
 load or a drift of speed then moves neither alone.
@@ -157,6 +156,20 @@ def _target_of(platform: str, op: str, hopper: bool, dtype, block_size: int) -> 
     return name, _lowering.kernel_mode(name, dtype, block_size, None)
 
 
+def _kernel_and_dense_times(op, dense, hopper, a, b, lay, rows, timing) -> tuple[float, float]:
+    """Seconds of one product on the kernels (``hopper``: the Hopper gate open) and on the
+    dense path ``dense`` (what "auto" runs instead), for the first ``rows`` rows of its
+    activations (``a``, and ``b`` in updat), their samples taken in turn: a shared
+    machine's speed drifts."""
+    if rows < a.shape[0]:
+        a, b = a[:rows], b[:rows] if op == "updat" else b
+    args = (a, b, lay)
+    with paths.hopper_gate(hopper):
+        compiled = jax.jit(_product(op, "kernels")).lower(*args).compile()
+    dense_s, kernel_s = call_times([(dense, args), (compiled, args)], **timing)
+    return kernel_s, dense_s
+
+
 def measure(
     platform: str,
     *,
@@ -211,19 +224,16 @@ def measure(
                     points, full = [], []
                     for density in sorted(densities, reverse=True):
                         lay, w = layout_at(bs, density, kw)
+                        operands = {"fprop": (x, w), "bprop": (g, w), "updat": (x, g)}[op]
                         # At density 1, smaller batches too: how each side's cost per call
                         # (the dense path's conversion, a kernel's transposes) moves the
                         # crossover with the batch (Crossover.at_rows).
                         for rows in batch_rows(n) if lay.density == 1.0 else (n,):
-                            s_args = {"fprop": (x, w, lay), "bprop": (g, w, lay), "updat": (x, g, lay)}[op]
-                            s_args = (s_args[0][:rows], s_args[1][:rows] if op == "updat" else s_args[1], lay)
-                            with paths.hopper_gate(hopper):
-                                compiled = jax.jit(_product(op, "kernels")).lower(*s_args).compile()
-                            # What "auto" runs instead: the dense path, its samples taken in
-                            # turn with the kernel's (a shared machine's speed drifts).
-                            dense_s, t = call_times([(dense, s_args), (compiled, s_args)], **timing)
+                            t, dense_s = _kernel_and_dense_times(op, dense, hopper, *operands, lay, rows, timing)
                             if lay.density == 1.0:
                                 full.append((rows, t, dense_s))
+                            if rows == n:
+                                ratio = dense_s / t
                             if timings is not None:
                                 timings.append(
                                     dict(
@@ -239,8 +249,6 @@ def measure(
                                         dense_path_s=dense_s,
                                     )
                                 )
-                            if rows == n:
-                                ratio = dense_s / t
                         points.append((lay.density, ratio))
                         if ratio >= 1.0 + crossover.WIN_MARGIN:
                             break  # a win: below it the kernel does less work still
