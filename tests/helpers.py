@@ -164,6 +164,19 @@ def require_kernels(platform: str):
     pytest.skip(reason)
 
 
+def force_cpu_isa(monkeypatch, name: str) -> str:
+    """Puts the CPU kernels of instruction set ``name`` in force for the test
+    (``JAX_BLOCKSPARSE_CPU_ISA``, read at every call); skips, with the reason, where this
+    CPU's widest set is below it."""
+    info = jbs.extension_info()
+    order, detected = info["cpu_isas"], info["cpu_isa_detected"]  # lowest to widest
+    if order.index(name) > order.index(detected):
+        pytest.skip(f"{name} kernels not run: this CPU's widest kernels are {detected!r} (no {name} here)")
+    monkeypatch.setenv("JAX_BLOCKSPARSE_CPU_ISA", name)
+    assert jbs.extension_info()["cpu_isa"] == name
+    return name
+
+
 def require_cuda_extension():
     """The CUDA kernels are built (see :func:`require_kernels`)."""
     require_kernels("cuda")

@@ -26,6 +26,7 @@ from helpers import (
     assert_close,
     collectives,
     cpu_mesh,
+    force_cpu_isa,
     kernel_calls,
     make_mask,
     rand,
@@ -119,6 +120,18 @@ GEOMETRIES = {
     "3d_same_s2": ((3, 2, 3), (4, 5, 5), dict(strides=(1, 2, 2))),
     "3d_valid_dilated": ((2, 2, 2), (4, 3, 5), dict(padding="VALID", dilation=(1, 1, 2))),
 }
+
+
+@pytest.mark.parametrize("bs", sorted(GRIDS))
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_transposed_kernels_on_each_vector_instruction_set(monkeypatch, isa, bs):
+    # transpose_kernel transposes each (slot, tap) block in the kernels, a routine of its
+    # own per instruction set.
+    force_cpu_isa(monkeypatch, isa)
+    layout, w = _problem("random", bs, GRIDS[bs], (2, 3), F16)
+    xt = rand((2, 3, 4, layout.shape[1]), F16, 3)
+    _check(jbs.bsconv_transpose, xt, w, layout, F16, 6 * layout.shape[1], strides=2, transpose_kernel=True)
+
 
 # name -> (kernel_size, input spatial, bsconv_transpose keyword arguments)
 TRANSPOSE_GEOMETRIES = {

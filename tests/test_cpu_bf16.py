@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
-from helpers import assert_close, cpu_devices, make_mask, make_problem, rand, require_kernels
+from helpers import assert_close, cpu_devices, force_cpu_isa, make_mask, make_problem, rand, require_kernels
 
 MATRIX_UNIT_ISAS = ("amx", "avx512_bf16")
 ENV = "JAX_BLOCKSPARSE_CPU_ISA"
@@ -38,13 +38,7 @@ def detected_isa() -> str:
 @pytest.fixture(params=MATRIX_UNIT_ISAS)
 def isa(request, monkeypatch):
     """Runs the test with the kernels of this instruction set in force."""
-    name, detected = request.param, detected_isa()
-    order = jbs.extension_info()["cpu_isas"]  # lowest to widest
-    if order.index(name) > order.index(detected):
-        pytest.skip(f"{name} kernels not run: this CPU's widest kernels are {detected!r} (no {name} here)")
-    monkeypatch.setenv(ENV, name)
-    assert jbs.extension_info()["cpu_isa"] == name
-    return name
+    return force_cpu_isa(monkeypatch, request.param)
 
 
 def _dense(w, layout):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
-from helpers import assert_close, cpu_devices, kernel_calls, make_problem, rand, require_kernels
+from helpers import assert_close, cpu_devices, force_cpu_isa, kernel_calls, make_problem, rand, require_kernels
 from jax_blocksparse.ops import _lowering
 
 TARGETS = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
@@ -56,6 +56,31 @@ def test_auto_lowers_to_the_cpu_kernels():
     assert "native CPU kernels" in _lowering.describe_path("cpu", "auto")
     with jbs.config.implementation("reference"):
         assert "custom_call" not in jax.jit(grad).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+
+
+# The vector instruction sets of the float kernels, lowest first; the machine's widest is
+# the one the bsmm suite runs on, the lower ones only here.
+VECTOR_ISAS = ("baseline", "avx2", "avx512")
+
+
+@pytest.mark.parametrize("block_size", jbs.SUPPORTED_BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("isa", VECTOR_ISAS)
+def test_each_vector_instruction_set_matches_the_reference(monkeypatch, isa, dtype, block_size):
+    # Each set is its own compilation of the kernels (register tiles, transposes of the
+    # weights in bprop): a layout with a full column and an empty one, 19 rows (tails).
+    force_cpu_isa(monkeypatch, isa)
+    _, layout, w = make_problem("empty_rows_cols", block_size=block_size, dtype=dtype, seed=block_size)
+    C, K = layout.shape
+    x, dy = rand((19, C), dtype, 1), rand((19, K), dtype, 2)
+    ops = {
+        "fprop": lambda impl: jbs.bsmm(x, w, layout, impl=impl),
+        "bprop": lambda impl: jbs.bsmm(dy, w, layout, transpose=True, impl=impl),
+        "updat": lambda impl: jbs.bsmm_updat(x, dy, layout, impl=impl),
+    }
+    for name, op in ops.items():
+        want = np.asarray(op("reference").astype(jnp.float32))
+        assert_close(op("kernels"), want, dtype, length=19 if name == "updat" else max(C, K))
 
 
 def _call(kernel, out_shape, out_dtype, *operands):

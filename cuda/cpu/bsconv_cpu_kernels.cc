@@ -200,11 +200,7 @@ void ConvWeightItem(void* arg, int64_t slot) {
       Widen(job.in, src, dst, BS * BS);
       continue;
     }
-    float row[BS];
-    for (int i = 0; i < BS; ++i) {
-      Widen(job.in, Offset(src, int64_t{i} * BS, job.in), row, BS);
-      for (int j = 0; j < BS; ++j) dst[j * BS + i] = row[j];
-    }
+    WidenTransposed<BS>(job.in, src, dst);
   }
 }
 

@@ -17,7 +17,7 @@
 #endif
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>  // only for broadcasts (Splat); the arithmetic is vector extensions
+#include <immintrin.h>  // broadcasts (Splat) and transposes; the arithmetic is vector extensions
 #endif
 
 #include "bsmm_problem.h"
@@ -177,6 +177,60 @@ inline V Splat(const float* x) {
   V v;
   for (int i = 0; i < L; ++i) v[i] = *x;
   return v;
+}
+
+// ---------------------------------------------------------------------------------
+// Transposition
+// ---------------------------------------------------------------------------------
+
+// dst[j * ldd + i] = src[i * lds + j] for i, j < 8, in vector registers (three rounds of
+// shuffles).
+#if defined(__AVX__)
+inline void Transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+#endif
+
+// dst[j * BS + i] = src[i * BS + j]: a float32 [BS, BS] block transposed. With AVX, in
+// 8 x 8 tiles held in registers: a scalar copy, each store to another row, ran at about
+// 3.5 cycles per element, half of the bprop kernel's time at 16 rows.
+template <int BS>
+inline void TransposeBlock(const float* src, float* dst) {
+#if defined(__AVX__)
+  if constexpr (BS % 8 == 0) {
+    for (int i = 0; i < BS; i += 8) {
+      for (int j = 0; j < BS; j += 8) Transpose8x8(src + i * BS + j, BS, dst + j * BS + i, BS);
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < BS; ++i) {
+    for (int j = 0; j < BS; ++j) dst[j * BS + i] = src[i * BS + j];
+  }
+}
+
+// dst = the [BS, BS] block src of dtype `in`, widened to float32 and transposed.
+template <int BS>
+inline void WidenTransposed(DType in, const void* src, float* dst) {
+  if (in == DType::kF32) return TransposeBlock<BS>(static_cast<const float*>(src), dst);
+  alignas(64) static thread_local float wide[BS * BS];
+  Widen(in, src, wide, BS * BS);
+  TransposeBlock<BS>(wide, dst);
 }
 
 // ---------------------------------------------------------------------------------
