@@ -11,8 +11,9 @@
 //
 //   fprop/bprop, one work item = one output block column/row j x one tile of rows:
 //     acc[rows, bs] = sum over the segment's slots s of A_s[rows, bs] @ W_s[bs, bs]
-//     with A_s the lhs rows at input block in_block[s] (read in place when float32, else
-//     widened into a scratch tile) and W_s = w[s] (or w[s]^T) widened into a scratch block.
+//     with A_s the lhs rows at input block in_block[s] (read in place when float32 at
+//     block 128, else from a block-major widened copy) and W_s = w[s] (or w[s]^T,
+//     transposed once per call).
 //   updat, one work item = one slot s:
 //     dw[s][bs, bs] = sum over tiles of rows of X_s[rows, bs]^T @ DY_s[rows, bs]
 //     (A = X_s^T is read with strides (1, row stride): no transpose is materialised).
@@ -135,8 +136,9 @@ void PackBlock(DType in, const void* src, int64_t ld, int64_t block, int64_t row
 // DSD: fprop and bprop
 // ---------------------------------------------------------------------------------
 // Per chunk of rows: (1) the lhs is widened into block-major [nin][rows][bs] (each
-// input block read once, contiguous afterwards), (2) the items run: output block
-// order[i / tiles] x row tile i % tiles, summing its slots' products in registers.
+// input block read once, contiguous afterwards; skipped where ReadsLhsInPlace), (2) the
+// items run: output block order[i / tiles] x row tile i % tiles, summing its slots'
+// products in registers.
 
 struct DsdJob {
   const DsdParams* p;
@@ -145,7 +147,7 @@ struct DsdJob {
   bool transpose_w;
   int64_t nnz;
   int64_t row0, rows;  // the chunk of rows
-  float* packed;       // [nin][rows][bs]
+  float* packed;       // [nin][rows][bs], or nullptr: the lhs read in place
   float* blocks;       // [cap][bs][bs] every W(s) widened (transposed), or nullptr
   int64_t tiles;       // row tiles per output block in this chunk
   int64_t tile_rows;
@@ -162,6 +164,16 @@ const float* LoadBlock(const DsdJob& job, int64_t slot, float* scratch) {
   }
   WidenTransposed<BS>(job.in, src, scratch);
   return scratch;
+}
+
+// Whether the items read float32 lhs rows where they are rather than from a block-major
+// copy: where a block's row is 512 bytes or more (block 128). There the copy, one more
+// pass over the lhs, cost more than it saved (fprop and bprop of 1024^3 at density 1,
+// 8-10% faster in place; 12-20% at density 0.25); at block 64 both measured alike, and
+// at block 32 in place was 25% slower (rows of 128 bytes, 4 KiB apart).
+template <int BS>
+bool ReadsLhsInPlace(DType in) {
+  return in == DType::kF32 && BS * sizeof(float) >= 512;
 }
 
 template <int BS>
@@ -188,14 +200,19 @@ void DsdItem(void* arg, int64_t item) {
   if (rows <= 0) return;
   Scratch& s = ThreadScratch();
   std::memset(s.acc, 0, sizeof(float) * rows * BS);
+  const int64_t fin = int64_t{p.nin} * BS;
   for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
     const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
     if (slot < 0 || slot >= job.nnz) continue;  // padding
     const int64_t block = p.in_block[slot];
     if (block < 0 || block >= p.nin) continue;
     const float* w = job.blocks ? job.blocks + slot * BS * BS : LoadBlock<BS>(job, slot, s.w);
-    const float* a = job.packed + (block * job.rows + first) * BS;
-    Gemm<BS>(rows, BS, a, BS, 1, w, BS, s.acc, BS);
+    if (job.packed != nullptr) {
+      Gemm<BS>(rows, BS, job.packed + (block * job.rows + first) * BS, BS, 1, w, BS, s.acc, BS);
+    } else {  // float32 rows read where they are
+      const float* a = static_cast<const float*>(p.a) + (job.row0 + first) * fin + block * BS;
+      Gemm<BS>(rows, BS, a, fin, 1, w, BS, s.acc, BS);
+    }
   }
   const int64_t fout = int64_t{p.nseg} * BS;
   for (int64_t r = 0; r < rows; ++r) {
@@ -217,8 +234,11 @@ template <int BS>
 bool RunDsdBlock(DsdJob& job, const Parallel& par) {
   const DsdParams& p = *job.p;
   const int64_t chunk = Max(1, kPackFloats / (int64_t{p.nin} * BS + 1));
-  float* packed = CallerBuffer(0).Get(Min(chunk, p.n) * Max(1, p.nin) * BS);
-  if (packed == nullptr) return false;
+  float* packed = nullptr;
+  if (!ReadsLhsInPlace<BS>(job.in)) {
+    packed = CallerBuffer(0).Get(Min(chunk, p.n) * Max(1, p.nin) * BS);
+    if (packed == nullptr) return false;
+  }
   // Weights that are not float32 [bs, bs] as stored are widened (transposed) once per
   // call, when that fits the budget, rather than once per row tile.
   job.blocks = nullptr;
@@ -237,7 +257,7 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
     job.row0 = row0;
     job.rows = Min(chunk, p.n - row0);
     job.packed = packed;
-    par.for_each(par.ctx, p.nin, &DsdPackItem<BS>, &job);
+    if (packed != nullptr) par.for_each(par.ctx, p.nin, &DsdPackItem<BS>, &job);
     // Tiles of whole register tiles: a tail row runs at half the FMA rate (its few
     // accumulators wait on the FMA latency), 6% of block 128's time at 32 rows a tile.
     constexpr int64_t kR = TileShape<BS>::kRows;
