@@ -231,3 +231,26 @@ def test_bad_shapes_raise(framework):
         layer = BlockSparseLinear(64, 96, mask, 16, rngs=nnx.Rngs(0))
         with pytest.raises(ValueError, match=r"inputs must have shape \[\.\.\., 64\].*\(2, 96\)"):
             layer(jnp.ones((2, 96)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_bias_add_is_the_dtypes_add_and_sums_its_gradient_in_float32(dtype):
+    # 16-bit: y + bias taken in float32 and rounded once (what XLA computes for the
+    # 16-bit add), so the bias gradient is a float32 sum over the rows, rounded once.
+    from jax_blocksparse.layers.common import add_bias
+
+    rng = np.random.default_rng(0)
+    y, bias, ct = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((3, 100, 64), (64,), (3, 100, 64)))
+    out, vjp = jax.vjp(add_bias, y, bias)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(y + bias, np.float32))
+    dy, dbias = vjp(ct)
+    np.testing.assert_array_equal(np.asarray(dy, np.float32), np.asarray(ct, np.float32))
+    want = np.asarray(ct, np.float64).sum(axis=(0, 1))
+    got = np.asarray(dbias, np.float64)
+    assert dbias.dtype == dtype
+    if dtype == jnp.float32:  # y + bias as written: float32 summation error
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    else:  # within one 16-bit rounding of the exact sum
+        ulp = np.abs(np.asarray(jnp.asarray(want, dtype), np.float64)) * 2.0 ** -jnp.finfo(dtype).nmant
+        assert np.all(np.abs(got - want) <= ulp), (got, want)

@@ -277,10 +277,20 @@ def promote(inputs, kernel, bias, dtype, float32_dw: bool):
 
 
 def add_bias(y, bias):
-    """``y + bias`` over the last axis (``bias`` [K] or None)."""
+    """``y + bias`` over the last axis (``bias`` [K] or None).
+
+    With 16-bit y and bias of one dtype the sum is taken in float32 and rounded once, as
+    XLA computes a 16-bit add anyway: the forward pass is the same, and the bias gradient
+    becomes a float32 sum over the rows. XLA on CPU turns a bfloat16 one into a
+    reduce-window that took 350 us for [256, 512] (90 us this way), a fifth of a
+    block-sparse MLP's training step at density 0.1.
+    """
     if bias is None:
         return y
-    return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    bias = jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    if y.dtype == bias.dtype and y.dtype in (jnp.bfloat16, jnp.float16):
+        return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
+    return y + bias
 
 
 def place_output(y, out_sharding):
