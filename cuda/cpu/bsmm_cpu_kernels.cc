@@ -89,9 +89,11 @@ inline void TailRows(int64_t rows, int64_t K, const float* A, int64_t a_row, int
 }
 
 // C[rows, BS] += A[rows, K] @ B[K, BS] (A with strides a_row, a_k; B and C row-major).
+// Always inlined: each caller's constant strides then reach the tiles' loops (out of
+// line, with the strides unknown, block 16 ran 2x slower).
 template <int BS>
-void Gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb, float* C,
-          int64_t ldc) {
+__attribute__((always_inline)) inline void Gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_k,
+                                                const float* B, int64_t ldb, float* C, int64_t ldc) {
   constexpr int L = TileShape<BS>::kLanes, NV = TileShape<BS>::kVectors, R = TileShape<BS>::kRows;
   const int64_t full = rows - rows % R;  // rows in whole tiles; the rest in smaller ones
   for (int j = 0; j < BS; j += NV * L) {
@@ -209,8 +211,6 @@ void DsdItem(void* arg, int64_t item) {
     const int64_t block = p.in_block[slot];
     if (block < 0 || block >= p.nin) continue;
     const float* w = job.blocks ? job.blocks + slot * BS * BS : LoadBlock<BS>(job, slot, s.w);
-    // Only the block sizes that may read in place get the second call: with it, the
-    // compiler kept Gemm out of line and its strides unknown, and block 16 ran 2x slower.
     if constexpr (kReadsFloat32LhsInPlace<BS>) {
       if (job.packed == nullptr) {  // float32 rows read where they are
         const int64_t fin = int64_t{p.nin} * BS;
