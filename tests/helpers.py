@@ -164,6 +164,11 @@ def require_kernels(platform: str):
     pytest.skip(reason)
 
 
+# The vector instruction sets of the float kernels, lowest first (the machine's widest is the
+# one the rest of the suite runs on).
+VECTOR_ISAS = ("baseline", "avx2", "avx512")
+
+
 def force_cpu_isa(monkeypatch, name: str) -> str:
     """Puts the CPU kernels of instruction set ``name`` in force for the test
     (``JAX_BLOCKSPARSE_CPU_ISA``, read at every call); skips, with the reason, where this

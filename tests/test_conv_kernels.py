@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import jax_blocksparse as jbs
 from helpers import (
     NUM_DEVICES,
+    VECTOR_ISAS,
     assert_close,
     collectives,
     cpu_mesh,
@@ -123,7 +124,7 @@ GEOMETRIES = {
 
 
 @pytest.mark.parametrize("bs", sorted(GRIDS))
-@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", VECTOR_ISAS)
 def test_transposed_kernels_on_each_vector_instruction_set(monkeypatch, isa, bs):
     # transpose_kernel transposes each (slot, tap) block in the kernels, a routine of its
     # own per instruction set.

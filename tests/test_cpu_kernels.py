@@ -19,7 +19,16 @@ import numpy as np
 import pytest
 
 import jax_blocksparse as jbs
-from helpers import assert_close, cpu_devices, force_cpu_isa, kernel_calls, make_problem, rand, require_kernels
+from helpers import (
+    VECTOR_ISAS,
+    assert_close,
+    cpu_devices,
+    force_cpu_isa,
+    kernel_calls,
+    make_problem,
+    rand,
+    require_kernels,
+)
 from jax_blocksparse.ops import _lowering
 
 TARGETS = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
@@ -56,11 +65,6 @@ def test_auto_lowers_to_the_cpu_kernels():
     assert "native CPU kernels" in _lowering.describe_path("cpu", "auto")
     with jbs.config.implementation("reference"):
         assert "custom_call" not in jax.jit(grad).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
-
-
-# The vector instruction sets of the float kernels, lowest first; the machine's widest is
-# the one the bsmm suite runs on, the lower ones only here.
-VECTOR_ISAS = ("baseline", "avx2", "avx512")
 
 
 @pytest.mark.parametrize("block_size", jbs.SUPPORTED_BLOCK_SIZES)
