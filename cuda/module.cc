@@ -33,6 +33,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsconvWgradCpu);
 // The dense path's conversions between blocks and the dense matrix (cpu/bsmm_cpu_dense.cc):
 // CPU only; on CUDA XLA's own scatter and gather run them.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBlocksToDenseCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBlocksToDenseCpuV2);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsDenseToBlocksCpu);
 #ifdef JBS_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmFpropCuda);
@@ -70,6 +71,7 @@ constexpr char kUpdatV1[] = "jax_blocksparse_bsmm_updat_v1";
 constexpr char kBsconvV1[] = "jax_blocksparse_bsconv_v1";
 constexpr char kBsconvWgradV1[] = "jax_blocksparse_bsconv_wgrad_v1";
 constexpr char kBlocksToDenseV1[] = "jax_blocksparse_blocks_to_dense_v1";
+constexpr char kBlocksToDenseV2[] = "jax_blocksparse_blocks_to_dense_v2";
 constexpr char kDenseToBlocksV1[] = "jax_blocksparse_dense_to_blocks_v1";
 #ifdef JBS_WITH_SM90
 constexpr char kFpropSm90V1[] = "jax_blocksparse_bsmm_fprop_sm90_v1";
@@ -314,6 +316,7 @@ PYBIND11_MODULE(_jbs_kernels, m) {
         cpu[kBsconvV1] = Capsule(JbsBsconvCpu);
         cpu[kBsconvWgradV1] = Capsule(JbsBsconvWgradCpu);
         cpu[kBlocksToDenseV1] = Capsule(JbsBlocksToDenseCpu);
+        cpu[kBlocksToDenseV2] = Capsule(JbsBlocksToDenseCpuV2);
         cpu[kDenseToBlocksV1] = Capsule(JbsDenseToBlocksCpu);
         py::dict by_platform;
         by_platform["cpu"] = cpu;

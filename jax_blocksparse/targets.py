@@ -58,7 +58,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "jbs_bsmm_updat_sm90": (1,),
     "jbs_bsconv": (1,),
     "jbs_bsconv_wgrad": (1,),
-    "jbs_blocks_to_dense": (1,),
+    "jbs_blocks_to_dense": (1, 2),
     "jbs_dense_to_blocks": (1,),
 }
 

@@ -169,6 +169,30 @@ def test_handler_rejects_malformed_updat():
         jax.block_until_ready(_call("jbs_bsmm_updat", layout.w_shape, jnp.float32, x, dy, *_tables(layout)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
+def test_blocks_to_dense_as_w_or_its_transpose_in_both_versions(dtype):
+    # The dense path's conversion: version 2 writes W [C, K] or, with transpose, W^T
+    # [K, C] (bprop's dense path in 16 bits); version 1 (no attribute) stays for programs
+    # exported before it. Empty block rows and columns, and padding slots.
+    mask, layout, w = make_problem("empty_rows_cols", block_size=16, grid=(3, 5), dtype=dtype)
+    layout = jbs.Layout.from_mask(mask, 16, capacity=layout.capacity + 2)
+    w = jnp.concatenate([w, jnp.full((2, 16, 16), 7, dtype)])  # padding slots are never read
+    want = np.asarray(jbs.to_dense(w, layout).astype(jnp.float32))
+    C, K = layout.shape
+    v2 = jbs.targets.target_name("jbs_blocks_to_dense")
+    v1 = jbs.targets.target_name("jbs_blocks_to_dense", 1)
+    assert v2.endswith("_v2")
+
+    def call(target, shape, **attrs):
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, dtype))(w, *_tables(layout), **attrs)
+
+    np.testing.assert_array_equal(np.asarray(call(v2, (C, K), transpose=False).astype(jnp.float32)), want)
+    np.testing.assert_array_equal(np.asarray(call(v2, (K, C), transpose=True).astype(jnp.float32)), want.T)
+    np.testing.assert_array_equal(np.asarray(call(v1, (C, K)).astype(jnp.float32)), want)
+    with pytest.raises(Exception, match=r"jbs_blocks_to_dense: .*the dense matrix \(transposed\) \[5 \* bs, 3 \* bs\]"):
+        jax.block_until_ready(call(v2, (C, K), transpose=True))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_long_inputs_run_in_chunks_of_rows(dtype):
     # 16 MiB of packed rows per chunk: 4100 rows of 1024 + 1024 features is > 2 chunks

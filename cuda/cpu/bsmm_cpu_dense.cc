@@ -1,6 +1,11 @@
 // The dense path's conversions on CPU: the blocks of w [capacity, bs, bs] placed into the
-// dense W [C, K] (zero elsewhere), and back: the layout's blocks of a dense dW [C, K]
-// gathered into [capacity, bs, bs] (zero at padding slots).
+// dense W [C, K] (zero elsewhere), or into its transpose W^T [K, C] (version 2, attribute
+// `transpose`), and back: the layout's blocks of a dense dW [C, K] gathered into
+// [capacity, bs, bs] (zero at padding slots).
+//
+// W^T is for bprop's dense path, g @ W^T, in 16 bits: XLA runs a bfloat16 dot with float32
+// sums on the matrix units when both operands are row-major (2.2 ms at 1024 cubed on a
+// 2-core AMX machine), but g @ W.T of a row-major W as a float32 dot (8.9 ms).
 //
 // impl="dense" (and "auto" above the crossover) computes bsmm as XLA's dot on W; its cost
 // beside the dot a user would write, x @ W, is this conversion. XLA's own scatter and gather
@@ -12,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bsmm_block_sizes.h"
@@ -33,9 +39,10 @@ struct Placement {
 
 // The tables checked and turned into a grid of slots. `blocks` is w (or dw), [cap, bs, bs];
 // `dense` is W (or dW), [C, K] of the same dtype.
+// `transposed`: the dense matrix is W^T [K, C].
 ffi::Error Place(const char* op, const ffi::AnyBuffer& blocks, const ffi::AnyBuffer& dense,
                  const ffi::AnyBuffer& block_rows, const ffi::AnyBuffer& block_cols, const ffi::AnyBuffer& col_ptr,
-                 const ffi::AnyBuffer& row_ptr, const ffi::AnyBuffer& row_slots, Placement* p) {
+                 const ffi::AnyBuffer& row_ptr, const ffi::AnyBuffer& row_slots, bool transposed, Placement* p) {
   Tables t;
   if (ffi::Error e = CheckTables(op, block_rows, block_cols, col_ptr, row_ptr, row_slots, &t); e.failure()) return e;
   const ffi::DataType dtype = blocks.element_type();
@@ -48,11 +55,13 @@ ffi::Error Place(const char* op, const ffi::AnyBuffer& blocks, const ffi::AnyBuf
   }
   auto bd = blocks.dimensions();
   auto dd = dense.dimensions();
+  const int64_t rows_b = transposed ? t.kb : t.cb, cols_b = transposed ? t.cb : t.kb;
   if (bd.size() != 3 || bd[0] != t.cap || bd[1] != bd[2] || !SupportedBlockSize(bd[2]) || dd.size() != 2 ||
-      dd[0] != t.cb * bd[2] || dd[1] != t.kb * bd[2]) {
+      dd[0] != rows_b * bd[2] || dd[1] != cols_b * bd[2]) {
     return Invalid(op, "blocks must be [capacity=" + std::to_string(t.cap) + ", bs, bs] with bs in " + kBlockSizesText +
-                           " and the dense matrix [" + std::to_string(t.cb) + " * bs, " + std::to_string(t.kb) +
-                           " * bs], got " + ShapeStr(blocks) + " and " + ShapeStr(dense));
+                           " and the dense matrix" + (transposed ? " (transposed) [" : " [") + std::to_string(rows_b) +
+                           " * bs, " + std::to_string(cols_b) + " * bs], got " + ShapeStr(blocks) + " and " +
+                           ShapeStr(dense));
   }
   p->cb = t.cb;
   p->kb = t.kb;
@@ -121,6 +130,30 @@ void ToDenseRow(void* arg, int64_t r) {
   }
 }
 
+// One block row c of W^T [K, C]: bs rows, row i of it holding column c * bs + i of W, i.e.
+// element i of every row of the blocks (r, c), or zeros. Each block is read bs times, a
+// column at a time, from L1 (at most 64 KiB); the rows of W^T are written in order.
+template <int BS, int ITEM>
+void ToDenseTransposedRow(void* arg, int64_t c) {
+  const auto* a = static_cast<const ToDenseArgs*>(arg);
+  const Placement& p = *a->p;
+  using Word = typename std::conditional<ITEM == 4, uint32_t, uint16_t>::type;
+  const auto* w = reinterpret_cast<const Word*>(a->w);
+  auto* out = reinterpret_cast<Word*>(a->W) + c * BS * p.cb * BS;
+  for (int64_t i = 0; i < BS; ++i, out += p.cb * BS) {
+    for (int64_t r = 0; r < p.cb; ++r) {
+      const int32_t slot = p.slot[r * p.kb + c];
+      Word* dst = out + r * BS;
+      if (slot < 0) {
+        std::memset(dst, 0, sizeof(Word) * BS);
+        continue;
+      }
+      const Word* column = w + static_cast<int64_t>(slot) * BS * BS + i;
+      for (int64_t j = 0; j < BS; ++j) dst[j] = column[j * BS];
+    }
+  }
+}
+
 struct ToBlocksArgs {
   const Placement* p;
   const std::vector<int64_t>* cell;  // [cap]: the grid cell of each slot, -1 at padding
@@ -171,6 +204,10 @@ struct ToDenseBody {
   static constexpr void (*kFn)(void*, int64_t) = ToDenseRow<BS, ITEM>;
 };
 template <int BS, int ITEM>
+struct ToDenseTransposedBody {
+  static constexpr void (*kFn)(void*, int64_t) = ToDenseTransposedRow<BS, ITEM>;
+};
+template <int BS, int ITEM>
 struct ToBlocksBody {
   static constexpr void (*kFn)(void*, int64_t) = ToBlocksSlots<BS, ITEM>;
 };
@@ -178,29 +215,44 @@ struct ToBlocksBody {
 // Items: a call of fewer bytes than a parallel step is worth runs on the calling thread.
 int64_t Weight(const Placement& p) { return p.cb * p.kb * p.bs * p.bs; }
 
-ffi::Error ToDenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols,
-                       ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots,
-                       ffi::Result<ffi::AnyBuffer> dense) {
+ffi::Error ToDense(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols,
+                   ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots,
+                   ffi::Result<ffi::AnyBuffer> dense, bool transpose) {
   Placement p;
-  if (ffi::Error e = Place("jbs_blocks_to_dense", w, *dense, block_rows, block_cols, col_ptr, row_ptr, row_slots, &p);
+  if (ffi::Error e =
+          Place("jbs_blocks_to_dense", w, *dense, block_rows, block_cols, col_ptr, row_ptr, row_slots, transpose, &p);
       e.failure()) {
     return e;
   }
   ToDenseArgs args{&p, static_cast<const char*>(w.untyped_data()), static_cast<char*>(dense->untyped_data())};
-  auto* body = Instance<ToDenseBody>(p);
+  auto* body = transpose ? Instance<ToDenseTransposedBody>(p) : Instance<ToDenseBody>(p);
   if (body == nullptr)
     return ffi::Error::Internal("jbs_blocks_to_dense: no instance for block size " + std::to_string(p.bs));
   cpu::AdviseHugePages(dense->untyped_data(), static_cast<int64_t>(dense->size_bytes()));
   cpu::Parallel par = cpu::Workers(pool, Weight(p));
-  par.for_each(par.ctx, p.cb, body, &args);
+  par.for_each(par.ctx, transpose ? p.kb : p.cb, body, &args);
   return ffi::Error::Success();
+}
+
+// Version 1: W [C, K]. Version 2: attribute `transpose` (W^T [K, C] where true).
+ffi::Error ToDenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols,
+                       ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots,
+                       ffi::Result<ffi::AnyBuffer> dense) {
+  return ToDense(pool, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, dense, false);
+}
+
+ffi::Error ToDenseV2Impl(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols,
+                         ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots,
+                         ffi::Result<ffi::AnyBuffer> dense, bool transpose) {
+  return ToDense(pool, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, dense, transpose);
 }
 
 ffi::Error ToBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer dense, ffi::AnyBuffer block_rows,
                         ffi::AnyBuffer block_cols, ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr,
                         ffi::AnyBuffer row_slots, ffi::Result<ffi::AnyBuffer> w) {
   Placement p;
-  if (ffi::Error e = Place("jbs_dense_to_blocks", *w, dense, block_rows, block_cols, col_ptr, row_ptr, row_slots, &p);
+  if (ffi::Error e =
+          Place("jbs_dense_to_blocks", *w, dense, block_rows, block_cols, col_ptr, row_ptr, row_slots, false, &p);
       e.failure()) {
     return e;
   }
@@ -238,4 +290,5 @@ auto BindConversion() {
 }  // namespace jbs
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBlocksToDenseCpu, jbs::ToDenseImpl, jbs::BindConversion());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBlocksToDenseCpuV2, jbs::ToDenseV2Impl, jbs::BindConversion().Attr<bool>("transpose"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsDenseToBlocksCpu, jbs::ToBlocksImpl, jbs::BindConversion());
