@@ -85,7 +85,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 from jax.sharding import PartitionSpec as P
 
-from jax_blocksparse import config, targets
+from jax_blocksparse import _native, config, targets
 from jax_blocksparse.layout import Layout, LayoutTables, check_layout
 from jax_blocksparse.ops._checks import (
     as_float_array,
@@ -440,12 +440,20 @@ def bsmm_fprop_dense_cpu(x, w, *tables, block_size, out_dtype, precision=None, *
     return _dense_dot(x, _to_dense_native(w, tables, block_size), precision, out_dtype)
 
 
+def _xla_runs_bf16_dots_on_matrix_units() -> bool:
+    """Whether this CPU has AMX (the extension's detected instruction set): there XLA runs a
+    bfloat16 dot with float32 sums on the tiles, where both operands are row-major."""
+    return _native.extension_info().get("cpu_isa_detected") == "amx"
+
+
 def bsmm_bprop_dense_cpu(g, w, *tables, block_size, out_dtype, precision=None, **_):
-    """:func:`bsmm_bprop_dense`, the dense W built by the CPU extension: in 16 bits as W^T,
-    row-major, since XLA runs ``g @ W^T`` on the CPU's matrix units only with both operands
-    row-major (bf16 at 1024 cubed on a 2-core AMX machine: 2.2 ms, against 8.9 ms for
-    ``g @ W.T``); in float32 as W (both forms ran alike, and the copy of W is a row copy)."""
-    if jnp.dtype(w.dtype).itemsize == 2:
+    """:func:`bsmm_bprop_dense`, the dense W built by the CPU extension. In bfloat16 on an
+    AMX machine it is built as W^T, row-major: XLA runs ``g @ W.T`` of a row-major W as a
+    float32 dot (8.9-11.8 ms at 1024 cubed on 2 cores), the same product with W^T ready on
+    the tiles (2.2-3.7 ms with the conversion, which costs 0.25-0.75 ms transposed against
+    0.13-0.21 ms as W). Elsewhere it is built as W, the cheaper copy (in float32 both
+    forms of the dot ran alike there)."""
+    if w.dtype == jnp.bfloat16 and _xla_runs_bf16_dots_on_matrix_units():
         return _dense_dot(g, _to_dense_native(w, tables, block_size, transpose=True), precision, out_dtype)
     return _dense_dot(g, _to_dense_native(w, tables, block_size).T, precision, out_dtype)
 
