@@ -234,17 +234,11 @@ ffi::Error ToDense(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::AnyBuffer block_
   return ffi::Error::Success();
 }
 
-// Version 1: W [C, K]. Version 2: attribute `transpose` (W^T [K, C] where true).
+// Version 1: W [C, K]. Version 2 is ToDense itself, with the attribute `transpose`.
 ffi::Error ToDenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols,
                        ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots,
                        ffi::Result<ffi::AnyBuffer> dense) {
   return ToDense(pool, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, dense, false);
-}
-
-ffi::Error ToDenseV2Impl(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::AnyBuffer block_rows, ffi::AnyBuffer block_cols,
-                         ffi::AnyBuffer col_ptr, ffi::AnyBuffer row_ptr, ffi::AnyBuffer row_slots,
-                         ffi::Result<ffi::AnyBuffer> dense, bool transpose) {
-  return ToDense(pool, w, block_rows, block_cols, col_ptr, row_ptr, row_slots, dense, transpose);
 }
 
 ffi::Error ToBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer dense, ffi::AnyBuffer block_rows,
@@ -290,5 +284,5 @@ auto BindConversion() {
 }  // namespace jbs
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBlocksToDenseCpu, jbs::ToDenseImpl, jbs::BindConversion());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBlocksToDenseCpuV2, jbs::ToDenseV2Impl, jbs::BindConversion().Attr<bool>("transpose"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsBlocksToDenseCpuV2, jbs::ToDense, jbs::BindConversion().Attr<bool>("transpose"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbsDenseToBlocksCpu, jbs::ToBlocksImpl, jbs::BindConversion());

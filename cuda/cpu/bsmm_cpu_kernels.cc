@@ -197,6 +197,14 @@ void DsdPackItem(void* arg, int64_t block) {
   PackBlock<BS>(job.in, job.p->a, fin, block, job.row0, job.rows, job.packed + block * job.rows * BS);
 }
 
+// The slot of entry e of a segment, or -1 where it holds no block: padding (at or past
+// nnz) or tables out of range.
+inline int64_t SegmentSlot(const DsdParams& p, int64_t nnz, int64_t e) {
+  const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
+  if (slot < 0 || slot >= nnz) return -1;
+  return p.in_block[slot] >= 0 && p.in_block[slot] < p.nin ? slot : -1;
+}
+
 template <int BS>
 void DsdItem(void* arg, int64_t item) {
   const DsdJob& job = *static_cast<const DsdJob*>(arg);
@@ -209,10 +217,9 @@ void DsdItem(void* arg, int64_t item) {
   Scratch& s = ThreadScratch();
   std::memset(s.acc, 0, sizeof(float) * rows * BS);
   for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
-    const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
-    if (slot < 0 || slot >= job.nnz) continue;  // padding
+    const int64_t slot = SegmentSlot(p, job.nnz, e);
+    if (slot < 0) continue;
     const int64_t block = p.in_block[slot];
-    if (block < 0 || block >= p.nin) continue;
     const float* w = job.blocks ? job.blocks + slot * BS * BS : LoadBlock<BS>(job, slot, s.w);
     if constexpr (kReadsFloat32LhsInPlace<BS>) {
       if (job.packed == nullptr) {  // float32 rows read where they are
@@ -429,8 +436,8 @@ int64_t PlanPanels(const DsdParams& p, int64_t nnz, PanelJob* job) {
     const int64_t last = Min(p.nseg, (g + 1) * G);
     for (int64_t j = g * G; j < last; ++j) {  // mark the input blocks the panel reads
       for (int64_t e = p.seg_ptr[j]; e < p.seg_ptr[j + 1]; ++e) {
-        const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
-        if (slot < 0 || slot >= nnz || p.in_block[slot] < 0 || p.in_block[slot] >= p.nin) continue;
+        const int64_t slot = SegmentSlot(p, nnz, e);
+        if (slot < 0) continue;
         position[p.in_block[slot]] = 0;
       }
     }
@@ -443,8 +450,8 @@ int64_t PlanPanels(const DsdParams& p, int64_t nnz, PanelJob* job) {
     }
     for (int64_t j = g * G; j < last; ++j) {
       for (int64_t e = p.seg_ptr[j]; e < p.seg_ptr[j + 1]; ++e) {
-        const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
-        if (slot < 0 || slot >= nnz || p.in_block[slot] < 0 || p.in_block[slot] >= p.nin) continue;
+        const int64_t slot = SegmentSlot(p, nnz, e);
+        if (slot < 0) continue;
         int32_t& cell = entry_slots[int64_t{position[p.in_block[slot]]} * G + (j - g * G)];
         if (cell >= 0) return -1;
         cell = static_cast<int32_t>(slot);
