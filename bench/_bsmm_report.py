@@ -160,3 +160,99 @@ def resumed_rows(args, device_kind: str) -> list[dict]:
     if old.get("device_kind") != device_kind:
         return []
     return [r for r in old.get("results", []) if "requested_density" in r and "size" in r]
+
+
+def resumed_faults(args, device_kind: str) -> list[dict]:
+    """The faults (:func:`faults_of`) of the earlier run that ``--resume`` continues, to
+    keep: a product whose path hung or killed its process has rows, so the resumed run
+    does not measure it again, and the evidence would otherwise be lost."""
+    path = args.json
+    if not (args.resume and path and Path(path).exists()):
+        return []
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    if old.get("device_kind") != device_kind:
+        return []
+    return [f for f in faults_of(old) if not f.get("row")]
+
+
+def _planned_paths(report: dict):
+    """(op, dtype, block size, requested density, path) of every (product, path) the run of
+    ``report`` measures, in bench/bsmm.py's order (dtypes, block sizes, densities, ops,
+    paths; a Hopper variant only where it runs the product)."""
+    from jax_blocksparse.ops import paths
+
+    config = report.get("config") or {}
+    size = report.get("size") or {}
+    c, k = size.get("C", 0), size.get("K", 0)
+    for dtype in config.get("dtypes", ()):
+        for bs in config.get("block_sizes", ()):
+            if not c or c % bs or k % bs:
+                continue
+            for density in config.get("densities", ()):
+                for op in config.get("ops", ()):
+                    for path in report.get("paths", ()):
+                        _, _, variant = path.partition(":")
+                        if variant and not paths.variant_runs(op, variant, dtype, bs):
+                            continue
+                        yield op, dtype, int(bs), round(float(density), 6), path
+
+
+def _fault(op, dtype, bs, density, path, size, why, **extra) -> dict:
+    return dict(
+        op=op, dtype=dtype, block_size=int(bs), requested_density=density, path=path, size=size, why=why, **extra
+    )
+
+
+def faults_of(report: dict) -> list[dict]:
+    """The (product, path)s of a bench/bsmm.py report that failed: error rows (a compile
+    error, a kernel fault), the faults an earlier run of a resumed report left, and the
+    path its process was in when it was killed or died (``in_flight`` left set; for a report
+    written before that field, the first planned path missing from a product that has rows
+    already, so that a kill in the product's shared part, the dense timing, blames no
+    kernel). Each: op, dtype, block_size, requested_density, path, size, why (and row=True
+    for an error row)."""
+    size = report.get("size") or {}
+    size = [size.get("C"), size.get("K"), size.get("N")]
+    out = [
+        _fault(
+            r["op"],
+            r["dtype"],
+            r["block_size"],
+            r.get("requested_density", r["density"]),
+            r.get("requested_path", r["path"]),
+            r.get("size", size),
+            f"error: {r['error']}",
+            row=True,
+            mode=r.get("mode"),
+        )
+        for r in report.get("results", [])
+        if r.get("error")
+    ]
+    out += [dict(f) for f in report.get("faults", [])]
+    if report.get("complete") or report.get("stopped"):
+        return out
+    killed = "killed or died while measuring it"
+    if "in_flight" in report:
+        if report["in_flight"]:
+            out.append(_fault(**report["in_flight"], size=size, why=killed))
+        return out
+    done = {
+        (
+            r["op"],
+            r["dtype"],
+            int(r["block_size"]),
+            round(float(r.get("requested_density", r["density"])), 6),
+            r.get("requested_path", r["path"]),
+        )
+        for r in report.get("results", [])
+    }
+    started = {key[:4] for key in done}
+    for key in _planned_paths(report):
+        if key not in done:
+            if key[:4] in started:
+                out.append(_fault(*key, size=size, why=killed))
+            break
+    return out

@@ -17,8 +17,10 @@ The GPU tests are parametrized by op, dtype and block size; a test exercises
 
 Where a test names no parameter, it counts for all of them: the guess errs towards
 exercising more, so a failure turns off more, never less. A key passes when at least one
-test that exercises it passed and none failed (skipped tests say nothing), and the
-check's compute-sanitizer run was clean or unavailable on that machine.
+test that exercises it passed and none failed (skipped tests say nothing), the bench
+measured every product it ran on that key (a kernel fault or a hang there turns it off,
+and every key of a Hopper variant with it: see :func:`key_results`), and the check's
+compute-sanitizer run was clean or unavailable on that machine.
 
 The parameters come from pytest's own collection (run on any machine: the GPU tests
 collect without a GPU), so results of a check that did not record them can be read too.
@@ -153,9 +155,33 @@ def died_tests(isolated_json: Path) -> dict[str, str]:
     return out
 
 
-def key_results(tests: dict[str, dict], *, sanitizer_ok: bool, sanitizer_why: str = "") -> tuple[dict, dict]:
+def bench_key(fault: dict) -> tuple[str, str, int]:
+    """The key of a bench fault (bench/_bsmm_report.faults_of): its path's target ("ampere"
+    the portable ``jbs_bsmm_<op>``, "hopper[:variant]" the ``_sm90`` one with the variant), the
+    row's mode where it has one, else its dtype's (float32 on the Hopper targets: "tf32",
+    the bench's default precision), and the block size."""
+    kernel, _, variant = fault["path"].partition(":")
+    hopper = kernel == "hopper"
+    target = f"jbs_bsmm_{fault['op']}{'_sm90' if hopper else ''}{f':{variant}' if variant else ''}"
+    mode = fault.get("mode") or ("tf32" if hopper and fault["dtype"] == "float32" else fault["dtype"])
+    return target, mode, int(fault["block_size"])
+
+
+def _fault_why(fault: dict) -> str:
+    size = "x".join(str(v) for v in fault.get("size") or ())
+    return f"bench at {size}, density {fault['requested_density']}: {fault['why'][:160]}"
+
+
+def key_results(
+    tests: dict[str, dict], *, sanitizer_ok: bool, sanitizer_why: str = "", bench_faults=()
+) -> tuple[dict, dict]:
     """(passed: target -> mode -> [block sizes], failed: key -> why) from ``tests``
-    (node id -> {"outcome", "params"}; outcome "died: ..." for a test a process died in)."""
+    (node id -> {"outcome", "params"}; outcome "died: ..." for a test a process died in)
+    and ``bench_faults`` (bench/_bsmm_report.faults_of's entries: a product the bench could
+    not measure, at sizes the tests do not reach). A fault turns its key off; a fault of a
+    Hopper variant turns off every key of that variant, in every op (its design failed at
+    scale, and the tests of its other keys ran smaller problems: it comes back on when a
+    bench at scale measures it)."""
     seen: dict[tuple, list[str]] = {}
     bad: dict[tuple, str] = {}
     for nodeid, test in sorted(tests.items()):
@@ -165,6 +191,19 @@ def key_results(tests: dict[str, dict], *, sanitizer_ok: bool, sanitizer_why: st
                 seen.setdefault(key, []).append(nodeid)
             elif outcome != "skipped" and key not in bad:
                 bad[key] = f"{nodeid.split('::', 1)[1]} {outcome}"
+    faulty_variants: dict[str, str] = {}
+    for fault in bench_faults:
+        key = bench_key(fault)
+        bad.setdefault(key, _fault_why(fault))
+        _, _, variant = key[0].partition(":")
+        if variant:
+            faulty_variants.setdefault(
+                variant, f"the variant failed in the {_fault_why(fault)} ({key[0]}, {key[1]}, block {key[2]})"
+            )
+    for key in seen:
+        _, _, variant = key[0].partition(":")
+        if variant in faulty_variants:
+            bad.setdefault(key, faulty_variants[variant])
     passed: dict[str, dict[str, list[int]]] = {}
     failed: dict[tuple, str] = {}
     for key in sorted(set(seen) | set(bad)):

@@ -88,7 +88,15 @@ from jax_blocksparse.ops import paths
 # its roofline), _kernel_paths (which kernel a path ran), _peers (torch, BCOO),
 # _bsmm_report (the rows, the table, the JSON header), _report (what every bench shares).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bsmm_report import HEADER, add_ratios, json_header, line, product_key, resumed_rows  # noqa: E402
+from _bsmm_report import (  # noqa: E402
+    HEADER,
+    add_ratios,
+    json_header,
+    line,
+    product_key,
+    resumed_faults,
+    resumed_rows,
+)
 from _kernel_paths import arithmetic_mode, compile_checked, context_lost, kernel_paths, path_of  # noqa: E402
 from _peers import PEERS, jax_bcoo_peer, torch_bsr_peer  # noqa: E402
 from _report import write_json  # noqa: E402
@@ -258,7 +266,11 @@ class Bench:
         self.kernels = {path: Jitted(args.chain, impl="kernels") for path in self.paths}
         self.dense_impl = Jitted(args.chain, impl="dense") if args.dense_path and dense_impl_available() else None
         self.report = json_header(args, device, self.device_kind, self.paths, dense_path=self.dense_impl is not None)
-        self.report.update(results=[], complete=False, stopped=None)
+        # in_flight: the (product, path) being measured, saved before it starts, so that a
+        # process killed in a hang or dead in a fault leaves its name (bench/gpu_results.py
+        # turns that key off); faults: those an earlier run of a resumed report left.
+        self.report.update(results=[], complete=False, stopped=None, in_flight=None, faults=[])
+        self.faulted: set[tuple] = set()  # (path, dtype, block size): set by run() from a resumed report
         self.reference = Jitted(1, impl="reference") if args.reference else None
         self.dense_times: dict[tuple, tuple] = {}
         self.timing = dict(repeats=args.repeats, min_time=args.min_time)
@@ -355,8 +367,9 @@ class Bench:
                 out["call_target"] = single_target
         return out
 
-    def _save(self, row) -> None:
-        print(line(row), flush=True)
+    def _save(self, row=None) -> None:
+        if row is not None:
+            print(line(row), flush=True)
         if self.args.json:
             write_json(self.args.json, self.report)
 
@@ -384,7 +397,13 @@ class Bench:
             _, _, variant = path.partition(":")
             if variant and not paths.variant_runs(op, variant, dtype, bs):
                 continue  # the variant does not run this product (it would time the baseline again)
+            if (path, dtype, bs) in self.faulted:
+                continue  # it faulted or hung at this block size in the run resumed: not again
             row = dict(base, path=path, target=None, mode=None, sparse_s=None, **shared)
+            self.report["in_flight"] = dict(
+                op=op, dtype=dtype, bs=bs, density=round(float(base["requested_density"]), 6), path=path
+            )
+            self._save()
             try:
                 if shared_error is not None:
                     raise shared_error
@@ -393,6 +412,7 @@ class Bench:
                 row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
                 if context_lost(err):
                     self.report["stopped"] = f"CUDA context lost at {op} {dtype} bs={bs} {path}: {row['error']}"
+            self.report["in_flight"] = None  # measured, or an error row says why not
             if any(r["path"] == row["path"] and r.get("target") == row.get("target") for r in rows):
                 continue  # the gate could not be closed (a verified sm_90 target): the same kernel twice
             add_ratios(row)
@@ -424,6 +444,12 @@ def run(args) -> dict:
     kept = resumed_rows(args, bench.device_kind)
     report["results"].extend(kept)
     report["resumed_rows"] = len(kept)
+    report["faults"] = resumed_faults(args, bench.device_kind)
+    # A path that failed in the run resumed is not tried again at that dtype and block
+    # size (a fault would end this run too, a hang would spend its time), so a resumed run
+    # measures the other paths.
+    bench.faulted = {(f["path"], f["dtype"], f["block_size"]) for f in report["faults"]}
+    bench.faulted |= {(r["path"], r["dtype"], r["block_size"]) for r in kept if r.get("error")}
     done = {product_key(r["op"], r["dtype"], r["block_size"], r["requested_density"], r["size"]) for r in kept}
     deferred_peers = bench.platform == "gpu" and args.peer_densities is not None and bool(args.peers)
     print(

@@ -11,11 +11,14 @@ tests/gpu/device_call.sh brings them back), on one GPU:
    every bench item (bench/session.py; of an item measured in several folders, the run
    with the most rows; each row's roofline recomputed with the session's lowest measured
    memory bandwidth), the device (name, kind, compute capability), the commit and date
-   measured, each check step's status, and every GPU test's outcome and parameters.
+   measured, each check step's status, every GPU test's outcome and parameters, and every
+   product the bench could not measure (``bench_faults``: an error row, a process killed
+   in a hang or dead in a fault, in any run of an item).
 2. **The gate**, ``jax_blocksparse/verified_gpu.json`` (:mod:`jax_blocksparse.verified`):
    for the device's compute capability, the keys (target, arithmetic mode, block size)
-   whose isolated tests all passed with a clean or unavailable compute-sanitizer, and why
-   each other key failed (bench/_gate.py). Other compute capabilities' entries stay.
+   whose isolated tests all passed with a clean or unavailable compute-sanitizer and whose
+   bench products all ran, and why each other key failed (bench/_gate.py). Other compute
+   capabilities' entries stay.
 3. **The crossover table**, ``jax_blocksparse/crossovers.json``, rebuilt from every
    committed result, complete sweeps only (bench/crossover.py).
 4. **The GPU tables** of README.md and docs/guide/performance.rst, between their
@@ -41,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _gate  # noqa: E402
 import crossover as crossover_script  # noqa: E402
+from _bsmm_report import faults_of  # noqa: E402
 from _report import write_json  # noqa: E402
 from _timing import roofline  # noqa: E402
 
@@ -144,13 +148,31 @@ def tests_of(folders: list[Path], params: dict[str, dict]) -> dict[str, dict]:
     return tests
 
 
+def bench_faults(folders: list[Path]) -> list[dict]:
+    """Every product a bench item could not measure (bench/_bsmm_report.faults_of), over
+    every run of every item in the folders (not only the one kept for its rows: a rerun
+    that left a faulting path out must not hide the fault)."""
+    out = []
+    for folder in folders:
+        for path in sorted((folder / "bench").glob("bench-*.json")):
+            report = _json(path)
+            if report:
+                item = path.stem.removeprefix("bench-")
+                out += [dict(fault, item=item) for fault in faults_of(report) if dict(fault, item=item) not in out]
+    return out
+
+
 def sanitizer_of(folders: list[Path]) -> tuple[str, str]:
-    """("clean" / "unavailable" / "errors" / "not run", the evidence), over the folders."""
+    """("clean" / "unavailable" / "errors" / "not run", the evidence), over the folders: a
+    run that found errors anywhere decides; one cut short by its time limit is superseded
+    by a run of the same subset that finished clean (a second call of the session)."""
     statuses = [steps_of(f).get("sanitizer") for f in folders]
-    if "fail" in statuses or "timeout" in statuses:
-        return "errors", "compute-sanitizer found errors or did not finish (sanitizer.log)"
+    if "fail" in statuses:
+        return "errors", "compute-sanitizer found errors (sanitizer.log)"
     if "pass" in statuses:
         return "clean", "memcheck and racecheck clean"
+    if "timeout" in statuses:
+        return "errors", "compute-sanitizer did not finish (sanitizer.log)"
     if "unavailable" in statuses:
         return "unavailable", "compute-sanitizer does not work on that machine"
     return "not run", "the check did not run compute-sanitizer"
@@ -177,6 +199,7 @@ def results_of(folders: list[Path], commit: str | None) -> dict:
         rows.extend(dict(row, item=name) for row in report.get("results", []))
     sanitizer, why = sanitizer_of(folders)
     tests = tests_of(folders, _gate.collect_params())
+    faults = bench_faults(folders)
     # One memory ceiling for the session: the lowest an item measured (a bench that timed
     # a chain of elementwise updates, which XLA fuses into one pass, read several times the
     # real bandwidth); every row's roofline is recomputed with it.
@@ -202,6 +225,7 @@ def results_of(folders: list[Path], commit: str | None) -> dict:
         configs=configs,
         results=rows,
         tests=tests,
+        bench_faults=faults,
     )
 
 
@@ -209,7 +233,10 @@ def gate_entry(results: dict, source: str) -> dict:
     """The gate's entry for the results' compute capability (verified.Device's JSON)."""
     status = results["sanitizer"]["status"]
     passed, failed = _gate.key_results(
-        results["tests"], sanitizer_ok=status in ("clean", "unavailable"), sanitizer_why=results["sanitizer"]["why"]
+        results["tests"],
+        sanitizer_ok=status in ("clean", "unavailable"),
+        sanitizer_why=results["sanitizer"]["why"],
+        bench_faults=results.get("bench_faults", ()),
     )
     return dict(
         compute_capability=results["compute_capability"],
@@ -284,8 +311,27 @@ def _gate_lines(entry: dict) -> list[tuple[str, str, str]]:
         bad = sorted(failed.get((t, m), []))
         text = ("passed " + " ".join(map(str, ok))) if ok else ""
         if bad:
-            text += ("; " if text else "") + "failed " + " ".join(map(str, bad))
+            why = next(f["why"] for f in entry["failed"] if (f["target"], f["mode"]) == (t, m))
+            why = why if len(why) <= 200 else why[:197] + "..."
+            text += ("; " if text else "") + "failed " + " ".join(map(str, bad)) + f" ({why})"
         out.append((t, m, text))
+    return out
+
+
+def _failed_by_target(failed: list[dict], width: int = 150) -> list[str]:
+    """One phrase per reason of the failed keys (a target's first): the targets that failed
+    for it, their modes and block sizes."""
+    groups: dict[str, list[dict]] = {}
+    for target in sorted({f["target"] for f in failed}):
+        mine = [f for f in failed if f["target"] == target]
+        groups.setdefault(mine[0]["why"], []).extend(mine)
+    out = []
+    for why, keys in groups.items():
+        targets = ", ".join(f"`{t}`" for t in sorted({f["target"] for f in keys}))
+        modes = ", ".join(sorted({f["mode"] for f in keys}))
+        sizes = " ".join(str(b) for b in sorted({f["block_size"] for f in keys}))
+        why = why if len(why) <= width else why[: width - 3] + "..."
+        out.append(f"{targets} ({modes}; blocks {sizes}): {why}")
     return out
 
 
@@ -311,11 +357,7 @@ def tables(source: str, report: dict, entry: dict) -> tuple[str, str]:
         f"Verified there (isolated tests, compute-sanitizer {entry['sanitizer']}): "
         + (
             f"{sum(len(v) for m in entry['passed'].values() for v in m.values())} keys passed, {len(failed)} failed"
-            + (
-                ": " + "; ".join(f"{f['target']} {f['mode']} block {f['block_size']}: {f['why']}" for f in failed[:5])
-                if failed
-                else ""
-            )
+            + (": " + "; ".join(_failed_by_target(failed)) if failed else "")
         )
         + "."
     )

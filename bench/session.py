@@ -13,7 +13,10 @@ plan of items in priority order (:data:`PLAN`), each in its own process:
 2. then, at 4096^3, as time allows: bfloat16 at block 8, float16 at every block size,
    float32 (TF32 on the Hopper targets) at blocks 128-16, then float32 at block 8.
 
-A kernel fault kills its process's CUDA context: here it loses that item alone. Each
+A kernel fault kills its process's CUDA context: here it loses that item's remaining rows
+only until the item runs once more (resumed, without the path that faulted or hung:
+bench/bsmm.py skips it at that dtype and block size, and bench/gpu_results.py turns its
+key off), so one bad kernel loses its own rows alone. Each
 headline item may run until its fair share of what is left of the budget (the rest over
 the headline items not yet run); the later items take what is left. An item's process
 stops starting products at its deadline (``--deadline``) and is killed 20 s after it.
@@ -49,10 +52,12 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().with_name("bsmm.py")
 sys.path.insert(0, str(BENCH.parent))
+from _bsmm_report import faults_of  # noqa: E402
 from _report import write_json  # noqa: E402
 
 KILL_AFTER_S = 20.0  # an item's process is killed this long after its deadline
 MIN_START_S = 10.0  # an item starts only with at least this much budget left
+RETRIES = 1  # an item that faulted or hung runs once more, resumed, without what failed
 SMALL = ["--size", "4096", "4096", "4096"]
 
 
@@ -178,33 +183,41 @@ def run_session(
             entry.update(status="done-before", rows=len(before.get("results", [])), complete=True)
             session.append(entry)
             continue
-        left = budget - (clock() - start)
-        deadline = deadline_for(plan, index, left)
-        if deadline < MIN_START_S:
-            entry["stopped"] = f"budget spent ({left:.0f} s left)"
-            session.append(entry)
-            continue
-        t0 = clock()
-        rc = runner(item, path, deadline, env)
-        after = _read(path) or {}
-        rows = after.get("results", [])
-        entry.update(
-            rc=rc,
-            seconds=round(clock() - t0, 1),
-            rows=len(rows),
-            complete=bool(after.get("complete")),
-            stopped=after.get("stopped"),
-        )
-        if rc == -signal.SIGKILL and rows:  # killed past its deadline: it kept what it measured
-            entry["status"] = "partial"
-            entry["stopped"] = entry["stopped"] or f"killed {KILL_AFTER_S:.0f} s after its deadline"
-        elif rc < 0 or (rc != 0 and not rows):
-            entry["status"] = "died"
-            entry["stopped"] = entry["stopped"] or f"process ended with {'signal ' + str(-rc) if rc < 0 else rc}"
-        elif any(r.get("error") for r in rows):
-            entry["status"] = "error"
-        else:
-            entry["status"] = "pass" if entry["complete"] else "partial"
+        for attempt in range(1 + RETRIES):
+            left = budget - (clock() - start)
+            deadline = deadline_for(plan, index, left)
+            if deadline < MIN_START_S:
+                entry["stopped"] = entry["stopped"] or f"budget spent ({left:.0f} s left)"
+                break
+            t0 = clock()
+            rc = runner(item, path, deadline, env)
+            after = _read(path) or {}
+            rows = after.get("results", [])
+            entry.update(
+                rc=rc,
+                seconds=round(entry["seconds"] + clock() - t0, 1),
+                rows=len(rows),
+                complete=bool(after.get("complete")),
+                stopped=after.get("stopped"),
+                retries=attempt,
+            )
+            if rc == -signal.SIGKILL and rows:  # killed past its deadline: it kept what it measured
+                entry["status"] = "partial"
+                entry["stopped"] = entry["stopped"] or f"killed {KILL_AFTER_S:.0f} s after its deadline"
+            elif rc < 0 or (rc != 0 and not rows):
+                entry["status"] = "died"
+                entry["stopped"] = entry["stopped"] or f"process ended with {'signal ' + str(-rc) if rc < 0 else rc}"
+            elif any(r.get("error") for r in rows):
+                entry["status"] = "error"
+            else:
+                entry["status"] = "pass" if entry["complete"] else "partial"
+            failed = faults_of(after) if rows else []
+            if entry["complete"] or not failed:
+                break
+            # A kernel fault or a hang: once more, resumed, without the paths that failed
+            # (bench/bsmm.py skips them), so one bad kernel costs its own rows only.
+            names = sorted({f"{f['path']} bs={f['block_size']}" for f in failed})
+            print(f"== [{item.name}] {entry['status']} ({', '.join(names)} failed): resuming without them", flush=True)
         session.append(entry)
         merge(out, plan, session, merged_path)
         print(f"== [{item.name}] {entry['status']}: {entry['rows']} rows in {entry['seconds']} s", flush=True)

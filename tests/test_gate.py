@@ -86,14 +86,20 @@ def test_shipped_gate_crossovers_and_tables_match_the_committed_results():
     assert results_script.main(["--check"]) == 0
 
 
-def test_shipped_gate_verified_every_key_on_the_h100():
+def test_shipped_gate_on_compute_capability_9():
+    # The newest check there (an H200): every baseline key verified; the "stacked" variant
+    # passed its tests but faulted (block 64) and hung (blocks 16, 32) in the bench at
+    # 8192^3, so it is off in every op; "capped" is on where it runs.
     device = verified.default_gate().device("9.0")
-    assert device is not None and device.sanitizer == "clean" and not device.failed
+    assert device is not None and device.sanitizer == "clean"
     for op in ("fprop", "bprop", "updat"):
         for mode in ("bfloat16", "float16", "float32", "tf32"):
             assert device.passed[f"jbs_bsmm_{op}_sm90"][mode] == jbs.SUPPORTED_BLOCK_SIZES
         for mode in ("bfloat16", "float16", "float32"):
             assert device.passed[f"jbs_bsmm_{op}"][mode] == jbs.SUPPORTED_BLOCK_SIZES
+    assert device.failed and all(key[0].endswith(":stacked") for key, _ in device.failed)
+    assert not any(target.endswith(":stacked") for target in device.passed)
+    assert device.passed["jbs_bsmm_updat_sm90:capped"]["bfloat16"] == jbs.SUPPORTED_BLOCK_SIZES
 
 
 # ---------------------------------------------------------------------------------
@@ -147,6 +153,98 @@ def test_key_results():
     assert failed == {("jbs_bsmm_fprop", "bfloat16", 16): "test_b[bf16-16-fprop] failed"}
     passed, failed = gate_script.key_results(tests, sanitizer_ok=False, sanitizer_why="memcheck: 2 errors")
     assert passed == {} and failed[("jbs_bsmm_fprop", "bfloat16", 8)] == "memcheck: 2 errors"
+
+
+def _sm90_test(bs, variant, dtype="bf16"):
+    name = f"tests/gpu/test_bsmm_sm90.py::test_variants[{dtype}-{bs}-fprop-{variant}]"
+    return name, dict(outcome="passed", params={"dtype": dtype, "bs": bs, "op": "fprop", "variant": variant})
+
+
+def test_a_bench_fault_turns_its_key_off_and_a_variant_everywhere():
+    tests = dict(
+        _sm90_test(bs, variant, dtype)
+        for bs in (32, 64)
+        for variant in ("baseline", "stacked")
+        for dtype in ("bf16", "f16")
+    )
+    bprop = "tests/gpu/test_bsmm_sm90.py::test_variants[bf16-32-bprop-stacked]"
+    tests[bprop] = dict(outcome="passed", params={"dtype": "bf16", "bs": 32, "op": "bprop", "variant": "stacked"})
+    fault = dict(
+        op="fprop",
+        dtype="bfloat16",
+        block_size=64,
+        requested_density=0.1,
+        path="hopper:stacked",
+        size=[8192, 8192, 8192],
+        why="error: CUDA_ERROR_LAUNCH_FAILED",
+    )
+    hang = dict(fault, path="hopper", block_size=32, why="killed or died while measuring it")
+    passed, failed = gate_script.key_results(tests, sanitizer_ok=True, bench_faults=[fault])
+    # The variant is off in every op, mode and block size its tests passed; the baseline stays.
+    assert "jbs_bsmm_fprop_sm90:stacked" not in passed and "jbs_bsmm_bprop_sm90:stacked" not in passed
+    assert "the variant failed in the bench" in failed[("jbs_bsmm_bprop_sm90:stacked", "bfloat16", 32)]
+    assert passed["jbs_bsmm_fprop_sm90"] == {"bfloat16": [32, 64], "float16": [32, 64]}
+    assert failed[("jbs_bsmm_fprop_sm90:stacked", "bfloat16", 64)].startswith(
+        "bench at 8192x8192x8192, density 0.1: error: CUDA_ERROR_LAUNCH_FAILED"
+    )
+    assert "the variant failed in the bench" in failed[("jbs_bsmm_fprop_sm90:stacked", "float16", 32)]
+    # A baseline key's fault (a hang) turns that key alone off.
+    passed, failed = gate_script.key_results(tests, sanitizer_ok=True, bench_faults=[hang])
+    assert passed["jbs_bsmm_fprop_sm90"] == {"bfloat16": [64], "float16": [32, 64]}
+    assert "killed or died" in failed[("jbs_bsmm_fprop_sm90", "bfloat16", 32)]
+    assert passed["jbs_bsmm_fprop_sm90:stacked"]["bfloat16"] == [32, 64]
+    assert passed["jbs_bsmm_bprop_sm90:stacked"] == {"bfloat16": [32]}
+    # Float32 on the Hopper targets is benched as TF32; an error row names its own mode.
+    assert gate_script.bench_key(dict(fault, dtype="float32", path="hopper")) == ("jbs_bsmm_fprop_sm90", "tf32", 64)
+    assert gate_script.bench_key(dict(fault, dtype="float32", path="ampere")) == ("jbs_bsmm_fprop", "float32", 64)
+    assert gate_script.bench_key(dict(fault, dtype="float32", path="hopper", mode="float32"))[1] == "float32"
+
+
+def _bench_report(rows, **fields):
+    """A bench/bsmm.py report of bf16 fprop at block 32, densities 0.1 and 0.5, on the
+    ampere, hopper and hopper:stacked paths."""
+    config = dict(dtypes=["bfloat16"], block_sizes=[32], densities=[0.1, 0.5], ops=["fprop"])
+    report = dict(config=config, size=dict(C=1024, K=1024, N=1024), paths=["ampere", "hopper", "hopper:stacked"])
+    report["results"] = [
+        dict(
+            op="fprop",
+            dtype="bfloat16",
+            block_size=32,
+            density=d,
+            requested_density=d,
+            path=path,
+            requested_path=path,
+            size=[1024, 1024, 1024],
+            mode="bfloat16",
+            error=None,
+        )
+        for d, path in rows
+    ]
+    return {**report, "complete": False, "stopped": None, **fields}
+
+
+def test_the_faults_of_a_bench_report():
+    faults_of = load_script("bench/_bsmm_report.py").faults_of
+    done = [(0.1, "ampere"), (0.1, "hopper")]
+    # Killed in a hang: the path it was in (saved before it started) is named.
+    flight = dict(op="fprop", dtype="bfloat16", bs=32, density=0.1, path="hopper:stacked")
+    (fault,) = faults_of(_bench_report(done, in_flight=flight))
+    assert (fault["path"], fault["block_size"], fault["requested_density"]) == ("hopper:stacked", 32, 0.1)
+    assert fault["why"].startswith("killed") and fault["size"] == [1024, 1024, 1024]
+    assert faults_of(_bench_report(done, in_flight=None)) == []  # killed between paths: nothing to blame
+    # A report written before in_flight: the first planned path missing from a product
+    # that has rows; a kill in a product with none (its dense timing) blames no kernel.
+    (fault,) = faults_of(_bench_report(done))
+    assert fault["path"] == "hopper:stacked" and fault["requested_density"] == 0.1
+    assert faults_of(_bench_report(done + [(0.1, "hopper:stacked")])) == []
+    # Finished or stopped for a reason of its own: error rows and earlier faults only.
+    errored = _bench_report(done, complete=True)
+    errored["results"][1]["error"] = "JaxRuntimeError: CUDA_ERROR_LAUNCH_FAILED"
+    earlier = dict(fault, why="killed or died while measuring it")
+    errored["faults"] = [earlier]
+    found = faults_of(errored)
+    assert [f["path"] for f in found] == ["hopper", "hopper:stacked"] and found[0]["row"] is True
+    assert found[0]["why"] == "error: JaxRuntimeError: CUDA_ERROR_LAUNCH_FAILED"
 
 
 # ---------------------------------------------------------------------------------
@@ -267,6 +365,40 @@ def test_gpu_results_of_a_made_up_check(tmp_path, monkeypatch):
     assert _auto("fprop", 64, 0.25, table) == {"jbs_bsmm_fprop"}
 
 
+def test_gpu_results_of_two_calls_a_sanitizer_rerun_and_a_hang_in_the_bench(tmp_path, monkeypatch):
+    # The first call's sanitizer ran out of time and its bench hung in the Hopper fprop at
+    # block 32; a second call reran the sanitizer clean and the bench item without a fault.
+    first = _check_folder(tmp_path / "1")
+    steps = (first / "steps.tsv").read_text().replace("sanitizer\tpass", "sanitizer\ttimeout")
+    (first / "steps.tsv").write_text(steps)
+    hung = _bench_report(
+        [(0.1, "ampere")], in_flight=dict(op="fprop", dtype="bfloat16", bs=32, density=0.1, path="hopper")
+    )
+    (first / "bench" / "bench-bf16-b32.json").write_text(json.dumps(dict(hung, device_kind="NVIDIA H200")))
+    second = tmp_path / "2"
+    (second / "bench").mkdir(parents=True)
+    (second / "steps.tsv").write_text("sanitizer\tpass\t0\t40\t60\tsanitizer.log\n")
+    rerun = _bench_report([(0.1, "ampere"), (0.5, "ampere"), (0.5, "hopper")], complete=True, in_flight=None)
+    (second / "bench" / "bench-bf16-b32.json").write_text(json.dumps(dict(rerun, device_kind="NVIDIA H200")))
+    params = {
+        f"tests/gpu/{mod}.py::test_layouts[bf16-{bs}-{op}-random]": {"dtype": "bf16", "bs": bs, "op": op}
+        for mod in ("test_bsmm_kernels", "test_bsmm_sm90")
+        for bs in jbs.SUPPORTED_BLOCK_SIZES
+        for op in ("fprop", "bprop")
+    }
+    monkeypatch.setattr(results_script._gate, "collect_params", lambda: params)
+    assert results_script.sanitizer_of([first])[0] == "errors"  # cut short, alone
+    report = results_script.results_of([first, second], "abc1234")
+    assert report["sanitizer"]["status"] == "clean"
+    assert len([r for r in report["results"] if r["item"] == "bf16-b32"]) == 3  # the rerun, with the most rows
+    assert [(f["path"], f["block_size"], f["item"]) for f in report["bench_faults"]] == [("hopper", 32, "bf16-b32")]
+    gate = verified.Gate.from_json({"format": 1, "devices": [results_script.gate_entry(report, "x.json")]})
+    assert not gate.allows("9.0", "jbs_bsmm_fprop_sm90", "bfloat16", 32)
+    assert "killed or died while measuring it" in gate.why_not("9.0", "jbs_bsmm_fprop_sm90", "bfloat16", 32)
+    assert gate.allows("9.0", "jbs_bsmm_fprop_sm90", "bfloat16", 16)
+    assert gate.allows("9.0", "jbs_bsmm_fprop", "bfloat16", 32)
+
+
 # ---------------------------------------------------------------------------------
 # The choice on a compute capability 9.0 GPU (cross-lowered)
 # ---------------------------------------------------------------------------------
@@ -360,4 +492,4 @@ def test_nothing_verified_for_this_gpu_means_the_reference(h100, monkeypatch):
 
 def test_the_report_names_the_gate(h100):
     line = jbs.ops.paths.describe_path("cuda", "auto")
-    assert "verified on compute capability 9.0" in line and "gpu-h100" in line
+    assert "verified on compute capability 9.0" in line and verified.default_gate().device("9.0").source in line

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -201,15 +202,19 @@ def _fake_runner(behaviour, calls, clock=None):
         if clock is not None:
             clock.now += clock.step
         what = behaviour.get(item.name, "ok")
+        if isinstance(what, list):  # one behaviour per run of the item
+            what = what.pop(0)
         if what == "die":
             return -11  # a segfault, before any row
         rows = [dict(op="fprop", dtype="bfloat16", block_size=128, density=0.1, path="hopper", sparse_s=1.0)]
         if what == "error":
             rows.append(dict(rows[0], error="RuntimeError: CUDA_ERROR_ILLEGAL_ADDRESS"))
         report = dict(device_kind="NVIDIA H100 80GB HBM3", commit="abc", results=rows, complete=what == "ok")
-        report["stopped"] = None if what == "ok" else "deadline of 10 s reached"
+        report["stopped"] = None if what in ("ok", "hang") else "deadline of 10 s reached"
+        if what == "hang":  # killed past its deadline inside a path
+            report["in_flight"] = dict(op="fprop", dtype="bfloat16", bs=128, density=0.1, path="hopper:stacked")
         path.write_text(json.dumps(report))
-        return 1 if what == "error" else 0
+        return {"error": 1, "hang": -signal.SIGKILL}.get(what, 0)
 
     return run
 
@@ -234,7 +239,10 @@ def test_session_run_loses_only_a_dead_item_and_resumes(session, tmp_path):
         "bf16-b16": "partial",
         "bf16-b8": "pass",
     }
-    assert [name for name, _ in calls] == [item.name for item in plan]
+    # The item with an error row ran once more (resumed without the path that failed); the
+    # one that stopped at its deadline did not (nothing failed there).
+    assert [name for name, _ in calls] == ["bf16-b128", "bf16-b64", "bf16-b32", "bf16-b32", "bf16-b16", "bf16-b8"]
+    assert {s["name"]: s["retries"] for s in report["session"] if "retries" in s}["bf16-b32"] == 1
     # Rows of every item that wrote some, each naming its item; the device and commit kept.
     assert sorted({r["item"] for r in report["results"]}) == ["bf16-b128", "bf16-b16", "bf16-b32", "bf16-b8"]
     assert report["device_kind"] == "NVIDIA H100 80GB HBM3" and report["complete"] is False
@@ -245,6 +253,19 @@ def test_session_run_loses_only_a_dead_item_and_resumes(session, tmp_path):
     again = session.run_session(out, 200, plan=plan, runner=_fake_runner({}, calls, clock), clock=clock)
     assert [name for name, _ in calls] == ["bf16-b64", "bf16-b32", "bf16-b16"]
     assert {s["name"]: s["status"] for s in again["session"]}["bf16-b128"] == "done-before"
+
+
+def test_session_runs_an_item_that_hung_once_more(session, tmp_path):
+    clock = _Clock(10)
+    calls = []
+    runner = _fake_runner({"bf16-b64": ["hang", "ok"], "bf16-b32": ["hang", "hang"]}, calls, clock)
+    report = session.run_session(tmp_path / "bench", 300, plan=session.PLAN[:3], runner=runner, clock=clock)
+    assert [name for name, _ in calls] == ["bf16-b128", "bf16-b64", "bf16-b64", "bf16-b32", "bf16-b32"]
+    entry = {s["name"]: s for s in report["session"]}
+    assert entry["bf16-b64"]["status"] == "pass" and entry["bf16-b64"]["retries"] == 1
+    assert entry["bf16-b64"]["seconds"] == 20  # both runs
+    # Hung twice: once more only, then it keeps what it measured.
+    assert entry["bf16-b32"]["status"] == "partial" and "killed" in entry["bf16-b32"]["stopped"]
 
 
 def test_session_budget_leaves_later_items_unrun(session, tmp_path):
@@ -297,6 +318,23 @@ def test_bsmm_resume_measures_only_what_is_missing(bsmm, tmp_path):
     resumed = bsmm.main([*argv, "--resume"])
     assert resumed["resumed_rows"] == n - 1 and len(resumed["results"]) == n
     assert resumed["results"][-1]["op"] == "updat" and resumed["results"][-1]["requested_density"] == 0.25
+    assert resumed["in_flight"] is None and resumed["faults"] == []
+    # The path that was measuring it hung there (the process killed, in_flight left): a
+    # resumed run keeps that as a fault and does not try the path again at that block size.
+    report = json.loads(path.read_text())
+    gone = report["results"].pop()
+    report.update(
+        complete=False,
+        in_flight=dict(
+            op="updat", dtype=gone["dtype"], bs=gone["block_size"], density=0.25, path=gone["requested_path"]
+        ),
+    )
+    path.write_text(json.dumps(report))
+    skipped = bsmm.main([*argv, "--resume"])
+    assert len(skipped["results"]) == n - 1 and skipped["complete"]
+    assert [(f["op"], f["path"], f["why"]) for f in skipped["faults"]] == [
+        ("updat", gone["requested_path"], "killed or died while measuring it")
+    ]
 
 
 def test_roofline_takes_the_larger_floor():
