@@ -145,20 +145,23 @@ def product_key(op, dtype, bs, density, size) -> tuple:
     return (op, dtype, int(bs), round(float(density), 6), tuple(int(v) for v in size))
 
 
-def resumed_rows(args, device_kind: str) -> list[dict]:
-    """The rows of an earlier run of the same problem on the same kind of device in
-    ``args.json`` (``--resume``), to keep; [] where there is none or it measured something
-    else. A product with any row there (an error row too: it may have been a fault) is not
-    measured again."""
+def _resumed(args, device_kind: str) -> dict | None:
+    """The earlier run of the same problem on the same kind of device in ``args.json``
+    (``--resume``), or None where there is none or it measured something else."""
     path = args.json
     if not (args.resume and path and Path(path).exists()):
-        return []
+        return None
     try:
         old = json.loads(Path(path).read_text())
     except (OSError, ValueError):
-        return []
-    if old.get("device_kind") != device_kind:
-        return []
+        return None
+    return old if old.get("device_kind") == device_kind else None
+
+
+def resumed_rows(args, device_kind: str) -> list[dict]:
+    """The rows of the earlier run that ``--resume`` continues, to keep. A product with any
+    row there (an error row too: it may have been a fault) is not measured again."""
+    old = _resumed(args, device_kind) or {}
     return [r for r in old.get("results", []) if "requested_density" in r and "size" in r]
 
 
@@ -166,16 +169,8 @@ def resumed_faults(args, device_kind: str) -> list[dict]:
     """The faults (:func:`faults_of`) of the earlier run that ``--resume`` continues, to
     keep: a product whose path hung or killed its process has rows, so the resumed run
     does not measure it again, and the evidence would otherwise be lost."""
-    path = args.json
-    if not (args.resume and path and Path(path).exists()):
-        return []
-    try:
-        old = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return []
-    if old.get("device_kind") != device_kind:
-        return []
-    return [f for f in faults_of(old) if not f.get("row")]
+    old = _resumed(args, device_kind)
+    return [f for f in faults_of(old) if not f.get("row")] if old else []
 
 
 def _planned_paths(report: dict):
