@@ -203,12 +203,12 @@ def _fault(op, dtype, bs, density, path, size, why, **extra) -> dict:
 
 def faults_of(report: dict) -> list[dict]:
     """The (product, path)s of a bench/bsmm.py report that failed: error rows (a compile
-    error, a kernel fault), the faults an earlier run of a resumed report left, and the
-    path its process was in when it was killed or died (``in_flight`` left set; for a report
-    written before that field, the first planned path missing from a product that has rows
-    already, so that a kill in the product's shared part, the dense timing, blames no
-    kernel). Each: op, dtype, block_size, requested_density, path, size, why (and row=True
-    for an error row)."""
+    error, a kernel fault; not a row whose product's dense timing failed), the faults an
+    earlier run of a resumed report left, and the path its process was in when it was
+    killed or died (``in_flight`` left set; for a report written before that field, the
+    first planned path missing from a product that has rows already, so that a kill in the
+    product's shared part, the dense timing, blames no kernel). Each: op, dtype,
+    block_size, requested_density, path, size, why (and row=True for an error row)."""
     size = report.get("size") or {}
     size = [size.get("C"), size.get("K"), size.get("N")]
     out = [
@@ -224,7 +224,7 @@ def faults_of(report: dict) -> list[dict]:
             mode=r.get("mode"),
         )
         for r in report.get("results", [])
-        if r.get("error")
+        if r.get("error") and not r.get("shared_error")
     ]
     out += [dict(f) for f in report.get("faults", [])]
     if report.get("complete") or report.get("stopped"):

@@ -410,6 +410,8 @@ class Bench:
                 row.update(self._path(path, op, dtype, s_args))
             except Exception as err:  # noqa: BLE001
                 row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                if err is shared_error:  # the dense timing or the peers failed: not this kernel's fault
+                    row["shared_error"] = True
                 if context_lost(err):
                     self.report["stopped"] = f"CUDA context lost at {op} {dtype} bs={bs} {path}: {row['error']}"
             self.report["in_flight"] = None  # measured, or an error row says why not

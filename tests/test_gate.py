@@ -242,6 +242,7 @@ def test_the_faults_of_a_bench_report():
     errored["results"][1]["error"] = "JaxRuntimeError: CUDA_ERROR_LAUNCH_FAILED"
     earlier = dict(fault, why="killed or died while measuring it")
     errored["faults"] = [earlier]
+    errored["results"][0].update(error="XlaRuntimeError: RESOURCE_EXHAUSTED", shared_error=True)  # the dense dot's
     found = faults_of(errored)
     assert [f["path"] for f in found] == ["hopper", "hopper:stacked"] and found[0]["row"] is True
     assert found[0]["why"] == "error: JaxRuntimeError: CUDA_ERROR_LAUNCH_FAILED"
