@@ -25,6 +25,15 @@
 // While one warpgroup converts and stores its tile, the other runs its mainloop. Each
 // warpgroup has its own epilogue buffer, named barrier and TMA store.
 //
+// The two mainloops take turns (SharedStorage::order, as CUTLASS's ping-pong kernel orders
+// its math warpgroups). A warpgroup that skips the other's tile jumps its pipeline state
+// ahead by that tile's steps; an mbarrier wait only tells the parity of a stage's phase, so
+// a warpgroup waiting more than a ring of stages ahead would take an older fill of the stage
+// for the one it wants (a wrong result, then releases out of turn: hangs and faults, seen at
+// 8192 cubed, where an output has more steps than there are stages). Waiting for the
+// other warpgroup to have waited on all of its stages first keeps every wait within one
+// phase of the fill it names.
+//
 // Shared-memory layouts: every [128, BS] A slice, [BS, BS] B block and the [128, BS]
 // epilogue tile are whole swizzle-atom tilings (AtomFor, BS elements wide), as in the
 // packed kernel, whose boxes and layouts these reuse.
@@ -99,6 +108,9 @@ struct DsdStackedConfig {
     cute::array_aligned<T, cute::cosize_v<SmemLayoutB>, 1024> b;
     cute::array_aligned<OutT, cute::cosize_v<SmemLayoutC>, 1024> c[kConsumers];
     typename Pipeline::SharedStorage pipe;
+    // order[c] completes a phase when the other consumer warpgroup has waited on every stage
+    // of its tile: consumer c may then start its own (see the kernel).
+    cutlass::arch::ClusterBarrier::ValueType order[kConsumers];
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 limit");
@@ -169,6 +181,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     prefetch_tma_descriptor(args.tma_a.get_tma_descriptor());
     prefetch_tma_descriptor(args.tma_b.get_tma_descriptor());
     prefetch_tma_descriptor(args.tma_c.get_tma_descriptor());
+    for (int c = 0; c < Cfg::kConsumers; ++c) {
+      cutlass::arch::ClusterBarrier::init(&shared.order[c], kWarpgroupThreads);
+    }
+    cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
@@ -252,7 +268,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   PipelineState read_state;
   PipelineState release_state;
-  int64_t j = 0;  // the CTA's tile count
+  int64_t j = 0;       // the CTA's tile count
+  uint32_t turns = 0;  // this warpgroup's tiles so far
+  const int other = 1 - consumer;
   for (int64_t t = blockIdx.x; t < items; t += gridDim.x, ++j) {
     const plan::DsdItem item = plan::DsdStackedItemAt(pl, t);
     const int steps = plan::DsdStackedSteps(StackedRangeOf(p, item.group), D);
@@ -261,6 +279,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       release_state.advance(steps);
       continue;
     }
+    // Its turn: the other warpgroup has waited on every stage of the tile before this one
+    // (tile 0, consumer 0's first, has none before it). The k-th completion of order[c]
+    // is awaited with parity k & 1, and the turns alternate, so no wait is a phase behind.
+    if (j > 0) cutlass::arch::ClusterBarrier::wait(&shared.order[consumer], (turns - (consumer == 0 ? 1 : 0)) & 1);
+    ++turns;
     mma.accumulate_ = GMMA::ScaleOut::Zero;
     int in_flight = 0;
     for (int step = 0; step < steps; ++step) {
@@ -282,6 +305,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       in_flight = 1;
       ++read_state;
     }
+    cutlass::arch::ClusterBarrier::arrive(&shared.order[other]);  // the other's turn
     warpgroup_wait<0>();
     warpgroup_fence_operand(accum);
     if (in_flight) {

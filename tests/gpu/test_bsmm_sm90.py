@@ -151,6 +151,25 @@ def test_variant_rows_and_f32_output(monkeypatch, bs, n, variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("op", ("fprop", "bprop"))
+@pytest.mark.parametrize("bs", STACKED_BLOCKS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_variant_long_outputs_taken_in_turn(monkeypatch, dtype, bs, op, variant):
+    # A full 1024 x 1024 layout: every output has 1024 / bs entries, 16 stages' worth at
+    # every block size (more than the pipeline's 6-8 stages), and 5000 rows make several
+    # tiles per CTA, so the two consumer warpgroups take turns over long tiles. A
+    # warpgroup that skips the other's tile then waits more than a ring of stages ahead:
+    # before the mainloops took turns that read stale stages, then hung or faulted (seen at
+    # 8192 cubed in the bench; the small layouts above never have that many steps).
+    monkeypatch.setenv(_sm90.VARIANT_ENV, variant)
+    mask = np.ones((1024 // bs, 1024 // bs), bool)
+    layout = jbs.Layout.from_mask(mask, bs)
+    assert _variant_attr(op, layout, DTYPES[dtype], precision="highest") == variant
+    got, want, length = _run(op, layout, mask, DTYPES[dtype], (5000,), precision="highest")
+    _check(got, want, DTYPES[dtype], length)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("op", ("fprop", "bprop"))
 @pytest.mark.parametrize("bs", (8, 16, 64))
 def test_sanitizer_subset_variant(monkeypatch, bs, op, variant):
     # Run under compute-sanitizer with test_sanitizer_subset (its -k selects both).
