@@ -106,7 +106,8 @@ def ptxas_lines(report: list[dict] | None) -> list[str]:
 
 def gate_lines(gate: verified.Gate, cc: str | None) -> list[str]:
     """What the gate verified for the CUDA kernels, per compute capability (this GPU's
-    marked), and every key it turned off with why."""
+    marked), and every key it turned off with why (the keys of a target that failed for one
+    reason on one line)."""
     lines = ['CUDA kernels verified on hardware (what "auto" may run: jax_blocksparse/verified_gpu.json):']
     if not gate.devices:
         return lines + ["  none yet: auto takes the reference on CUDA (JAX_BLOCKSPARSE_IMPL=kernels runs them)"]
@@ -120,8 +121,12 @@ def gate_lines(gate: verified.Gate, cc: str | None) -> list[str]:
             lines.append(
                 f"    {target:22} " + "; ".join(f"{m} {'/'.join(map(str, bs))}" for m, bs in sorted(modes.items()))
             )
+        off: dict[tuple[str, str], dict[str, list[int]]] = {}  # (target, why) -> mode -> block sizes
         for (target, mode, bs), why in device.failed:
-            lines.append(f"    off: {target} {mode} block {bs}: {why}")
+            off.setdefault((target, why), {}).setdefault(mode, []).append(bs)
+        for (target, why), modes in off.items():
+            keys = "; ".join(f"{m} {'/'.join(map(str, sorted(bs)))}" for m, bs in sorted(modes.items()))
+            lines.append(f"    off: {target} {keys}: {why}")
     if cc is not None and gate.device(cc) is None:
         lines.append(f"  this GPU (compute capability {cc}) is not verified: auto takes the reference on it")
     return lines

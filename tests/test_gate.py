@@ -67,6 +67,22 @@ def test_gate_lookups():
     assert verified.Gate.from_json(gate.to_json()) == gate
 
 
+def test_the_report_puts_the_keys_a_target_lost_for_one_reason_on_one_line():
+    from jax_blocksparse.__main__ import gate_lines
+
+    failed = [("jbs_bsmm_fprop_sm90:stacked", m, b, "hung") for m in ("bfloat16", "float16") for b in (8, 16)]
+    failed.append(("jbs_bsmm_fprop_sm90:stacked", "bfloat16", 64, "faulted"))
+    off = [
+        line.strip()
+        for line in gate_lines(_gate({"jbs_bsmm_fprop": {"bfloat16": [64]}}, failed), None)
+        if "off:" in line
+    ]
+    assert off == [
+        "off: jbs_bsmm_fprop_sm90:stacked bfloat16 8/16; float16 8/16: hung",
+        "off: jbs_bsmm_fprop_sm90:stacked bfloat16 64: faulted",
+    ]
+
+
 @pytest.mark.parametrize(
     "data, match",
     [
