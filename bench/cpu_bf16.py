@@ -177,7 +177,8 @@ def report_header(benchmark: str, where: dict) -> dict:
 def targets(sizes: list[dict], matrix: str | None) -> dict:
     """The goals of the matrix units' path, per size: the worst product's speedup at density 1
     (>= 3x) and at density 0.1 (>= 25x) over XLA's dense bf16 ``x @ W``; beside them, the
-    same against XLA's faster form of each product."""
+    same against XLA's faster form of each product. The goals are set for AMX tiles
+    (``applies``); on a CPU whose matrix path is AVX512-BF16 the figures are kept, not judged."""
     out = {}
     if matrix is None:
         return out
@@ -190,6 +191,7 @@ def targets(sizes: list[dict], matrix: str | None) -> dict:
             best = max(by_block, key=by_block.get)
             out[f"{size['n']}_density_{density}"] = {
                 "goal": goal,
+                "applies": matrix == "amx",
                 "worst_product_by_block": by_block,
                 "best_block": best,
                 "met": by_block[best] >= goal,
@@ -241,9 +243,10 @@ def main(argv=None) -> int:
     }
     write_report(args.out, "cpu_bf16", report)
     for name, t in report["targets"].items():
+        verdict = ("met" if t["met"] else "NOT met") if t["applies"] else f"not judged: no AMX, {matrix} here"
         print(
             f"{name}: best block {t['best_block']}: {t['worst_product_by_block'][t['best_block']]:.1f}x "
-            f"(goal {t['goal']}x): {'met' if t['met'] else 'NOT met'}"
+            f"(goal on an AMX machine {t['goal']}x): {verdict}"
         )
     return 0
 
