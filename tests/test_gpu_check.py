@@ -108,6 +108,28 @@ def test_dry_run_lists_the_session_steps_by_default(tmp_path):
     assert "python3 build.py --cuda-arch sm_90a -j " in res.stdout
 
 
+def _dry_limit(text, script):
+    """The time limit of the dry run's command running ``script``."""
+    line = next(line for line in text.splitlines() if line.startswith("timeout ") and script in line)
+    return int(line.split()[2])
+
+
+def test_the_bench_leaves_the_tests_and_the_sanitizer_their_time(tmp_path):
+    # A short budget: the bench (first) gets what the isolated tests (130 s) and a finished
+    # compute-sanitizer run (45 s) leave; the tests leave the sanitizer its share.
+    env = {"CHECK_CUDA_ARCH": "sm_90a", "CHECK_BUDGET_S": "300"}
+    text = _check("--dry-run", str(tmp_path / "out"), env=env).stdout
+    assert _dry_limit(text, "bench/session.py") == 300 - 15 - 130 - 45
+    assert "--budget 105 " in text
+    assert _dry_limit(text, "run_isolated.py") == 150 and _dry_limit(text, "run_sanitizer.sh") == 60
+    # Without the sanitizer step nothing is kept for it.
+    text = _check("--dry-run", str(tmp_path / "out"), env={**env, "CHECK_STEPS": "bench gpu-tests"}).stdout
+    assert _dry_limit(text, "bench/session.py") == 300 - 15 - 130
+    # The default budget leaves every step its whole limit.
+    text = _check("--dry-run", str(tmp_path / "out"), env={"CHECK_CUDA_ARCH": "sm_90a"}).stdout
+    assert _dry_limit(text, "bench/session.py") == 170 and _dry_limit(text, "run_isolated.py") == 150
+
+
 def test_dry_run_prints_every_step_in_order_and_runs_nothing(tmp_path):
     out = tmp_path / "out"
     res = _check(

@@ -27,13 +27,13 @@
 #                9.0 -> sm_90a, 8.x -> sm_8x)
 #   env          python3 -m jax_blocksparse; nvidia-smi, git commit, date,    3        30
 #                tool versions into OUTDIR (meta.txt, nvidia-smi.txt)
-#   bench        bench/session.py: bf16 at W 8192 x 8192, N = 8192, blocks  150       170
+#   bench        bench/session.py: bf16 at W 8192 x 8192, N = 8192, blocks  140       170
 #                128/64/32/16 one process each (densities 0.1 first; the
 #                Hopper and Ampere kernels and XLA's dot; torch BSR at 0.1),
 #                then 4096^3 block 8, f16, f32 (TF32) as time allows; every
 #                row saved as measured, a rerun resumes
 #   crossover    bench/crossover.py: this device's crossover table          2        20
-#   gpu-tests    tests/gpu/run_isolated.py: each test function of the      115       150
+#   gpu-tests    tests/gpu/run_isolated.py: each test function of the      130       150
 #                kernel tests in its own process, CHECK_PARALLEL at a time,
 #                going on past a failure in a new process (twice at most);
 #                memcheck on each function's first failure
@@ -49,8 +49,10 @@
 #                tensor pipe, DRAM, registers)
 # Each step runs under `timeout` with its limit, cut to what is left of CHECK_BUDGET_S
 # (default 420 s: 7 minutes, 15 s of it kept for the summary), so the whole run ends
-# within the budget; a step with under 5 s left is skipped. The default steps up to the
-# sanitizer take about 400 s on an H100; ncu gets what is left.
+# within the budget; a step with under 5 s left is skipped. The bench, which fills what it
+# is given, leaves the isolated tests and the sanitizer their usual times (the gate needs
+# both: a sanitizer run cut short turns every key off). The default steps up to the
+# sanitizer take about 400 s on an H100 or H200; ncu gets what is left.
 # At the end bench/check_summary.py prints one table (each step's status, counts and
 # seconds; every failing test with its first error line; the bf16 efficiency and speedup
 # per op and block size at density 0.1, Ampere and Hopper) and writes OUTDIR/summary.json.
@@ -198,11 +200,12 @@ wanted() {
 }
 
 # limit_for SECONDS: the step's limit, cut to what is left of the budget (less the
-# summary's reserve).
+# summary's reserve, and less KEEP: what the steps after it that the gate needs are kept).
+KEEP=0
 limit_for() {
     local limit="$1" left
     if [ "$BUDGET" -gt 0 ]; then
-        left=$((BUDGET - RESERVE - ($(now_us) - T0) / 1000000))
+        left=$((BUDGET - RESERVE - KEEP - ($(now_us) - T0) / 1000000))
         if [ "$left" -lt "$limit" ]; then limit="$left"; fi
     fi
     if [ "$limit" -lt 0 ]; then limit=0; fi
@@ -383,10 +386,26 @@ fi
 
 # 2. Measure first: the benchmark (it starts no product 25 s before its limit, and every
 #    row is in bench.json as soon as it is measured), then this device's crossover table.
+# The gate needs the isolated tests and a compute-sanitizer run that finished (one cut
+# short turns every key off): the bench leaves them their usual times (an H200's 124 s of
+# tests and 41 s of sanitizer, 2026-11-27, when a bench of 165 s had left the sanitizer 26).
+keep_for() {  # keep_for STEP...: the usual seconds of the named steps that will run
+    local total=0 step
+    for step in "$@"; do
+        wanted "$step" || continue
+        case "$step" in
+            gpu-tests) total=$((total + 130)) ;;
+            sanitizer) if tool_ok "$PREFLIGHT_SANITIZER"; then total=$((total + 45)); fi ;;
+        esac
+    done
+    echo "$total"
+}
 if wanted bench; then
+    KEEP="$(keep_for gpu-tests sanitizer)"
     limit="$(limit_for 170)"
     run_step bench "$limit" "$OUT/bench.log" JAX_BLOCKSPARSE_IMPL=kernels -- \
         python3 bench/session.py --out "$OUT/bench" --json "$OUT/bench.json" --budget "$((limit > 20 ? limit - 5 : limit))"
+    KEEP=0
 fi
 if wanted crossover; then
     run_step crossover "$(limit_for 20)" "$OUT/crossover.log" -- \
@@ -398,8 +417,10 @@ fi
 memcheck_args=()
 if ! tool_ok "$PREFLIGHT_SANITIZER"; then memcheck_args=(--sanitizer ""); fi
 if wanted gpu-tests; then
+    KEEP="$(keep_for sanitizer)"
     isolated gpu-tests "$(limit_for 150)" "$PARALLEL" JBS_REQUIRE_KERNELS=1 -- \
         --split function --resume 2 --timeout 120 --sanitizer-timeout 60 "${memcheck_args[@]}" "${GPU_TEST_FILES[@]}"
+    KEEP=0
 fi
 
 # 4. Whole training steps (CUDA graphs), one process per model (each runs its own children).
