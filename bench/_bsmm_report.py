@@ -166,11 +166,11 @@ def resumed_rows(args, device_kind: str) -> list[dict]:
 
 
 def resumed_faults(args, device_kind: str) -> list[dict]:
-    """The faults (:func:`faults_of`) of the earlier run that ``--resume`` continues, to
-    keep: a product whose path hung or killed its process has rows, so the resumed run
-    does not measure it again, and the evidence would otherwise be lost."""
+    """The faults (:func:`faults_of`) of the earlier run that ``--resume`` continues, error
+    rows included (those stay in the results; the others, a path that hung or killed its
+    process, the report keeps in ``faults``, or the evidence would be lost)."""
     old = _resumed(args, device_kind)
-    return [f for f in faults_of(old) if not f.get("row")] if old else []
+    return faults_of(old) if old else []
 
 
 def _planned_paths(report: dict):

@@ -98,6 +98,13 @@ def collect_params(files=GPU_TEST_FILES) -> dict[str, dict]:
         return json.loads(out.read_text())
 
 
+def _target(op: str, suffix: str, variant) -> str:
+    """A key's target: ``jbs_bsmm_<op><suffix>`` ("" portable, "_sm90" Hopper), with
+    ``:<variant>`` for a Hopper variant other than the baseline."""
+    tail = f":{variant}" if suffix and isinstance(variant, str) and variant not in ("", "baseline") else ""
+    return f"jbs_bsmm_{op}{suffix}{tail}"
+
+
 def keys_of(nodeid: str, params: dict) -> list[tuple[str, str, int]]:
     """The keys a GPU test exercises (see the module docstring); [] for a file outside the gate."""
     file, _, name = nodeid.partition("::")
@@ -114,9 +121,8 @@ def keys_of(nodeid: str, params: dict) -> list[tuple[str, str, int]]:
         modes = list(path_modes)
     bs = params.get("bs")
     sizes = [int(bs)] if isinstance(bs, int) or (isinstance(bs, str) and bs.isdigit()) else list(BLOCK_SIZES)
-    variant = params.get("variant")
-    tail = f":{variant}" if suffix and isinstance(variant, str) and variant not in ("", "baseline") else ""
-    return [(f"jbs_bsmm_{op}{suffix}{tail}", mode, size) for op in ops for mode in modes for size in sizes]
+    target = {op: _target(op, suffix, params.get("variant")) for op in ops}
+    return [(target[op], mode, size) for op in ops for mode in modes for size in sizes]
 
 
 def junit_outcomes(folder: Path) -> dict[str, str]:
@@ -162,9 +168,8 @@ def bench_key(fault: dict) -> tuple[str, str, int]:
     the bench's default precision), and the block size."""
     kernel, _, variant = fault["path"].partition(":")
     hopper = kernel == "hopper"
-    target = f"jbs_bsmm_{fault['op']}{'_sm90' if hopper else ''}{f':{variant}' if variant else ''}"
     mode = fault.get("mode") or ("tf32" if hopper and fault["dtype"] == "float32" else fault["dtype"])
-    return target, mode, int(fault["block_size"])
+    return _target(fault["op"], "_sm90" if hopper else "", variant), mode, int(fault["block_size"])
 
 
 def _fault_why(fault: dict) -> str:

@@ -446,12 +446,12 @@ def run(args) -> dict:
     kept = resumed_rows(args, bench.device_kind)
     report["results"].extend(kept)
     report["resumed_rows"] = len(kept)
-    report["faults"] = resumed_faults(args, bench.device_kind)
+    earlier = resumed_faults(args, bench.device_kind)
+    report["faults"] = [f for f in earlier if not f.get("row")]  # the error rows are in the results
     # A path that failed in the run resumed is not tried again at that dtype and block
     # size (a fault would end this run too, a hang would spend its time), so a resumed run
     # measures the other paths.
-    bench.faulted = {(f["path"], f["dtype"], f["block_size"]) for f in report["faults"]}
-    bench.faulted |= {(r["path"], r["dtype"], r["block_size"]) for r in kept if r.get("error")}
+    bench.faulted = {(f["path"], f["dtype"], f["block_size"]) for f in earlier}
     done = {product_key(r["op"], r["dtype"], r["block_size"], r["requested_density"], r["size"]) for r in kept}
     deferred_peers = bench.platform == "gpu" and args.peer_densities is not None and bool(args.peers)
     print(

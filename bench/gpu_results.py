@@ -156,9 +156,10 @@ def bench_faults(folders: list[Path]) -> list[dict]:
     for folder in folders:
         for path in sorted((folder / "bench").glob("bench-*.json")):
             report = _json(path)
-            if report:
-                item = path.stem.removeprefix("bench-")
-                out += [dict(fault, item=item) for fault in faults_of(report) if dict(fault, item=item) not in out]
+            for fault in faults_of(report) if report else ():
+                fault["item"] = path.stem.removeprefix("bench-")
+                if fault not in out:  # an item resumed in a later folder repeats its kept faults
+                    out.append(fault)
     return out
 
 
