@@ -14,7 +14,7 @@
 //     with A_s the lhs rows at input block in_block[s] (read in place when float32 at
 //     block 128, else from a block-major widened copy) and W_s = w[s] (or w[s]^T,
 //     transposed once per call).
-//     With AVX-512, blocks of 8 to 32 in a dense enough layout run as column panels
+//     With AVX-512, blocks of 8 to 64 in a dense enough layout run as column panels
 //     instead: one item = 128 / bs output blocks x one tile of rows, their weights
 //     copied into one panel (RunDsdPanels).
 //   updat, one work item = one slot s:
@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+
+#include <sched.h>  // sched_yield
 
 #include "bsmm_block_sizes.h"
 #include "bsmm_problem.h"
@@ -291,7 +293,7 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
 }
 
 // ---------------------------------------------------------------------------------
-// DSD on column panels: blocks of 8 to 32 in dense layouts (AVX-512)
+// DSD on column panels: blocks of 8 to 64 in dense layouts (AVX-512)
 // ---------------------------------------------------------------------------------
 // A block of 8 to 32 columns makes a narrow register tile (at block 8, half a 512-bit
 // vector a row), and each slot's product is only BS steps of k between loads and stores
@@ -302,34 +304,49 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
 // for the blocks it lacks), and each item is a tile of rows times a panel, one product
 // per run of consecutive input blocks (a run's panel rows are contiguous, and so are its
 // lhs columns: the lhs is read as rows, in place when float32, else from a widened
-// row-major copy). At density 1 that ran at 0.98-1.03 of XLA's dot for blocks 8 to 32;
-// 64-column panels ran 5-10% slower than 128. With AVX2's narrower tiles the panels
-// gained nothing but at block 8, so they are the AVX-512 kernels' only.
+// row-major copy). At density 1 that ran at 0.98-1.03 of XLA's dot for blocks 8 to 32
+// on the AMX Xeon; 64-column panels ran 5-10% slower than 128. With AVX2's narrower tiles
+// the panels gained nothing but at block 8, so they are the AVX-512 kernels' only. Block
+// 64 (two blocks a panel) gains from the longer run of k alone, at density 1: bprop 0.92
+// -> 0.95 of XLA's dot, fprop 0.95 -> 0.96 (1024^3, 2-core AMD EPYC, AVX-512).
+//
+// Each panel is copied by the first items that need it, not in a pass of its own before
+// the products: the copy of a 1024^2 float32 weight whose blocks had left the caches took
+// 0.29-0.44 ms (6-9% of the product, against 0.08 ms for the same copy from cache), and
+// done this way all but the first panel's copy overlaps the other threads' products (a
+// panel of 1024 rows is 512 KiB, which the products then read from L2).
 
 constexpr int kPanel = 128;  // columns of a panel
 
-// Steps of k per product: a [kPanelDepth, 64] slice of the panel (32 KiB, one register
-// tile wide) stays in L1 while every row tile of the item passes over it.
-constexpr int64_t kPanelDepth = 128;
+// Steps of k per product between loads and stores of the accumulators. 512 ran 2-3%
+// faster than 128 at density 1 (2-core AVX-512 machine; the loads and stores of a 6 x 64
+// register tile cost about 3% of 128 steps), and no slower than the whole depth.
+constexpr int64_t kPanelDepth = 512;
 
 // Least fraction of a panel's multiply-adds that must fall on present blocks: below it the
 // block kernels are the faster (a missing block costs a panel as much as a present one).
 // Measured against the block kernels at densities 1, 0.75, 0.5 and 0.3: the panel's rate
 // is about 2.4x block 8's, 1.25x block 16's and 1.08x block 32's.
+// At block 64 (two blocks a panel, about 1.04x their rate) only a nearly full layout gains.
 template <int BS>
 constexpr double kPanelMinFill = BS == 8    ? 0.45
                                  : BS == 16 ? 0.8
-                                            : 0.92;
+                                 : BS == 32 ? 0.92
+                                            : 0.96;
 
 // Float32 fprop reads the blocks where they are; the panels copy them, a pass over the
-// weights that costs about as much as 40 rows of the product (4 MiB: 0.3-0.4 ms beside
-// 9-11 ms for 1024 rows). So there they need rows enough that the faster tile repays it:
-// the time saved per row is about 60% (block 8), 20% (16) and 8% (32) of a row's.
+// weights. So there they need rows enough that the faster tile repays the copy: the time
+// saved per row is about 60% (block 8), 20% (16), 8% (32) and 4% (64) of a row's, and the
+// copy, made by the items as they go (PackPanel), costs about as much as 40 rows of the
+// product. Measured at 256, 512 and 1024 rows of a 1024^2 weight at density 1: panels
+// were faster from 256 rows at block 16, alike at 512 at block 32, and about 2% faster at
+// 1024 at block 64 (slower at 256 and 512).
 template <int BS>
 constexpr double kPanelGain = BS == 8    ? 0.6
                               : BS == 16 ? 0.2
-                                         : 0.08;
-constexpr double kPanelCopyRows = 64;  // 40 with a margin
+                              : BS == 32 ? 0.08
+                                         : 0.04;
+constexpr double kPanelCopyRows = 40;
 
 struct PanelJob {
   const DsdParams* p;
@@ -341,6 +358,8 @@ struct PanelJob {
   const int32_t* entry_ptr;    // [groups + 1]: panel g's input blocks are entries entry_ptr[g]:entry_ptr[g+1]
   const int32_t* entry_block;  // [entries]: each entry's input block, ascending within a panel
   const int32_t* entry_slots;  // [entries * G]: the slot of (entry, output block g * G + jj), -1 for none
+  int32_t* pack_claimed;       // [groups]: entries of panel g claimed for copying (atomic)
+  int32_t* pack_done;          // [groups]: entries of panel g copied (atomic)
   float* panels;               // [entries][BS][kPanel]
   const float* lhs;            // rows [row0, row0 + rows) as float32 [rows, nin * BS] (lhs row r at r - row0)
   float* widened;              // the widened copy of those rows (16-bit lhs), else nullptr
@@ -350,8 +369,7 @@ struct PanelJob {
 
 // Entry e's BS rows of its panel: each output block's weights (transposed for bprop), or zeros.
 template <int BS>
-void PanelPackItem(void* arg, int64_t e) {
-  const PanelJob& job = *static_cast<const PanelJob*>(arg);
+void PackEntry(const PanelJob& job, int64_t e) {
   float* rows = job.panels + e * BS * kPanel;
   for (int jj = 0; jj < job.group; ++jj) {
     const int32_t slot = job.entry_slots[e * job.group + jj];
@@ -369,6 +387,32 @@ void PanelPackItem(void* arg, int64_t e) {
       for (int i = 0; i < BS; ++i) Widen(job.in, Offset(src, i * BS, job.in), dst + i * kPanel, BS);
     }
   }
+}
+
+// Waits a moment for another thread (a spin: the wait is for work another item is doing).
+inline void SpinPause(int64_t spins) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+  if (spins % 1024 == 1023) sched_yield();  // the copying thread may have been descheduled
+}
+
+// Panel g copied, once, by the items that need it: each claims a few entries at a time
+// until none are left, then waits for the entries other items claimed. No item waits on
+// one that has not started copying, so this cannot deadlock.
+template <int BS>
+void PackPanel(const PanelJob& job, int64_t g) {
+  const int32_t first = job.entry_ptr[g], count = job.entry_ptr[g + 1] - first;
+  int32_t* done = job.pack_done + g;
+  if (__atomic_load_n(done, __ATOMIC_ACQUIRE) == count) return;
+  constexpr int32_t kClaim = 4;  // entries per claim (8 KiB each at float32)
+  for (int32_t e = __atomic_fetch_add(job.pack_claimed + g, kClaim, __ATOMIC_RELAXED); e < count;
+       e = __atomic_fetch_add(job.pack_claimed + g, kClaim, __ATOMIC_RELAXED)) {
+    const int32_t end = Min(e + kClaim, count);
+    for (int32_t i = e; i < end; ++i) PackEntry<BS>(job, first + i);
+    __atomic_fetch_add(done, end - e, __ATOMIC_RELEASE);
+  }
+  for (int64_t spins = 0; __atomic_load_n(done, __ATOMIC_ACQUIRE) < count; ++spins) SpinPause(spins);
 }
 
 // Rows of the chunk widened to float32, 16 rows an item.
@@ -389,6 +433,7 @@ void PanelItem(void* arg, int64_t item) {
   const int64_t rows = Min(job.tile_rows, job.rows - first);
   if (rows <= 0) return;
   const int64_t fin = int64_t{p.nin} * BS;
+  PackPanel<BS>(job, g);
   float* acc = ThreadScratch().acc;
   std::memset(acc, 0, sizeof(float) * rows * kPanel);
   const float* a = job.lhs + first * fin;
@@ -420,15 +465,17 @@ int64_t PlanPanels(const DsdParams& p, int64_t nnz, PanelJob* job) {
   constexpr int G = kPanel / BS;
   const int64_t groups = CeilDiv(p.nseg, G);
   const int64_t most = groups * p.nin;  // entries at most
-  // int32 tables in one caller buffer: entry_ptr, entry_block, entry_slots, and the
-  // per-panel position of each input block.
-  const int64_t ints = (groups + 1) + most + most * G + p.nin;
+  // int32 tables in one caller buffer: entry_ptr, entry_block, entry_slots, the per-panel
+  // position of each input block, and the copies' two counters per panel.
+  const int64_t ints = (groups + 1) + most + most * G + p.nin + 2 * groups;
   auto* base = reinterpret_cast<int32_t*>(CallerBuffer(3).Get(ints));
   if (base == nullptr) return -1;
   int32_t* entry_ptr = base;
   int32_t* entry_block = entry_ptr + groups + 1;
   int32_t* entry_slots = entry_block + most;
   int32_t* position = entry_slots + most * G;
+  int32_t* pack_counters = position + p.nin;
+  for (int64_t i = 0; i < 2 * groups; ++i) pack_counters[i] = 0;
   int64_t entries = 0, used = 0;
   for (int64_t g = 0; g < groups; ++g) {
     entry_ptr[g] = static_cast<int32_t>(entries);
@@ -466,13 +513,15 @@ int64_t PlanPanels(const DsdParams& p, int64_t nnz, PanelJob* job) {
   job->entry_ptr = entry_ptr;
   job->entry_block = entry_block;
   job->entry_slots = entry_slots;
+  job->pack_claimed = pack_counters;
+  job->pack_done = pack_counters + groups;
   return entries;
 }
 
 // fprop/bprop on panels; false where they do not apply (nothing written then).
 template <int BS>
 bool RunDsdPanels(const DsdJob& dsd, const Parallel& par) {
-  if constexpr (BS >= 64 || JBS_CPU_LANES != 16) {
+  if constexpr (BS >= 128 || JBS_CPU_LANES != 16) {
     return false;
   } else {
     const DsdParams& p = *dsd.p;
@@ -490,7 +539,6 @@ bool RunDsdPanels(const DsdJob& dsd, const Parallel& par) {
     job.panels = CallerBuffer(1).Get(entries * BS * kPanel);
     if (job.in != DType::kF32) job.widened = CallerBuffer(0).Get(Min(chunk, p.n) * fin);
     if (job.panels == nullptr || (job.in != DType::kF32 && job.widened == nullptr)) return false;
-    par.for_each(par.ctx, entries, &PanelPackItem<BS>, &job);
     constexpr int64_t kR = TileShape<kPanel>::kRows;
     for (int64_t row0 = 0; row0 < p.n; row0 += chunk) {
       job.row0 = row0;
