@@ -115,6 +115,42 @@ def test_dense_layouts_of_small_blocks_match_the_reference(dtype, block_size):
         assert_close(op("kernels"), np.asarray(op("reference").astype(jnp.float32)), dtype, length=max(C, K))
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize(
+    "dtype, out_dtype, rows",
+    [
+        (jnp.float32, jnp.float32, 803),
+        (jnp.float16, jnp.float16, 803),
+        # 16-bit rows are widened in chunks of about 4M / (C + K), about 2060 rows here:
+        # three chunks summed in a float32 buffer (16-bit dw), or in dw itself (float32)
+        (jnp.bfloat16, jnp.bfloat16, 4500),
+        (jnp.float16, jnp.float32, 4500),
+    ],
+    ids=["f32", "f16", "bf16-chunks", "f16-f32dw-chunks"],
+)
+def test_dense_layouts_of_small_blocks_match_the_reference_in_updat(dtype, out_dtype, rows, block_size):
+    # With AVX-512, updat of blocks 8 and 16 in a dense layout computes whole 128 x 128
+    # tiles of dW and copies the present blocks out of them. Here: a partial last row
+    # panel (C = 1016 or 1008), a tile with no block (skipped), missing blocks, padding
+    # slots (zeros).
+    g = 128 // block_size
+    mask = np.ones((16 * g - 1, 16 * g), bool)
+    mask[:g, :g] = False
+    mask[20, 30] = False
+    mask[12 * g :, 3] = False
+    nnz = int(mask.sum())
+    layout = jbs.Layout.from_mask(mask, block_size, capacity=nnz + 5)
+    C, K = layout.shape
+    x, dy = rand((rows, C), dtype, 1), rand((rows, K), dtype, 2)
+    got = jbs.bsmm_updat(x, dy, layout, out_dtype=out_dtype, impl="kernels")
+    # the oracle: x.T @ dy in float64, its blocks taken (the reference's per-block sums
+    # take 20 s at 4500 rows of block 8)
+    dense = np.asarray(x, np.float64).T @ np.asarray(dy, np.float64)
+    want = np.asarray(jbs.from_dense(jnp.asarray(dense, jnp.float32), layout))
+    assert_close(got, want, dtype, length=rows)
+    assert not np.asarray(got[nnz:], np.float32).any()
+
+
 def _call(kernel, out_shape, out_dtype, *operands):
     """The kernel's FFI target called directly (the handlers' messages name the kernel)."""
     target = jbs.targets.target_name(kernel)
