@@ -12,9 +12,9 @@
 //   fprop/bprop, one work item = one output block column/row j x one tile of rows:
 //     acc[rows, bs] = sum over the segment's slots s of A_s[rows, bs] @ W_s[bs, bs]
 //     with A_s the lhs rows at input block in_block[s] (read in place when float32 at
-//     block 128, else from a block-major widened copy) and W_s = w[s] (or w[s]^T,
-//     transposed once per call).
-//     With AVX-512, blocks of 8 to 64 in a dense enough layout run as column panels
+//     blocks 64 and 128, a run of consecutive input blocks then one product; else from a
+//     block-major widened copy) and W_s = w[s] (or w[s]^T, transposed once per call).
+//     With AVX-512, blocks of 8 to 32 in a dense enough layout run as column panels
 //     instead: one item = 128 / bs output blocks x one tile of rows, their weights
 //     copied into one panel (RunDsdPanels).
 //   updat, one work item = one slot s (with AVX-512, blocks of 8 and 16 in a dense enough
@@ -141,6 +141,40 @@ void PackBlock(DType in, const void* src, int64_t ld, int64_t block, int64_t row
 }
 
 // ---------------------------------------------------------------------------------
+// Copies made once per call, by the items that first need them
+// ---------------------------------------------------------------------------------
+// A copy of the weights (a panel, or an output block's widened or transposed blocks) is
+// made by the first items that need it, not in a pass of its own before the products: as
+// a pass, the copy of a 1024^2 float32 weight whose blocks had left the caches took
+// 0.29-0.44 ms (6-9% of the product; 0.08 ms for the same copy from cache). Made this way,
+// all but the first copies overlap the other threads' products, which then read the copy
+// from L2.
+
+// Waits a moment for another thread (a spin: the wait is for work another item is doing).
+inline void SpinPause(int64_t spins) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+  if (spins % 1024 == 1023) sched_yield();  // the copying thread may have been descheduled
+}
+
+// Runs copy(i) for every i in [0, count) once among the items that call it with the same
+// two counters (zero at the start of the call): each claims `claim` of them at a time
+// until none are left, then waits for those that other items claimed. No item waits on
+// one that has not started copying, so this cannot deadlock.
+template <typename Copy>
+inline void CopyOnce(int32_t* claimed, int32_t* done, int32_t count, int32_t claim, const Copy& copy) {
+  if (__atomic_load_n(done, __ATOMIC_ACQUIRE) >= count) return;
+  for (int32_t i = __atomic_fetch_add(claimed, claim, __ATOMIC_RELAXED); i < count;
+       i = __atomic_fetch_add(claimed, claim, __ATOMIC_RELAXED)) {
+    const int32_t end = Min(i + claim, count);
+    for (int32_t j = i; j < end; ++j) copy(j);
+    __atomic_fetch_add(done, end - i, __ATOMIC_RELEASE);
+  }
+  for (int64_t spins = 0; __atomic_load_n(done, __ATOMIC_ACQUIRE) < count; ++spins) SpinPause(spins);
+}
+
+// ---------------------------------------------------------------------------------
 // DSD: fprop and bprop
 // ---------------------------------------------------------------------------------
 // Per chunk of rows: (1) the lhs is widened into block-major [nin][rows][bs] (each
@@ -154,10 +188,12 @@ struct DsdJob {
   DType out;
   bool transpose_w;
   int64_t nnz;
-  int64_t row0, rows;  // the chunk of rows
-  float* packed;       // [nin][rows][bs], or nullptr: the lhs read in place
-  float* blocks;       // [cap][bs][bs] every W(s) widened (transposed), or nullptr
-  int64_t tiles;       // row tiles per output block in this chunk
+  int64_t row0, rows;     // the chunk of rows
+  float* packed;          // [nin][rows][bs], or nullptr: the lhs read in place
+  float* blocks;          // [cap][bs][bs] each entry's W(s) widened (transposed), or nullptr
+  int32_t* copy_claimed;  // [nseg]: entries of output block j claimed for copying into blocks (atomic)
+  int32_t* copy_done;     // [nseg]: entries of output block j copied (atomic)
+  int64_t tiles;          // row tiles per output block in this chunk
   int64_t tile_rows;
 };
 
@@ -175,22 +211,34 @@ const float* LoadBlock(const DsdJob& job, int64_t slot, float* scratch) {
 }
 
 // Whether the items read float32 lhs rows where they are rather than from a block-major
-// copy: where a block's row is 512 bytes or more (block 128). There the copy, one more
-// pass over the lhs, cost more than it saved (fprop and bprop of 1024^3 at density 1,
-// 8-10% faster in place; 12-20% at density 0.25); at block 64 both measured alike, and
-// at block 32 in place was 25% slower (rows of 128 bytes, 4 KiB apart).
+// copy: where a block's row is 256 bytes or more (blocks 64 and 128). There the copy, one
+// more pass over the lhs, cost more than it saved (fprop and bprop of 1024^3 at density
+// 1, 8-10% faster in place at block 128; 12-20% at density 0.25), and rows read in place
+// let a run of consecutive input blocks be one product (DsdItem). At block 64 the two
+// measured alike block by block, and in runs in place 0.99 of XLA's dot against 0.95-0.98
+// (density 1); at block 32 in place was 25% slower (rows of 128 bytes, 4 KiB apart).
 template <int BS>
-constexpr bool kReadsFloat32LhsInPlace = BS * sizeof(float) >= 512;
+constexpr bool kReadsFloat32LhsInPlace = BS * sizeof(float) >= 256;
 
 template <int BS>
 bool ReadsLhsInPlace(DType in) {
   return kReadsFloat32LhsInPlace<BS> && in == DType::kF32;
 }
 
+// The slot of entry e of a segment, or -1 where it holds no block: padding (at or past
+// nnz) or tables out of range (an entry is < cap).
+inline int64_t SegmentSlot(const DsdParams& p, int64_t nnz, int64_t e) {
+  if (e < 0 || e >= p.cap) return -1;
+  const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
+  if (slot < 0 || slot >= nnz) return -1;
+  return p.in_block[slot] >= 0 && p.in_block[slot] < p.nin ? slot : -1;
+}
+
+// Entry e's W(s) widened (transposed) into the blocks.
 template <int BS>
-void DsdBlockItem(void* arg, int64_t slot) {
-  const DsdJob& job = *static_cast<const DsdJob*>(arg);
-  if (slot < job.nnz) LoadBlock<BS>(job, slot, job.blocks + slot * BS * BS);
+void CopyEntry(const DsdJob& job, int64_t e) {
+  const int64_t slot = SegmentSlot(*job.p, job.nnz, e);
+  if (slot >= 0) LoadBlock<BS>(job, slot, job.blocks + e * BS * BS);
 }
 
 template <int BS>
@@ -198,14 +246,6 @@ void DsdPackItem(void* arg, int64_t block) {
   const DsdJob& job = *static_cast<const DsdJob*>(arg);
   const int64_t fin = int64_t{job.p->nin} * BS;
   PackBlock<BS>(job.in, job.p->a, fin, block, job.row0, job.rows, job.packed + block * job.rows * BS);
-}
-
-// The slot of entry e of a segment, or -1 where it holds no block: padding (at or past
-// nnz) or tables out of range.
-inline int64_t SegmentSlot(const DsdParams& p, int64_t nnz, int64_t e) {
-  const int64_t slot = p.seg_slots ? p.seg_slots[e] : e;
-  if (slot < 0 || slot >= nnz) return -1;
-  return p.in_block[slot] >= 0 && p.in_block[slot] < p.nin ? slot : -1;
 }
 
 template <int BS>
@@ -217,18 +257,39 @@ void DsdItem(void* arg, int64_t item) {
   const int64_t first = (item % job.tiles) * job.tile_rows;  // within the chunk
   const int64_t rows = Min(job.tile_rows, job.rows - first);
   if (rows <= 0) return;
+  const int64_t begin = p.seg_ptr[seg], end = p.seg_ptr[seg + 1];
+  if (job.blocks != nullptr) {
+    CopyOnce(job.copy_claimed + seg, job.copy_done + seg, static_cast<int32_t>(end - begin), BS >= 64 ? 1 : 4,
+             [&](int32_t i) { CopyEntry<BS>(job, begin + i); });
+  }
   Scratch& s = ThreadScratch();
   std::memset(s.acc, 0, sizeof(float) * rows * BS);
-  for (int64_t e = p.seg_ptr[seg]; e < p.seg_ptr[seg + 1]; ++e) {
+  for (int64_t e = begin; e < end; ++e) {
     const int64_t slot = SegmentSlot(p, job.nnz, e);
     if (slot < 0) continue;
     const int64_t block = p.in_block[slot];
-    const float* w = job.blocks ? job.blocks + slot * BS * BS : LoadBlock<BS>(job, slot, s.w);
+    const float* w = job.blocks ? job.blocks + e * BS * BS : LoadBlock<BS>(job, slot, s.w);
     if constexpr (kReadsFloat32LhsInPlace<BS>) {
       if (job.packed == nullptr) {  // float32 rows read where they are
+        // A run of entries on consecutive input blocks whose weights lie one after another
+        // (consecutive entries of the widened copy, or consecutive slots read in place) is
+        // one product over its whole depth: the accumulators are loaded and stored once
+        // per run, not per block (fprop at block 128, density 1: 0.92-0.95 of XLA's dot
+        // block by block, 0.99-1.02 in runs). At most kRunDepth steps of k, so that the
+        // weights' [kRunDepth, 64] slice stays in L2 while the row tiles pass over it.
+        constexpr int64_t kRunDepth = 512;
+        const bool weights_in_place = job.blocks == nullptr && job.in == DType::kF32 && !job.transpose_w;
+        int64_t run = 1;
+        while (e + run < end && (run + 1) * BS <= kRunDepth) {
+          const int64_t next = SegmentSlot(p, job.nnz, e + run);
+          if (next < 0 || p.in_block[next] != block + run) break;
+          if (job.blocks == nullptr && !(weights_in_place && next == slot + run)) break;
+          ++run;
+        }
         const int64_t fin = int64_t{p.nin} * BS;
         const float* a = static_cast<const float*>(p.a) + (job.row0 + first) * fin + block * BS;
-        Gemm<BS>(rows, BS, a, fin, 1, w, BS, s.acc, BS);
+        Gemm<BS>(rows, run * BS, a, fin, 1, w, BS, s.acc, BS);
+        e += run - 1;
         continue;
       }
     }
@@ -265,12 +326,21 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
     if (packed == nullptr) return false;
   }
   // Weights that are not float32 [bs, bs] as stored are widened (transposed) once per
-  // call, when that fits the budget, rather than once per row tile.
+  // call, when that fits the budget, rather than once per row tile: each output block's
+  // by the items that first need them (CopyOnce), indexed by entry (an entry is < cap),
+  // so that an output block's weights lie in the order its items read them.
   job.blocks = nullptr;
-  const int64_t block_floats = job.nnz * BS * BS;
+  const int64_t block_floats = int64_t{p.cap} * BS * BS;
   if ((job.in != DType::kF32 || job.transpose_w) && job.nnz > 0 && block_floats <= kPackWeightFloats) {
     job.blocks = CallerBuffer(1).Get(block_floats);
-    if (job.blocks != nullptr) par.for_each(par.ctx, job.nnz, &DsdBlockItem<BS>, &job);
+    auto* counters = reinterpret_cast<int32_t*>(CallerBuffer(3).Get(2 * int64_t{p.nseg}));
+    if (job.blocks == nullptr || counters == nullptr) {
+      job.blocks = nullptr;  // each row tile widens the blocks it uses
+    } else {
+      for (int64_t j = 0; j < 2 * int64_t{p.nseg}; ++j) counters[j] = 0;
+      job.copy_claimed = counters;
+      job.copy_done = counters + p.nseg;
+    }
   }
   int64_t longest = 0, total = 0;
   for (int j = 0; j < p.nseg; ++j) {
@@ -294,7 +364,7 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
 }
 
 // ---------------------------------------------------------------------------------
-// DSD on column panels: blocks of 8 to 64 in dense layouts (AVX-512)
+// DSD on column panels: blocks of 8 to 32 in dense layouts (AVX-512)
 // ---------------------------------------------------------------------------------
 // A block of 8 to 32 columns makes a narrow register tile (at block 8, half a 512-bit
 // vector a row), and each slot's product is only BS steps of k between loads and stores
@@ -302,25 +372,20 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
 // and 0.95 (32) of XLA's float32 dot (1024^3, 2-core AVX-512 machine). Where the layout
 // is dense enough, G = 128 / BS neighbouring output blocks form one 128-column panel:
 // their weights are copied once per call into [the panel's input blocks][BS][128] (zeros
-// for the blocks it lacks), and each item is a tile of rows times a panel, one product
-// per run of consecutive input blocks (a run's panel rows are contiguous, and so are its
-// lhs columns: the lhs is read as rows, in place when float32, else from a widened
-// row-major copy). At density 1 that ran at 0.98-1.03 of XLA's dot for blocks 8 to 32
-// on the AMX Xeon; 64-column panels ran 5-10% slower than 128. With AVX2's narrower tiles
-// the panels gained nothing but at block 8, so they are the AVX-512 kernels' only. Block
-// 64 (two blocks a panel) gains from the longer run of k alone, at density 1: bprop 0.92
-// -> 0.95 of XLA's dot, fprop 0.95 -> 0.96 (1024^3, 2-core AMD EPYC, AVX-512).
-//
-// Each panel is copied by the first items that need it, not in a pass of its own before
-// the products: the copy of a 1024^2 float32 weight whose blocks had left the caches took
-// 0.29-0.44 ms (6-9% of the product, against 0.08 ms for the same copy from cache), and
-// done this way all but the first panel's copy overlaps the other threads' products (a
-// panel of 1024 rows is 512 KiB, which the products then read from L2).
+// for the blocks it lacks; by the items that first need the panel, CopyOnce), and each
+// item is a tile of rows times a panel, one product per run of consecutive input blocks
+// (a run's panel rows are contiguous, and so are its lhs columns: the lhs is read as
+// rows, in place when float32, else from a widened row-major copy). At density 1 that ran
+// at 0.98-1.03 of XLA's dot for blocks 8 to 32 on the AMX Xeon, 0.94-1.0 on the AMD EPYC;
+// 64-column panels ran 5-10% slower than 128. With AVX2's narrower tiles the panels
+// gained nothing but at block 8, so they are the AVX-512 kernels' only. Blocks of 64 and
+// 128 make the wide tile themselves, and read runs of input blocks in one product
+// (DsdItem): two-block panels at block 64 measured 1-3% slower than that.
 
 constexpr int kPanel = 128;  // columns of a panel
 
 // Steps of k per product between loads and stores of the accumulators. 512 ran 2-3%
-// faster than 128 at density 1 (2-core AVX-512 machine; the loads and stores of a 6 x 64
+// faster than 128 at density 1 (2-core AMD EPYC; the loads and stores of a 6 x 64
 // register tile cost about 3% of 128 steps), and no slower than the whole depth.
 constexpr int64_t kPanelDepth = 512;
 
@@ -328,25 +393,21 @@ constexpr int64_t kPanelDepth = 512;
 // block kernels are the faster (a missing block costs a panel as much as a present one).
 // Measured against the block kernels at densities 1, 0.75, 0.5 and 0.3: the panel's rate
 // is about 2.4x block 8's, 1.25x block 16's and 1.08x block 32's.
-// At block 64 (two blocks a panel, about 1.04x their rate) only a nearly full layout gains.
 template <int BS>
 constexpr double kPanelMinFill = BS == 8    ? 0.45
                                  : BS == 16 ? 0.8
-                                 : BS == 32 ? 0.92
-                                            : 0.96;
+                                            : 0.92;
 
 // Float32 fprop reads the blocks where they are; the panels copy them, a pass over the
 // weights. So there they need rows enough that the faster tile repays the copy: the time
-// saved per row is about 60% (block 8), 20% (16), 8% (32) and 4% (64) of a row's, and the
-// copy, made by the items as they go (PackPanel), costs about as much as 40 rows of the
-// product. Measured at 256, 512 and 1024 rows of a 1024^2 weight at density 1: panels
-// were faster from 256 rows at block 16, alike at 512 at block 32, and about 2% faster at
-// 1024 at block 64 (slower at 256 and 512).
+// saved per row is about 60% (block 8), 20% (16) and 8% (32) of a row's, and the copy,
+// made by the items as they go, costs about as much as 40 rows of the product. Measured at
+// 256, 512 and 1024 rows of a 1024^2 weight at density 1: panels were faster from 256
+// rows at block 16 (0.90-0.93 of XLA's dot against 0.82), and alike at 512 at block 32.
 template <int BS>
 constexpr double kPanelGain = BS == 8    ? 0.6
                               : BS == 16 ? 0.2
-                              : BS == 32 ? 0.08
-                                         : 0.04;
+                                         : 0.08;
 constexpr double kPanelCopyRows = 40;
 
 struct PanelJob {
@@ -390,30 +451,12 @@ void PackEntry(const PanelJob& job, int64_t e) {
   }
 }
 
-// Waits a moment for another thread (a spin: the wait is for work another item is doing).
-inline void SpinPause(int64_t spins) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-  if (spins % 1024 == 1023) sched_yield();  // the copying thread may have been descheduled
-}
-
-// Panel g copied, once, by the items that need it: each claims a few entries at a time
-// until none are left, then waits for the entries other items claimed. No item waits on
-// one that has not started copying, so this cannot deadlock.
+// Panel g, copied by the items that first need it.
 template <int BS>
 void PackPanel(const PanelJob& job, int64_t g) {
-  const int32_t first = job.entry_ptr[g], count = job.entry_ptr[g + 1] - first;
-  int32_t* done = job.pack_done + g;
-  if (__atomic_load_n(done, __ATOMIC_ACQUIRE) == count) return;
-  constexpr int32_t kClaim = 4;  // entries per claim (8 KiB each at float32)
-  for (int32_t e = __atomic_fetch_add(job.pack_claimed + g, kClaim, __ATOMIC_RELAXED); e < count;
-       e = __atomic_fetch_add(job.pack_claimed + g, kClaim, __ATOMIC_RELAXED)) {
-    const int32_t end = Min(e + kClaim, count);
-    for (int32_t i = e; i < end; ++i) PackEntry<BS>(job, first + i);
-    __atomic_fetch_add(done, end - e, __ATOMIC_RELEASE);
-  }
-  for (int64_t spins = 0; __atomic_load_n(done, __ATOMIC_ACQUIRE) < count; ++spins) SpinPause(spins);
+  const int32_t first = job.entry_ptr[g];
+  CopyOnce(job.pack_claimed + g, job.pack_done + g, job.entry_ptr[g + 1] - first, 4,  // 8 KiB an entry at float32
+           [&](int32_t i) { PackEntry<BS>(job, first + i); });
 }
 
 // Rows of the chunk widened to float32, 16 rows an item.
@@ -522,7 +565,7 @@ int64_t PlanPanels(const DsdParams& p, int64_t nnz, PanelJob* job) {
 // fprop/bprop on panels; false where they do not apply (nothing written then).
 template <int BS>
 bool RunDsdPanels(const DsdJob& dsd, const Parallel& par) {
-  if constexpr (BS >= 128 || JBS_CPU_LANES != 16) {
+  if constexpr (BS >= 64 || JBS_CPU_LANES != 16) {
     return false;
   } else {
     const DsdParams& p = *dsd.p;
