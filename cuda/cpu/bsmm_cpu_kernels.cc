@@ -612,13 +612,24 @@ bool RunDsdPanels(const DsdJob& dsd, const Parallel& par) {
 // k-blocked so that both operand panels stay in L1. Accumulators: dw itself when it is
 // float32, a per-thread block when there is one chunk, else a float32 [cap, bs, bs].
 
-struct SddJob {
+// The chunk of rows an updat is summing: rows [row0, row0 + rows) of n, in chunks of
+// `chunk` rows, and whether it is the first or the last.
+struct SddChunk {
+  int64_t row0, rows;
+  bool first, last;
+  void Select(int64_t n, int64_t chunk, int64_t chunks, int64_t c) {
+    row0 = c * chunk;
+    rows = Max(0, Min(chunk, n - row0));
+    first = c == 0;
+    last = c == chunks - 1;
+  }
+};
+
+struct SddJob : SddChunk {
   const SddParams* p;
   DType in;
   DType out;
   int64_t nnz;
-  int64_t row0, rows;   // the chunk of rows
-  bool first, last;     // the current chunk is the first / last one
   float* px;            // [cb][rows][bs]
   float* pdy;           // [kb][rows][bs]
   float* accumulators;  // [cap, bs, bs] float32 (dw itself, or scratch), or nullptr
@@ -674,10 +685,7 @@ bool RunSddBlock(SddJob& job, const Parallel& par) {
   job.accumulators = SddAccumulators(p, job.out == DType::kF32, chunks, &ok);
   if (!ok) return false;
   for (int64_t c = 0; c < chunks; ++c) {
-    job.row0 = c * chunk;
-    job.rows = Max(0, Min(chunk, p.n - job.row0));
-    job.first = c == 0;
-    job.last = c == chunks - 1;
+    job.Select(p.n, chunk, chunks, c);
     if (job.rows > 0) par.for_each(par.ctx, int64_t{p.cb} + p.kb, &SddPackItem<BS>, &job);
     // One item per slot: every slot is the same work. Consecutive slots mostly share
     // an output block column (storage order), so neighbouring items reuse dy.
@@ -698,7 +706,7 @@ bool RunSddBlock(SddJob& job, const Parallel& par) {
 // copied out of it into its slot. x and dy are read as rows: in place when float32,
 // else from widened row-major copies of a chunk of rows.
 
-struct SddPanelJob {
+struct SddPanelJob : SddChunk {
   const SddParams* p;
   DType in;
   DType out;
@@ -712,8 +720,6 @@ struct SddPanelJob {
   const float* dy;  // the same rows of dy, [rows, K]
   float* wide_x;    // widened copies of those rows (16-bit inputs), else nullptr
   float* wide_dy;
-  int64_t row0, rows;
-  bool first, last;     // the current chunk is the first / last one
   float* accumulators;  // [cap, bs, bs] float32 (dw itself, or scratch), or nullptr
 };
 
@@ -856,10 +862,7 @@ bool RunSddPanels(const SddJob& sdd, const Parallel& par) {
     job.accumulators = SddAccumulators(p, job.out == DType::kF32, chunks, &ok);
     if (!ok) return false;
     for (int64_t c = 0; c < chunks; ++c) {
-      job.row0 = c * chunk;
-      job.rows = Max(0, Min(chunk, p.n - job.row0));
-      job.first = c == 0;
-      job.last = c == chunks - 1;
+      job.Select(p.n, chunk, chunks, c);
       if (widens) {
         par.for_each(par.ctx, CeilDiv(job.rows, 16), &SddPanelWidenItem, &job);
         job.x = job.wide_x;
