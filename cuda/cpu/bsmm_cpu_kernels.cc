@@ -432,21 +432,33 @@ struct PanelJob {
 // Entry e's BS rows of its panel: each output block's weights (transposed for bprop), or zeros.
 template <int BS>
 void PackEntry(const PanelJob& job, int64_t e) {
+  constexpr int G = kPanel / BS;
   float* rows = job.panels + e * BS * kPanel;
-  for (int jj = 0; jj < job.group; ++jj) {
-    const int32_t slot = job.entry_slots[e * job.group + jj];
-    float* dst = rows + jj * BS;
-    if (slot < 0) {
-      for (int i = 0; i < BS; ++i) std::memset(dst + i * kPanel, 0, sizeof(float) * BS);
-      continue;
+  const void* blocks[G];  // each output block's weights, or nullptr: zeros
+  for (int jj = 0; jj < G; ++jj) {
+    const int32_t slot = jj < job.group ? job.entry_slots[e * job.group + jj] : -1;
+    blocks[jj] = slot < 0 ? nullptr : Offset(job.p->w, int64_t{slot} * BS * BS, job.in);
+  }
+  if (job.transpose_w) {  // each block transposed straight into its columns of the panel
+    for (int jj = 0; jj < G; ++jj) {
+      if (blocks[jj] != nullptr) {
+        WidenTransposed<BS>(job.in, blocks[jj], rows + jj * BS, kPanel);
+      } else {
+        for (int i = 0; i < BS; ++i) std::memset(rows + i * kPanel + jj * BS, 0, sizeof(float) * BS);
+      }
     }
-    const void* src = Offset(job.p->w, int64_t{slot} * BS * BS, job.in);
-    if (job.transpose_w) {
-      float* block = ThreadScratch().w;
-      WidenTransposed<BS>(job.in, src, block);
-      for (int i = 0; i < BS; ++i) std::memcpy(dst + i * kPanel, block + i * BS, sizeof(float) * BS);
-    } else {
-      for (int i = 0; i < BS; ++i) Widen(job.in, Offset(src, i * BS, job.in), dst + i * kPanel, BS);
+    return;
+  }
+  // Row by row of the panel, so that its rows are written in order (block 8: 32 bytes
+  // from each of 16 blocks make one row of 512).
+  for (int i = 0; i < BS; ++i) {
+    float* row = rows + i * kPanel;
+    for (int jj = 0; jj < G; ++jj) {
+      if (blocks[jj] != nullptr) {
+        Widen(job.in, Offset(blocks[jj], i * BS, job.in), row + jj * BS, BS);
+      } else {
+        std::memset(row + jj * BS, 0, sizeof(float) * BS);
+      }
     }
   }
 }

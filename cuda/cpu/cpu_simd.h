@@ -206,31 +206,33 @@ inline void Transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd)
 }
 #endif
 
-// dst[j * BS + i] = src[i * BS + j]: a float32 [BS, BS] block transposed. With AVX, in
-// 8 x 8 tiles held in registers: a scalar copy, each store to another row, ran at about
-// 3.5 cycles per element, half of the bprop kernel's time at 16 rows.
+// dst[j * ldd + i] = src[i * BS + j]: a float32 [BS, BS] block transposed, into rows
+// `ldd` floats apart (BS: a block; wider: a slice of a panel). With AVX, in 8 x 8 tiles
+// held in registers: a scalar copy, each store to another row, ran at about 3.5 cycles
+// per element, half of the bprop kernel's time at 16 rows.
 template <int BS>
-inline void TransposeBlock(const float* src, float* dst) {
+inline void TransposeBlock(const float* src, float* dst, int64_t ldd = BS) {
 #if defined(__AVX__)
   if constexpr (BS % 8 == 0) {
     for (int i = 0; i < BS; i += 8) {
-      for (int j = 0; j < BS; j += 8) Transpose8x8(src + i * BS + j, BS, dst + j * BS + i, BS);
+      for (int j = 0; j < BS; j += 8) Transpose8x8(src + i * BS + j, BS, dst + j * ldd + i, ldd);
     }
     return;
   }
 #endif
   for (int i = 0; i < BS; ++i) {
-    for (int j = 0; j < BS; ++j) dst[j * BS + i] = src[i * BS + j];
+    for (int j = 0; j < BS; ++j) dst[j * ldd + i] = src[i * BS + j];
   }
 }
 
-// dst = the [BS, BS] block src of dtype `in`, widened to float32 and transposed.
+// dst = the [BS, BS] block src of dtype `in`, widened to float32 and transposed, into rows
+// `ldd` floats apart.
 template <int BS>
-inline void WidenTransposed(DType in, const void* src, float* dst) {
-  if (in == DType::kF32) return TransposeBlock<BS>(static_cast<const float*>(src), dst);
+inline void WidenTransposed(DType in, const void* src, float* dst, int64_t ldd = BS) {
+  if (in == DType::kF32) return TransposeBlock<BS>(static_cast<const float*>(src), dst, ldd);
   alignas(64) static thread_local float wide[BS * BS];
   Widen(in, src, wide, BS * BS);
-  TransposeBlock<BS>(wide, dst);
+  TransposeBlock<BS>(wide, dst, ldd);
 }
 
 // ---------------------------------------------------------------------------------
