@@ -140,6 +140,21 @@ void PackBlock(DType in, const void* src, int64_t ld, int64_t block, int64_t row
   for (int64_t r = 0; r < rows; ++r) Widen(in, Offset(src, (row0 + r) * ld + block * BS, in), dst + r * BS, BS);
 }
 
+// Steps of k per product between loads and stores of the accumulators, where a product
+// runs longer than one block (a panel, or a run of input blocks at blocks 64 and 128).
+// 512 ran 2-3% faster than 128 at density 1 (2-core AMD EPYC; the loads and stores of a
+// 6 x 64 register tile cost about 3% of 128 steps), and no slower than the whole depth;
+// the weights' [512, 64] slice stays in L2 while the row tiles pass over it.
+constexpr int64_t kProductDepth = 512;
+
+// Rows [16 * item, 16 * item + 16) of `rows` rows of src [.., ld] from row `row0` on,
+// widened to float32 into dst [rows, ld]: a work item of a widening pass.
+inline void WidenRows(DType in, const void* src, int64_t ld, int64_t row0, int64_t rows, int64_t item, float* dst) {
+  for (int64_t r = item * 16; r < Min(rows, item * 16 + 16); ++r) {
+    Widen(in, Offset(src, (row0 + r) * ld, in), dst + r * ld, static_cast<int>(ld));
+  }
+}
+
 // ---------------------------------------------------------------------------------
 // Copies made once per call, by the items that first need them
 // ---------------------------------------------------------------------------------
@@ -275,12 +290,10 @@ void DsdItem(void* arg, int64_t item) {
         // (consecutive entries of the widened copy, or consecutive slots read in place) is
         // one product over its whole depth: the accumulators are loaded and stored once
         // per run, not per block (fprop at block 128, density 1: 0.92-0.95 of XLA's dot
-        // block by block, 0.99-1.02 in runs). At most kRunDepth steps of k, so that the
-        // weights' [kRunDepth, 64] slice stays in L2 while the row tiles pass over it.
-        constexpr int64_t kRunDepth = 512;
+        // block by block, 0.99-1.02 in runs). At most kProductDepth steps of k.
         const bool weights_in_place = job.blocks == nullptr && job.in == DType::kF32 && !job.transpose_w;
         int64_t run = 1;
-        while (e + run < end && (run + 1) * BS <= kRunDepth) {
+        while (e + run < end && (run + 1) * BS <= kProductDepth) {
           const int64_t next = SegmentSlot(p, job.nnz, e + run);
           if (next < 0 || p.in_block[next] != block + run) break;
           if (job.blocks == nullptr && !(weights_in_place && next == slot + run)) break;
@@ -384,11 +397,6 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
 
 constexpr int kPanel = 128;  // columns of a panel
 
-// Steps of k per product between loads and stores of the accumulators. 512 ran 2-3%
-// faster than 128 at density 1 (2-core AMD EPYC; the loads and stores of a 6 x 64
-// register tile cost about 3% of 128 steps), and no slower than the whole depth.
-constexpr int64_t kPanelDepth = 512;
-
 // Least fraction of a panel's multiply-adds that must fall on present blocks: below it the
 // block kernels are the faster (a missing block costs a panel as much as a present one).
 // Measured against the block kernels at densities 1, 0.75, 0.5 and 0.3: the panel's rate
@@ -436,7 +444,7 @@ void PackEntry(const PanelJob& job, int64_t e) {
   float* rows = job.panels + e * BS * kPanel;
   const void* blocks[G];  // each output block's weights, or nullptr: zeros
   for (int jj = 0; jj < G; ++jj) {
-    const int32_t slot = jj < job.group ? job.entry_slots[e * job.group + jj] : -1;
+    const int32_t slot = job.entry_slots[e * G + jj];  // job.group == G
     blocks[jj] = slot < 0 ? nullptr : Offset(job.p->w, int64_t{slot} * BS * BS, job.in);
   }
   if (job.transpose_w) {  // each block transposed straight into its columns of the panel
@@ -474,10 +482,7 @@ void PackPanel(const PanelJob& job, int64_t g) {
 // Rows of the chunk widened to float32, 16 rows an item.
 void PanelWidenItem(void* arg, int64_t item) {
   const PanelJob& job = *static_cast<const PanelJob*>(arg);
-  const int64_t fin = int64_t{job.p->nin} * job.p->bs;
-  for (int64_t r = item * 16; r < Min(job.rows, item * 16 + 16); ++r) {
-    Widen(job.in, Offset(job.p->a, (job.row0 + r) * fin, job.in), job.widened + r * fin, static_cast<int>(fin));
-  }
+  WidenRows(job.in, job.p->a, int64_t{job.p->nin} * job.p->bs, job.row0, job.rows, item, job.widened);
 }
 
 template <int BS>
@@ -499,8 +504,8 @@ void PanelItem(void* arg, int64_t item) {
     const int64_t depth = (end - e) * BS;
     const float* A = a + int64_t{job.entry_block[e]} * BS;
     const float* B = job.panels + e * BS * kPanel;
-    for (int64_t k0 = 0; k0 < depth; k0 += kPanelDepth) {
-      Gemm<kPanel>(rows, Min(kPanelDepth, depth - k0), A + k0, fin, 1, B + k0 * kPanel, kPanel, acc, kPanel);
+    for (int64_t k0 = 0; k0 < depth; k0 += kProductDepth) {
+      Gemm<kPanel>(rows, Min(kProductDepth, depth - k0), A + k0, fin, 1, B + k0 * kPanel, kPanel, acc, kPanel);
     }
     e = end;
   }
@@ -637,6 +642,12 @@ struct SddChunk {
   }
 };
 
+// Whether updat's slot s holds a block: a slot in use (below nnz) whose tables name a
+// block inside the grid. The others are zeros in dw.
+inline bool SddSlotHoldsBlock(const SddParams& p, int64_t nnz, int64_t s) {
+  return s < nnz && p.block_rows[s] >= 0 && p.block_rows[s] < p.cb && p.block_cols[s] >= 0 && p.block_cols[s] < p.kb;
+}
+
 struct SddJob : SddChunk {
   const SddParams* p;
   DType in;
@@ -663,9 +674,9 @@ template <int BS>
 void SddItem(void* arg, int64_t slot) {
   const SddJob& job = *static_cast<const SddJob*>(arg);
   const SddParams& p = *job.p;
-  const int64_t row_block = slot < job.nnz ? p.block_rows[slot] : -1;
-  const int64_t col_block = slot < job.nnz ? p.block_cols[slot] : -1;
-  const bool valid = row_block >= 0 && row_block < p.cb && col_block >= 0 && col_block < p.kb;
+  const bool valid = SddSlotHoldsBlock(p, job.nnz, slot);
+  const int64_t row_block = valid ? p.block_rows[slot] : -1;
+  const int64_t col_block = valid ? p.block_cols[slot] : -1;
   float* acc = job.accumulators ? job.accumulators + slot * BS * BS : ThreadScratch().acc;
   if (job.first) std::memset(acc, 0, sizeof(float) * BS * BS);  // padding stays zero
   if (valid) {
@@ -750,11 +761,8 @@ constexpr int64_t kSddPanelDepth = 256;
 void SddPanelWidenItem(void* arg, int64_t item) {
   const SddPanelJob& job = *static_cast<const SddPanelJob*>(arg);
   const SddParams& p = *job.p;
-  const int64_t fin = int64_t{p.cb} * p.bs, fout = int64_t{p.kb} * p.bs;
-  for (int64_t r = item * 16; r < Min(job.rows, item * 16 + 16); ++r) {
-    Widen(job.in, Offset(p.x, (job.row0 + r) * fin, job.in), job.wide_x + r * fin, static_cast<int>(fin));
-    Widen(job.in, Offset(p.dy, (job.row0 + r) * fout, job.in), job.wide_dy + r * fout, static_cast<int>(fout));
-  }
+  WidenRows(job.in, p.x, int64_t{p.cb} * p.bs, job.row0, job.rows, item, job.wide_x);
+  WidenRows(job.in, p.dy, int64_t{p.kb} * p.bs, job.row0, job.rows, item, job.wide_dy);
 }
 
 template <int BS>
@@ -809,11 +817,10 @@ bool PlanSddPanels(const SddParams& p, int64_t nnz, SddPanelJob* job) {
   int32_t* tile_ptr = tile_cell + cells;
   int32_t* tile_slots = tile_ptr + cells + 1;
   for (int64_t c = 0; c < cells; ++c) tile_of[c] = -1;
-  // A slot's cell, or -1 where its tables are out of range (it then holds no block).
+  // A slot's cell, or -1 where it holds no block.
   auto cell_of = [&](int64_t slot) -> int64_t {
-    const int32_t r = p.block_rows[slot], c = p.block_cols[slot];
-    if (r < 0 || r >= p.cb || c < 0 || c >= p.kb) return -1;
-    return int64_t{r / G} * col_panels + c / G;
+    if (!SddSlotHoldsBlock(p, nnz, slot)) return -1;
+    return int64_t{p.block_rows[slot] / G} * col_panels + p.block_cols[slot] / G;
   };
   int64_t tiles = 0, used = 0, tile_rows = 0;
   for (int64_t s = 0; s < nnz; ++s) {
@@ -889,9 +896,7 @@ bool RunSddPanels(const SddJob& sdd, const Parallel& par) {
     // every output dtype).
     const int64_t block_bytes = BS * BS * ElementBytes(job.out);
     for (int64_t s = 0; s < p.cap; ++s) {
-      const bool holds = s < sdd.nnz && p.block_rows[s] >= 0 && p.block_rows[s] < p.cb && p.block_cols[s] >= 0 &&
-                         p.block_cols[s] < p.kb;
-      if (!holds) std::memset(static_cast<char*>(p.dw) + s * block_bytes, 0, block_bytes);
+      if (!SddSlotHoldsBlock(p, sdd.nnz, s)) std::memset(static_cast<char*>(p.dw) + s * block_bytes, 0, block_bytes);
     }
     return true;
   }
