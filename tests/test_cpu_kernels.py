@@ -89,26 +89,28 @@ def test_each_vector_instruction_set_matches_the_reference(monkeypatch, isa, dty
 
 @pytest.mark.parametrize("block_size", jbs.SUPPORTED_BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16"])
-def test_dense_layouts_match_the_reference(dtype, block_size):
+@pytest.mark.parametrize("rows", [803, 37])
+def test_dense_layouts_match_the_reference(dtype, block_size, rows):
     # With AVX-512, fprop and bprop of blocks 8-32 in dense layouts run as panels of
-    # g = 128 / block_size neighbouring output blocks, each panel copied by the items that
-    # first need it; at blocks 64 and 128 float32 rows are read in place and a run of
-    # consecutive input blocks (at most 512 deep) is one product, and the weights bprop
-    # transposes (or 16-bit ones widened) are copied per output block as the items need
-    # them. Here: a partial last panel (bprop's 8g - 1 output blocks), an input block
+    # g = 128 / block_size neighbouring output blocks: float32 fprop's weights read where
+    # they lie (a missing block as zeros; at blocks 16 and 32 from 64 rows, the block
+    # kernels below that), the others' copied by the items that first need each panel. At
+    # blocks 64 and 128 float32 rows are read in place and a run of consecutive input
+    # blocks (at most 512 deep) is one product, and the weights bprop transposes (or 16-bit
+    # ones widened) are copied per output block as the items need them. Here: partial last
+    # panels (fprop's: half a panel, g / 2 output blocks; bprop's: g - 1), an input block
     # missing from a whole panel, which splits its run of input blocks (row 2 in fprop's
     # first panel, column g + 1 in bprop's), one missing block inside a panel, padding
-    # slots, and 803 rows (tail tiles; float32 fprop, whose blocks are otherwise read in
-    # place, takes the panels from about 70 / 200 / 500 rows at blocks 8 / 16 / 32).
+    # slots, and tail tiles.
     g = 128 // block_size
-    mask = np.ones((8 * g - 1, 8 * g), bool)
+    mask = np.ones((8 * g - 1, 8 * g - g // 2), bool)
     mask[2, :g] = False
     mask[:g, g + 1] = False
     mask[g + 1, 2 * g + 1] = False
     layout = jbs.Layout.from_mask(mask, block_size, capacity=int(mask.sum()) + 3)
     C, K = layout.shape
     w = rand(layout.w_shape, dtype, 0)
-    x, dy = rand((803, C), dtype, 1), rand((803, K), dtype, 2)
+    x, dy = rand((rows, C), dtype, 1), rand((rows, K), dtype, 2)
     for op in (
         lambda impl: jbs.bsmm(x, w, layout, impl=impl),
         lambda impl: jbs.bsmm(dy, w, layout, transpose=True, impl=impl),

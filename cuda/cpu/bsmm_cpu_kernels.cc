@@ -383,13 +383,19 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
 // vector a row), and each slot's product is only BS steps of k between loads and stores
 // of the accumulators: at density 1 the block kernels ran at 0.40 (block 8), 0.79 (16)
 // and 0.95 (32) of XLA's float32 dot (1024^3, 2-core AVX-512 machine). Where the layout
-// is dense enough, G = 128 / BS neighbouring output blocks form one 128-column panel:
-// their weights are copied once per call into [the panel's input blocks][BS][128] (zeros
-// for the blocks it lacks; by the items that first need the panel, CopyOnce), and each
-// item is a tile of rows times a panel, one product per run of consecutive input blocks
-// (a run's panel rows are contiguous, and so are its lhs columns: the lhs is read as
-// rows, in place when float32, else from a widened row-major copy). At density 1 that ran
-// at 0.98-1.03 of XLA's dot for blocks 8 to 32 on the AMX Xeon, 0.94-1.0 on the AMD EPYC;
+// is dense enough, G = 128 / BS neighbouring output blocks form one 128-column panel, and
+// each item is a tile of rows times a panel. The lhs is read as rows (in place when
+// float32, else from a widened row-major copy). The weights:
+//   - float32 fprop reads them where they lie (InPlacePanel): the register tile loads a
+//     row of each of its 64 / BS output blocks (zeros for those the panel lacks) and sums
+//     over all the panel's input blocks with its accumulators in registers. On the AMD
+//     EPYC at density 1: 0.98-1.03 of XLA's dot at 256 and 1024 rows, against 0.90-1.0
+//     for the copied panels below (their copy is one more pass over the weights).
+//   - the others (16-bit weights, widened; bprop's, transposed) are copied once per call
+//     into [the panel's input blocks][BS][128] (zeros for the blocks it lacks; by the
+//     items that first need the panel, CopyOnce), one product per run of consecutive input
+//     blocks (a run's panel rows are contiguous, and so are its lhs columns). At density 1
+//     that ran at 0.98-1.03 of XLA's dot on the AMX Xeon, 0.94-1.0 on the AMD EPYC.
 // 64-column panels ran 5-10% slower than 128. With AVX2's narrower tiles the panels
 // gained nothing but at block 8, so they are the AVX-512 kernels' only. Blocks of 64 and
 // 128 make the wide tile themselves, and read runs of input blocks in one product
@@ -406,17 +412,13 @@ constexpr double kPanelMinFill = BS == 8    ? 0.45
                                  : BS == 16 ? 0.8
                                             : 0.92;
 
-// Float32 fprop reads the blocks where they are; the panels copy them, a pass over the
-// weights. So there they need rows enough that the faster tile repays the copy: the time
-// saved per row is about 60% (block 8), 20% (16) and 8% (32) of a row's, and the copy,
-// made by the items as they go, costs about as much as 40 rows of the product. Measured at
-// 256, 512 and 1024 rows of a 1024^2 weight at density 1: panels were faster from 256
-// rows at block 16 (0.90-0.93 of XLA's dot against 0.82), and alike at 512 at block 32.
+// Float32 fprop's panels read in place need this many rows: with fewer, the 6-row tile's
+// tails cost more than the wider tile saves. At 16 rows of a 1024^2 weight at density 1,
+// the panels ran 0.88 (block 16) and 0.97-1.2 (32) of XLA's dot against the block kernels'
+// 0.87-1.02 and 1.19-1.3; from 64 rows they were 5-20% faster; at block 8 from 16 rows
+// (0.69-0.77 against 0.43-0.51).
 template <int BS>
-constexpr double kPanelGain = BS == 8    ? 0.6
-                              : BS == 16 ? 0.2
-                                         : 0.08;
-constexpr double kPanelCopyRows = 40;
+constexpr int64_t kInPlacePanelRows = BS == 8 ? 1 : 64;
 
 struct PanelJob {
   const DsdParams* p;
@@ -430,7 +432,7 @@ struct PanelJob {
   const int32_t* entry_slots;  // [entries * G]: the slot of (entry, output block g * G + jj), -1 for none
   int32_t* pack_claimed;       // [groups]: entries of panel g claimed for copying (atomic)
   int32_t* pack_done;          // [groups]: entries of panel g copied (atomic)
-  float* panels;               // [entries][BS][kPanel]
+  float* panels;               // [entries][BS][kPanel], or nullptr: read in place (InPlacePanel)
   const float* lhs;            // rows [row0, row0 + rows) as float32 [rows, nin * BS] (lhs row r at r - row0)
   float* widened;              // the widened copy of those rows (16-bit lhs), else nullptr
   int64_t row0, rows;
@@ -485,19 +487,89 @@ void PanelWidenItem(void* arg, int64_t item) {
   WidenRows(job.in, job.p->a, int64_t{job.p->nin} * job.p->bs, job.row0, job.rows, item, job.widened);
 }
 
+// Float32 fprop needs its weights neither widened nor transposed, so there the panel is
+// not copied: the register tile reads each output block's rows where they lie (64
+// columns of a panel are 64 / BS blocks side by side) and sums over all of the panel's
+// entries with its accumulators in registers, loaded and stored once per product. A
+// block the panel lacks reads as zeros (kZeroBlock).
+#if defined(__AVX512F__)
+alignas(64) const float kZeroBlock[32 * 32] = {};
+
+// Row k of 16 columns v * 16 ... of the blocks b side by side: one block's (BS >= 16) or
+// two blocks' (BS = 8).
 template <int BS>
-void PanelItem(void* arg, int64_t item) {
-  const PanelJob& job = *static_cast<const PanelJob*>(arg);
-  const DsdParams& p = *job.p;
-  const int64_t g = item / job.tiles;
-  const int64_t first = (item % job.tiles) * job.tile_rows;  // within the chunk
-  const int64_t rows = Min(job.tile_rows, job.rows - first);
-  if (rows <= 0) return;
-  const int64_t fin = int64_t{p.nin} * BS;
+__attribute__((always_inline)) inline V16 PanelRow(const float* const* b, int v, int k) {
+  if constexpr (BS >= 16) {
+    return *reinterpret_cast<const V16u*>(b[v * 16 / BS] + k * BS + v * 16 % BS);
+  } else {
+    const __m512d lo = _mm512_castpd256_pd512(_mm256_loadu_pd(reinterpret_cast<const double*>(b[2 * v] + k * BS)));
+    const __m256d hi = _mm256_loadu_pd(reinterpret_cast<const double*>(b[2 * v + 1] + k * BS));
+    return reinterpret_cast<V16>(_mm512_insertf64x4(lo, hi, 1));
+  }
+}
+
+// C[R][64] += sum over the entries e of panel g of A[R, block(e) * BS + k] @ row k of the
+// 64 / BS output blocks' weights from g * G + half * 64 / BS on (k < BS).
+template <int BS, int R>
+inline void InPlaceTile(const PanelJob& job, int64_t g, int half, const float* A, int64_t a_row, float* C,
+                        int64_t ldc) {
+  constexpr int G = kPanel / BS, kBlocks = 64 / BS;
+  const float* w = static_cast<const float*>(job.p->w);
+  V16 c[R][4];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) c[r][v] = *reinterpret_cast<const V16u*>(C + r * ldc + v * 16);
+  for (int64_t e = job.entry_ptr[g]; e < job.entry_ptr[g + 1]; ++e) {
+    const float* b[kBlocks];
+    const int32_t* slots = job.entry_slots + e * G + half * kBlocks;
+#pragma GCC unroll 8
+    for (int q = 0; q < kBlocks; ++q) b[q] = slots[q] < 0 ? kZeroBlock : w + int64_t{slots[q]} * BS * BS;
+    const float* a = A + int64_t{job.entry_block[e]} * BS;
+    // GCC unrolls block 8's loop whole (the fastest) and not those of 16 and 32 at 6 rows
+    // (unrolled whole they spilled the accumulators: 0.55-0.6 of XLA's dot).
+#pragma GCC unroll 8
+    for (int k = 0; k < BS; ++k) {
+      V16 bv[4];
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) bv[v] = PanelRow<BS>(b, v, k);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const V16 ar = Splat<V16, 16>(a + r * a_row + k);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) c[r][v] += ar * bv[v];
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) *reinterpret_cast<V16u*>(C + r * ldc + v * 16) = c[r][v];
+}
+
+// acc[rows, 128] += panel g's product, its weights read in place.
+template <int BS>
+void InPlacePanel(const PanelJob& job, int64_t g, int64_t rows, const float* A, int64_t a_row, float* acc) {
+  constexpr int R = TileShape<kPanel>::kRows, kBlocks = 64 / BS;
+  for (int half = 0; half < 2; ++half) {
+    if (g * job.group + half * kBlocks >= job.p->nseg) break;  // no output blocks there
+    float* C = acc + half * 64;
+    int64_t r = 0;
+    for (; r + R <= rows; r += R) InPlaceTile<BS, R>(job, g, half, A + r * a_row, a_row, C + r * kPanel, kPanel);
+    for (; r + R / 2 <= rows; r += R / 2) {
+      InPlaceTile<BS, R / 2>(job, g, half, A + r * a_row, a_row, C + r * kPanel, kPanel);
+    }
+    for (; r < rows; ++r) InPlaceTile<BS, 1>(job, g, half, A + r * a_row, a_row, C + r * kPanel, kPanel);
+  }
+}
+#else
+template <int BS>
+void InPlacePanel(const PanelJob&, int64_t, int64_t, const float*, int64_t, float*) {}
+#endif
+// acc[rows, 128] += panel g's product, from its copy (made by the items that first need it).
+template <int BS>
+void CopiedPanel(const PanelJob& job, int64_t g, int64_t rows, const float* a, int64_t fin, float* acc) {
   PackPanel<BS>(job, g);
-  float* acc = ThreadScratch().acc;
-  std::memset(acc, 0, sizeof(float) * rows * kPanel);
-  const float* a = job.lhs + first * fin;
   for (int64_t e = job.entry_ptr[g]; e < job.entry_ptr[g + 1];) {
     int64_t end = e + 1;  // the run of consecutive input blocks starting at entry e
     while (end < job.entry_ptr[g + 1] && job.entry_block[end] == job.entry_block[end - 1] + 1) ++end;
@@ -508,6 +580,24 @@ void PanelItem(void* arg, int64_t item) {
       Gemm<kPanel>(rows, Min(kProductDepth, depth - k0), A + k0, fin, 1, B + k0 * kPanel, kPanel, acc, kPanel);
     }
     e = end;
+  }
+}
+
+template <int BS>
+void PanelItem(void* arg, int64_t item) {
+  const PanelJob& job = *static_cast<const PanelJob*>(arg);
+  const DsdParams& p = *job.p;
+  const int64_t g = item / job.tiles;
+  const int64_t first = (item % job.tiles) * job.tile_rows;  // within the chunk
+  const int64_t rows = Min(job.tile_rows, job.rows - first);
+  if (rows <= 0) return;
+  const int64_t fin = int64_t{p.nin} * BS;
+  float* acc = ThreadScratch().acc;
+  std::memset(acc, 0, sizeof(float) * rows * kPanel);
+  if (job.panels == nullptr) {
+    InPlacePanel<BS>(job, g, rows, job.lhs + first * fin, fin, acc);
+  } else {
+    CopiedPanel<BS>(job, g, rows, job.lhs + first * fin, fin, acc);
   }
   const int64_t fout = int64_t{p.nseg} * BS;
   const int64_t width = (Min(p.nseg, (g + 1) * job.group) - g * job.group) * BS;
@@ -537,6 +627,10 @@ int64_t PlanPanels(const DsdParams& p, int64_t nnz, PanelJob* job) {
   int32_t* position = entry_slots + most * G;
   int32_t* pack_counters = position + p.nin;
   for (int64_t i = 0; i < 2 * groups; ++i) pack_counters[i] = 0;
+  // The fill needs used * BS >= kPanelMinFill * entries * kPanel, and used <= nnz: past
+  // this many entries it cannot be reached, and the plan stops (a sparse layout's costs
+  // a fraction of its product's time at few rows).
+  const double most_entries = static_cast<double>(nnz) * BS / (kPanelMinFill<BS> * kPanel);
   int64_t entries = 0, used = 0;
   for (int64_t g = 0; g < groups; ++g) {
     entry_ptr[g] = static_cast<int32_t>(entries);
@@ -554,7 +648,7 @@ int64_t PlanPanels(const DsdParams& p, int64_t nnz, PanelJob* job) {
       position[b] = static_cast<int32_t>(entries);
       entry_block[entries] = b;
       for (int jj = 0; jj < G; ++jj) entry_slots[entries * G + jj] = -1;
-      ++entries;
+      if (++entries > most_entries) return -1;
     }
     for (int64_t j = g * G; j < last; ++j) {
       for (int64_t e = p.seg_ptr[j]; e < p.seg_ptr[j + 1]; ++e) {
@@ -586,20 +680,24 @@ bool RunDsdPanels(const DsdJob& dsd, const Parallel& par) {
     return false;
   } else {
     const DsdParams& p = *dsd.p;
-    const bool copies_anyway = dsd.in != DType::kF32 || dsd.transpose_w;  // widened or transposed once per call
-    if (!copies_anyway && p.n * kPanelGain<BS> < kPanelCopyRows) return false;
+    const bool in_place = dsd.in == DType::kF32 && !dsd.transpose_w;  // else widened or transposed: copied
+    if (in_place && p.n < kInPlacePanelRows<BS>) return false;
     PanelJob job{};
     job.p = &p;
     job.in = dsd.in;
     job.out = dsd.out;
     job.transpose_w = dsd.transpose_w;
     const int64_t entries = PlanPanels<BS>(p, dsd.nnz, &job);
-    if (entries < 0 || entries * BS * kPanel > kPackWeightFloats) return false;
+    if (entries < 0) return false;
     const int64_t fin = int64_t{p.nin} * BS;
     const int64_t chunk = Max(1, kPackFloats / (fin + 1));
-    job.panels = CallerBuffer(1).Get(entries * BS * kPanel);
+    if (!in_place) {
+      if (entries * BS * kPanel > kPackWeightFloats) return false;
+      job.panels = CallerBuffer(1).Get(entries * BS * kPanel);
+      if (job.panels == nullptr) return false;
+    }
     if (job.in != DType::kF32) job.widened = CallerBuffer(0).Get(Min(chunk, p.n) * fin);
-    if (job.panels == nullptr || (job.in != DType::kF32 && job.widened == nullptr)) return false;
+    if (job.in != DType::kF32 && job.widened == nullptr) return false;
     constexpr int64_t kR = TileShape<kPanel>::kRows;
     for (int64_t row0 = 0; row0 < p.n; row0 += chunk) {
       job.row0 = row0;
