@@ -118,6 +118,25 @@ def test_dense_layouts_match_the_reference(dtype, block_size, rows):
         assert_close(op("kernels"), np.asarray(op("reference").astype(jnp.float32)), dtype, length=max(C, K))
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_float32_fprop_panels_over_long_inputs_match_the_reference(block_size):
+    # Float32 fprop's panels read in place pass over the input 1024 steps of k at a time
+    # (the row tiles, then the next 1024): here 1024 + 3 blocks deep, with input blocks
+    # missing from a whole panel across the step and from one output block, and two
+    # panels of output blocks (dense enough for the panels at every block size).
+    g = 128 // block_size
+    cb = 1024 // block_size + 3
+    mask = np.ones((cb, 2 * g), bool)
+    mask[cb - 4 : cb - 2, :g] = False
+    mask[5, 1] = False
+    layout = jbs.Layout.from_mask(mask, block_size)
+    C, K = layout.shape
+    w = rand(layout.w_shape, jnp.float32, 0)
+    x = rand((70, C), jnp.float32, 1)
+    want = np.asarray(jbs.bsmm(x, w, layout, impl="reference"))
+    assert_close(jbs.bsmm(x, w, layout, impl="kernels"), want, jnp.float32, length=C)
+
+
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize(
     "dtype, out_dtype, rows",

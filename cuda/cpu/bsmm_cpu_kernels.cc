@@ -494,6 +494,7 @@ void PanelWidenItem(void* arg, int64_t item) {
 // block the panel lacks reads as zeros (kZeroBlock).
 #if defined(__AVX512F__)
 alignas(64) const float kZeroBlock[32 * 32] = {};
+constexpr int64_t kInPlaceDepth = 1024;  // steps of k per pass of the row tiles (below)
 
 // Row k of 16 columns v * 16 ... of the blocks b side by side: one block's (BS >= 16) or
 // two blocks' (BS = 8).
@@ -508,11 +509,11 @@ __attribute__((always_inline)) inline V16 PanelRow(const float* const* b, int v,
   }
 }
 
-// C[R][64] += sum over the entries e of panel g of A[R, block(e) * BS + k] @ row k of the
-// 64 / BS output blocks' weights from g * G + half * 64 / BS on (k < BS).
+// C[R][64] += sum over the entries e in [e0, e1) of panel g of A[R, block(e) * BS + k] @
+// row k of the 64 / BS output blocks' weights from g * G + half * 64 / BS on (k < BS).
 template <int BS, int R>
-inline void InPlaceTile(const PanelJob& job, int64_t g, int half, const float* A, int64_t a_row, float* C,
-                        int64_t ldc) {
+inline void InPlaceTile(const PanelJob& job, int64_t g, int64_t e0, int64_t e1, int half, const float* A, int64_t a_row,
+                        float* C, int64_t ldc) {
   constexpr int G = kPanel / BS, kBlocks = 64 / BS;
   const float* w = static_cast<const float*>(job.p->w);
   V16 c[R][4];
@@ -520,7 +521,7 @@ inline void InPlaceTile(const PanelJob& job, int64_t g, int half, const float* A
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < 4; ++v) c[r][v] = *reinterpret_cast<const V16u*>(C + r * ldc + v * 16);
-  for (int64_t e = job.entry_ptr[g]; e < job.entry_ptr[g + 1]; ++e) {
+  for (int64_t e = e0; e < e1; ++e) {
     const float* b[kBlocks];
     const int32_t* slots = job.entry_slots + e * G + half * kBlocks;
 #pragma GCC unroll 8
@@ -551,15 +552,24 @@ inline void InPlaceTile(const PanelJob& job, int64_t g, int half, const float* A
 template <int BS>
 void InPlacePanel(const PanelJob& job, int64_t g, int64_t rows, const float* A, int64_t a_row, float* acc) {
   constexpr int R = TileShape<kPanel>::kRows, kBlocks = 64 / BS;
-  for (int half = 0; half < 2; ++half) {
-    if (g * job.group + half * kBlocks >= job.p->nseg) break;  // no output blocks there
-    float* C = acc + half * 64;
-    int64_t r = 0;
-    for (; r + R <= rows; r += R) InPlaceTile<BS, R>(job, g, half, A + r * a_row, a_row, C + r * kPanel, kPanel);
-    for (; r + R / 2 <= rows; r += R / 2) {
-      InPlaceTile<BS, R / 2>(job, g, half, A + r * a_row, a_row, C + r * kPanel, kPanel);
+  // kInPlaceDepth steps of k at a time, so that their weights (512 KiB) stay in L2 while
+  // the row tiles pass over them. Over the whole depth, block 8 fprop at K = 8192 ran at
+  // 0.74 of XLA's dot (0.96-0.99 so); at 512 steps, 1024 cubed lost 2-3% at block 8.
+  constexpr int64_t kEntries = kInPlaceDepth / BS;
+  for (int64_t e0 = job.entry_ptr[g]; e0 < job.entry_ptr[g + 1]; e0 += kEntries) {
+    const int64_t e1 = Min(e0 + kEntries, job.entry_ptr[g + 1]);
+    for (int half = 0; half < 2; ++half) {
+      if (g * job.group + half * kBlocks >= job.p->nseg) break;  // no output blocks there
+      float* C = acc + half * 64;
+      int64_t r = 0;
+      for (; r + R <= rows; r += R) {
+        InPlaceTile<BS, R>(job, g, e0, e1, half, A + r * a_row, a_row, C + r * kPanel, kPanel);
+      }
+      for (; r + R / 2 <= rows; r += R / 2) {
+        InPlaceTile<BS, R / 2>(job, g, e0, e1, half, A + r * a_row, a_row, C + r * kPanel, kPanel);
+      }
+      for (; r < rows; ++r) InPlaceTile<BS, 1>(job, g, e0, e1, half, A + r * a_row, a_row, C + r * kPanel, kPanel);
     }
-    for (; r < rows; ++r) InPlaceTile<BS, 1>(job, g, half, A + r * a_row, a_row, C + r * kPanel, kPanel);
   }
 }
 #else
