@@ -15,8 +15,9 @@
 //     blocks 64 and 128, a run of consecutive input blocks then one product; else from a
 //     block-major widened copy) and W_s = w[s] (or w[s]^T, transposed once per call).
 //     With AVX-512, blocks of 8 to 32 in a dense enough layout run as column panels
-//     instead: one item = 128 / bs output blocks x one tile of rows, their weights
-//     copied into one panel (RunDsdPanels).
+//     instead: one item = 128 / bs output blocks x one tile of rows, their weights read
+//     where they lie (float32 fprop, InPlacePanel) or copied into one panel (the others,
+//     widened or transposed; RunDsdPanels).
 //   updat, one work item = one slot s (with AVX-512, blocks of 8 and 16 in a dense enough
 //   layout run as 128 x 128 tiles of dW instead, RunSddPanels):
 //     dw[s][bs, bs] = sum over tiles of rows of X_s[rows, bs]^T @ DY_s[rows, bs]
