@@ -884,10 +884,18 @@ void SddPanelItem(void* arg, int64_t t) {
   const int64_t width = Min(int64_t{kPanel}, fin - P * kPanel);  // the tile's rows (the last row panel may be partial)
   float* acc = ThreadScratch().acc;                              // [kPanel, kPanel]
   std::memset(acc, 0, sizeof(float) * width * kPanel);
+  // A = X[:, P]^T: element (r, k) at x[k, P * 128 + r], its rows of x copied into `a`
+  // [depth][128] for each product. Read in place, one line from each of 256 rows a row
+  // of x apart, they left the caches between the register tiles that share them: at
+  // C = K = 4096 (1024 rows, density 1) the tiles ran at 0.81-0.87 of XLA's x.T @ dy,
+  // copied at 0.95-0.98 (1024 cubed alike). B = DY[:, Q], row-major, read in place.
+  static thread_local float a[kSddPanelDepth * kPanel] __attribute__((aligned(64)));
   for (int64_t k0 = 0; k0 < job.rows; k0 += kSddPanelDepth) {
-    // A = X[:, P]^T: element (r, k) at x[k, P * 128 + r]; B = DY[:, Q] row-major.
-    Gemm<kPanel>(width, Min(kSddPanelDepth, job.rows - k0), job.x + k0 * fin + P * kPanel, 1, fin,
-                 job.dy + k0 * fout + Q * kPanel, fout, acc, kPanel);
+    const int64_t depth = Min(kSddPanelDepth, job.rows - k0);
+    for (int64_t k = 0; k < depth; ++k) {
+      std::memcpy(a + k * kPanel, job.x + (k0 + k) * fin + P * kPanel, sizeof(float) * width);
+    }
+    Gemm<kPanel>(width, depth, a, 1, kPanel, job.dy + k0 * fout + Q * kPanel, fout, acc, kPanel);
   }
   for (int32_t e = job.tile_ptr[t]; e < job.tile_ptr[t + 1]; ++e) {
     const int64_t slot = job.tile_slots[e];
