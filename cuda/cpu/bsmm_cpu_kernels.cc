@@ -836,7 +836,8 @@ bool RunSddBlock(SddJob& job, const Parallel& par) {
 // panel Q) of G = 128 / BS block rows and columns: the whole tile X[:, P]^T @ DY[:, Q] in
 // one product (the present blocks and the missing ones alike), then each present block
 // copied out of it into its slot. x and dy are read as rows: in place when float32,
-// else from widened row-major copies of a chunk of rows.
+// else from widened row-major copies of a chunk of rows; each product copies its slice
+// of x (SddPanelItem).
 
 struct SddPanelJob : SddChunk {
   const SddParams* p;
