@@ -404,6 +404,14 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
 
 constexpr int kPanel = 128;  // columns of a panel
 
+// Copied panels are held a few at a time (at least kPanelRing), each copy
+// reused by a later panel once the items reading it are done, rather than all at once:
+// the copies then stay in the caches, and a 4096^2 weight's take 8 MB, not 64. bprop at
+// density 1 (1024 rows), of XLA's dot, all at once against a ring of 4, six runs each in
+// turn on the 2-core AMD EPYC: W 4096^2 0.59-1.03 against 0.83-1.01 (the whole copy leaves
+// the caches), W 1024^2 alike (0.92-1.03 against 0.98-1.10).
+constexpr int64_t kPanelRing = 4;
+
 // Least fraction of a panel's multiply-adds that must fall on present blocks: below it the
 // block kernels are the faster (a missing block costs a panel as much as a present one).
 // Measured against the block kernels at densities 1, 0.75, 0.5 and 0.3: the panel's rate
@@ -433,7 +441,10 @@ struct PanelJob {
   const int32_t* entry_slots;  // [entries * G]: the slot of (entry, output block g * G + jj), -1 for none
   int32_t* pack_claimed;       // [groups]: entries of panel g claimed for copying (atomic)
   int32_t* pack_done;          // [groups]: entries of panel g copied (atomic)
-  float* panels;               // [entries][BS][kPanel], or nullptr: read in place (InPlacePanel)
+  int32_t* finished;           // [groups]: items of panel g done (atomic)
+  float* panels;               // [ring][copy_floats]: the copies (PanelCopy), or nullptr: read in place
+  int64_t ring;                // copies held at once (kPanelRing)
+  int64_t copy_floats;         // floats per copy: the most entries of a panel * BS * kPanel
   const float* lhs;            // rows [row0, row0 + rows) as float32 [rows, nin * BS] (lhs row r at r - row0)
   float* widened;              // the widened copy of those rows (16-bit lhs), else nullptr
   int64_t row0, rows;
@@ -442,9 +453,8 @@ struct PanelJob {
 
 // Entry e's BS rows of its panel: each output block's weights (transposed for bprop), or zeros.
 template <int BS>
-void PackEntry(const PanelJob& job, int64_t e) {
+void PackEntry(const PanelJob& job, int64_t e, float* rows) {
   constexpr int G = kPanel / BS;
-  float* rows = job.panels + e * BS * kPanel;
   const void* blocks[G];  // each output block's weights, or nullptr: zeros
   for (int jj = 0; jj < G; ++jj) {
     const int32_t slot = job.entry_slots[e * G + jj];  // job.group == G
@@ -474,12 +484,22 @@ void PackEntry(const PanelJob& job, int64_t e) {
   }
 }
 
-// Panel g, copied by the items that first need it.
+// Where panel g's copy lies: [its entries][BS][kPanel].
+inline float* PanelCopy(const PanelJob& job, int64_t g) { return job.panels + (g % job.ring) * job.copy_floats; }
+
+// Panel g, copied by the items that first need it, once the items of the panel whose copy
+// it replaces (g - ring) are done: those were all claimed before this item (items are
+// claimed in order) and wait only on earlier panels, so this cannot deadlock.
 template <int BS>
 void PackPanel(const PanelJob& job, int64_t g) {
+  if (g >= job.ring) {
+    const int32_t* done = job.finished + (g - job.ring);
+    for (int64_t spins = 0; __atomic_load_n(done, __ATOMIC_ACQUIRE) < job.tiles; ++spins) SpinPause(spins);
+  }
   const int32_t first = job.entry_ptr[g];
+  float* copy = PanelCopy(job, g);
   CopyOnce(job.pack_claimed + g, job.pack_done + g, job.entry_ptr[g + 1] - first, 4,  // 8 KiB an entry at float32
-           [&](int32_t i) { PackEntry<BS>(job, first + i); });
+           [&](int32_t i) { PackEntry<BS>(job, first + i, copy + int64_t{i} * BS * kPanel); });
 }
 
 // Rows of the chunk widened to float32, 16 rows an item.
@@ -586,7 +606,7 @@ void CopiedPanel(const PanelJob& job, int64_t g, int64_t rows, const float* a, i
     while (end < job.entry_ptr[g + 1] && job.entry_block[end] == job.entry_block[end - 1] + 1) ++end;
     const int64_t depth = (end - e) * BS;
     const float* A = a + int64_t{job.entry_block[e]} * BS;
-    const float* B = job.panels + e * BS * kPanel;
+    const float* B = PanelCopy(job, g) + (e - job.entry_ptr[g]) * BS * kPanel;
     for (int64_t k0 = 0; k0 < depth; k0 += kProductDepth) {
       Gemm<kPanel>(rows, Min(kProductDepth, depth - k0), A + k0, fin, 1, B + k0 * kPanel, kPanel, acc, kPanel);
     }
@@ -601,14 +621,14 @@ void PanelItem(void* arg, int64_t item) {
   const int64_t g = item / job.tiles;
   const int64_t first = (item % job.tiles) * job.tile_rows;  // within the chunk
   const int64_t rows = Min(job.tile_rows, job.rows - first);
-  if (rows <= 0) return;
   const int64_t fin = int64_t{p.nin} * BS;
   float* acc = ThreadScratch().acc;
-  std::memset(acc, 0, sizeof(float) * rows * kPanel);
+  if (rows > 0) std::memset(acc, 0, sizeof(float) * rows * kPanel);
   if (job.panels == nullptr) {
-    InPlacePanel<BS>(job, g, rows, job.lhs + first * fin, fin, acc);
+    if (rows > 0) InPlacePanel<BS>(job, g, rows, job.lhs + first * fin, fin, acc);
   } else {
-    CopiedPanel<BS>(job, g, rows, job.lhs + first * fin, fin, acc);
+    if (rows > 0) CopiedPanel<BS>(job, g, rows, job.lhs + first * fin, fin, acc);
+    __atomic_fetch_add(job.finished + g, 1, __ATOMIC_RELEASE);  // done with the copy
   }
   const int64_t fout = int64_t{p.nseg} * BS;
   const int64_t width = (Min(p.nseg, (g + 1) * job.group) - g * job.group) * BS;
@@ -629,7 +649,7 @@ int64_t PlanPanels(const DsdParams& p, int64_t nnz, PanelJob* job) {
   const int64_t most = groups * p.nin;  // entries at most
   // int32 tables in one caller buffer: entry_ptr, entry_block, entry_slots, the per-panel
   // position of each input block, and the copies' two counters per panel.
-  const int64_t ints = (groups + 1) + most + most * G + p.nin + 2 * groups;
+  const int64_t ints = (groups + 1) + most + most * G + p.nin + 3 * groups;
   auto* base = reinterpret_cast<int32_t*>(CallerBuffer(3).Get(ints));
   if (base == nullptr) return -1;
   int32_t* entry_ptr = base;
@@ -637,7 +657,7 @@ int64_t PlanPanels(const DsdParams& p, int64_t nnz, PanelJob* job) {
   int32_t* entry_slots = entry_block + most;
   int32_t* position = entry_slots + most * G;
   int32_t* pack_counters = position + p.nin;
-  for (int64_t i = 0; i < 2 * groups; ++i) pack_counters[i] = 0;
+  for (int64_t i = 0; i < 3 * groups; ++i) pack_counters[i] = 0;
   // The fill needs used * BS >= kPanelMinFill * entries * kPanel, and used <= nnz: past
   // this many entries it cannot be reached, and the plan stops (a sparse layout's costs
   // a fraction of its product's time at few rows).
@@ -681,6 +701,7 @@ int64_t PlanPanels(const DsdParams& p, int64_t nnz, PanelJob* job) {
   job->entry_slots = entry_slots;
   job->pack_claimed = pack_counters;
   job->pack_done = pack_counters + groups;
+  job->finished = pack_counters + 2 * groups;
   return entries;
 }
 
@@ -702,28 +723,41 @@ bool RunDsdPanels(const DsdJob& dsd, const Parallel& par) {
     if (entries < 0) return false;
     const int64_t fin = int64_t{p.nin} * BS;
     const int64_t chunk = Max(1, kPackFloats / (fin + 1));
+    // Tiles of whole register tiles, at most 60 rows (the accumulators stay in L1), and
+    // enough items for 4 per worker.
+    constexpr int64_t kR = TileShape<kPanel>::kRows;
+    const auto set_tiles = [&](int64_t rows) {
+      const int64_t tiles = Max(CeilDiv(rows, 10 * kR), CeilDiv(4 * par.workers, job.groups));
+      job.tile_rows = CeilDiv(CeilDiv(rows, tiles), kR) * kR;
+      job.tiles = CeilDiv(rows, job.tile_rows);
+    };
     if (!in_place) {
-      if (entries * BS * kPanel > kPackWeightFloats) return false;
-      job.panels = CallerBuffer(1).Get(entries * BS * kPanel);
+      int64_t longest = 0;  // entries of the longest panel
+      for (int64_t g = 0; g < job.groups; ++g) longest = Max(longest, job.entry_ptr[g + 1] - job.entry_ptr[g]);
+      // Room for the panels the workers are on at once (a panel's items are neighbours),
+      // and two more.
+      set_tiles(Min(chunk, p.n));
+      job.ring = Min(job.groups, Max(kPanelRing, 2 + CeilDiv(par.workers, job.tiles)));
+      job.copy_floats = longest * BS * kPanel;
+      if (job.ring * job.copy_floats > kPackWeightFloats) return false;
+      job.panels = CallerBuffer(1).Get(job.ring * job.copy_floats);
       if (job.panels == nullptr) return false;
     }
     if (job.in != DType::kF32) job.widened = CallerBuffer(0).Get(Min(chunk, p.n) * fin);
     if (job.in != DType::kF32 && job.widened == nullptr) return false;
-    constexpr int64_t kR = TileShape<kPanel>::kRows;
     for (int64_t row0 = 0; row0 < p.n; row0 += chunk) {
       job.row0 = row0;
       job.rows = Min(chunk, p.n - row0);
+      if (row0 > 0) {  // the copies are made again for each chunk of rows (all of them held: kept)
+        for (int64_t i = job.ring < job.groups ? 0 : 2 * job.groups; i < 3 * job.groups; ++i) job.pack_claimed[i] = 0;
+      }
       if (job.widened != nullptr) {
         par.for_each(par.ctx, CeilDiv(job.rows, 16), &PanelWidenItem, &job);
         job.lhs = job.widened;
       } else {
         job.lhs = static_cast<const float*>(p.a) + row0 * fin;
       }
-      // Tiles of whole register tiles, at most 60 rows (the accumulators stay in L1),
-      // and enough items for 4 per worker.
-      const int64_t tiles = Max(CeilDiv(job.rows, 10 * kR), CeilDiv(4 * par.workers, job.groups));
-      job.tile_rows = CeilDiv(CeilDiv(job.rows, tiles), kR) * kR;
-      job.tiles = CeilDiv(job.rows, job.tile_rows);
+      set_tiles(job.rows);
       par.for_each(par.ctx, job.groups * job.tiles, &PanelItem<BS>, &job);
     }
     return true;
@@ -867,6 +901,12 @@ constexpr double kSddPanelMinFill = BS == 8 ? 0.45 : 0.93;
 // [256, 64] slice and A's 256 rows then stay in L2 with room to spare.
 constexpr int64_t kSddPanelDepth = 256;
 
+// Per worker thread: one tile product's slice of x, [kSddPanelDepth][kPanel] (SddPanelItem).
+float* ThreadSliceBuffer() {
+  static thread_local float slice[kSddPanelDepth * kPanel] __attribute__((aligned(64)));
+  return slice;
+}
+
 // Rows of the chunk of x and dy widened to float32, 16 rows an item.
 void SddPanelWidenItem(void* arg, int64_t item) {
   const SddPanelJob& job = *static_cast<const SddPanelJob*>(arg);
@@ -889,8 +929,8 @@ void SddPanelItem(void* arg, int64_t t) {
   // [depth][128] for each product. Read in place, one line from each of 256 rows a row
   // of x apart, they left the caches between the register tiles that share them: at
   // C = K = 4096 (1024 rows, density 1) the tiles ran at 0.81-0.87 of XLA's x.T @ dy,
-  // copied at 0.95-0.98 (1024 cubed alike). B = DY[:, Q], row-major, read in place.
-  static thread_local float a[kSddPanelDepth * kPanel] __attribute__((aligned(64)));
+  // copied at 0.95-1.0 (1024 cubed alike). B = DY[:, Q], row-major, read in place.
+  float* a = ThreadSliceBuffer();
   for (int64_t k0 = 0; k0 < job.rows; k0 += kSddPanelDepth) {
     const int64_t depth = Min(kSddPanelDepth, job.rows - k0);
     for (int64_t k = 0; k < depth; ++k) {
