@@ -301,21 +301,21 @@ def test_long_inputs_run_in_chunks_of_rows(dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16"])
 def test_copied_panels_over_chunks_of_rows(dtype):
     # The copied panels (bprop's transposed weights; 16-bit fprop's widened ones) are held a
-    # few at a time, each reused by a later panel, and made again for each chunk of rows
-    # (16M floats of lhs a chunk: 4200 rows of 4096 are two). Six panels of output blocks
-    # (block 16), a missing block, 4096 deep: fprop of W [4096, 768] and bprop of W^T's
-    # shape [768, 4096].
-    bs, n = 16, 4200
-    mask = np.ones((256, 48), bool)
+    # few at a time (four on a 2-core machine), each reused by a later panel, and made again
+    # for each chunk of rows (4M floats of lhs a chunk: 1023 rows of 4096, so 4200 rows are
+    # five). Six panels of output blocks (block 16), a missing block, 4096 deep: fprop of
+    # W [4096, 768] and bprop of W^T's shape [768, 4096].
+    bs, n, depth = 16, 4200, 4096
+    mask = np.ones((depth // bs, 48), bool)
     mask[7, 40] = False
-    for op, mask_, lhs_features in (("fprop", mask, 4096), ("bprop", mask.T, 4096)):
+    for op, mask_ in (("fprop", mask), ("bprop", mask.T)):
         layout = jbs.Layout.from_mask(mask_, bs)
         w = rand(layout.w_shape, dtype, 0)
-        lhs = rand((n, lhs_features), dtype, 1)
+        lhs = rand((n, depth), dtype, 1)
         got = jbs.bsmm(lhs, w, layout, transpose=op == "bprop", impl="kernels")
         W = np.asarray(jbs.to_dense(w, layout), np.float32)
         want = np.asarray(lhs, np.float32) @ (W.T if op == "bprop" else W)
-        assert_close(got, want, dtype, length=lhs_features)
+        assert_close(got, want, dtype, length=depth)
 
 
 def test_results_of_many_megabytes():

@@ -623,13 +623,16 @@ void PanelItem(void* arg, int64_t item) {
   const int64_t rows = Min(job.tile_rows, job.rows - first);
   const int64_t fin = int64_t{p.nin} * BS;
   float* acc = ThreadScratch().acc;
-  if (rows > 0) std::memset(acc, 0, sizeof(float) * rows * kPanel);
-  if (job.panels == nullptr) {
-    if (rows > 0) InPlacePanel<BS>(job, g, rows, job.lhs + first * fin, fin, acc);
-  } else {
-    if (rows > 0) CopiedPanel<BS>(job, g, rows, job.lhs + first * fin, fin, acc);
-    __atomic_fetch_add(job.finished + g, 1, __ATOMIC_RELEASE);  // done with the copy
+  if (rows > 0) {
+    std::memset(acc, 0, sizeof(float) * rows * kPanel);
+    if (job.panels == nullptr) {
+      InPlacePanel<BS>(job, g, rows, job.lhs + first * fin, fin, acc);
+    } else {
+      CopiedPanel<BS>(job, g, rows, job.lhs + first * fin, fin, acc);
+    }
   }
+  // Done with the copy (counted whatever its rows: a later panel waits on every item).
+  if (job.panels != nullptr) __atomic_fetch_add(job.finished + g, 1, __ATOMIC_RELEASE);
   const int64_t fout = int64_t{p.nseg} * BS;
   const int64_t width = (Min(p.nseg, (g + 1) * job.group) - g * job.group) * BS;
   for (int64_t r = 0; r < rows; ++r) {
@@ -648,7 +651,8 @@ int64_t PlanPanels(const DsdParams& p, int64_t nnz, PanelJob* job) {
   const int64_t groups = CeilDiv(p.nseg, G);
   const int64_t most = groups * p.nin;  // entries at most
   // int32 tables in one caller buffer: entry_ptr, entry_block, entry_slots, the per-panel
-  // position of each input block, and the copies' two counters per panel.
+  // position of each input block, and three counters per panel (the copy's two, its
+  // items done).
   const int64_t ints = (groups + 1) + most + most * G + p.nin + 3 * groups;
   auto* base = reinterpret_cast<int32_t*>(CallerBuffer(3).Get(ints));
   if (base == nullptr) return -1;
@@ -748,8 +752,8 @@ bool RunDsdPanels(const DsdJob& dsd, const Parallel& par) {
     for (int64_t row0 = 0; row0 < p.n; row0 += chunk) {
       job.row0 = row0;
       job.rows = Min(chunk, p.n - row0);
-      if (row0 > 0) {  // the copies are made again for each chunk of rows (all of them held: kept)
-        for (int64_t i = job.ring < job.groups ? 0 : 2 * job.groups; i < 3 * job.groups; ++i) job.pack_claimed[i] = 0;
+      if (row0 > 0 && job.panels != nullptr && job.ring < job.groups) {  // copies replaced: made again
+        for (int64_t i = 0; i < 3 * job.groups; ++i) job.pack_claimed[i] = 0;
       }
       if (job.widened != nullptr) {
         par.for_each(par.ctx, CeilDiv(job.rows, 16), &PanelWidenItem, &job);
