@@ -96,7 +96,7 @@ def test_dense_layouts_match_the_reference(dtype, block_size, rows):
     # they lie (a missing block as zeros; at blocks 16 and 32 from 64 rows, the block
     # kernels below that), the others' copied by the items that first need each panel. At
     # blocks 64 and 128 float32 rows are read in place and a run of consecutive input
-    # blocks (at most 512 deep) is one product, and the weights bprop transposes (or 16-bit
+    # blocks (at most 1024 deep) is one product, and the weights bprop transposes (or 16-bit
     # ones widened) are copied per output block as the items need them. Here: partial last
     # panels (fprop's: half a panel, g / 2 output blocks; bprop's: g - 1), an input block
     # missing from a whole panel, which splits its run of input blocks (row 2 in fprop's
@@ -316,6 +316,32 @@ def test_copied_panels_over_chunks_of_rows(dtype):
         W = np.asarray(jbs.to_dense(w, layout), np.float32)
         want = np.asarray(lhs, np.float32) @ (W.T if op == "bprop" else W)
         assert_close(got, want, dtype, length=depth)
+
+
+@pytest.mark.parametrize("block_size", jbs.SUPPORTED_BLOCK_SIZES)
+def test_float32_outputs_summed_in_place_overwrite_the_buffer(block_size):
+    # Where an item's products are one product over the whole depth, float32 outputs are
+    # summed where they lie, from zero, with no copy: an output block (or a whole panel of
+    # them, at blocks 8 to 32) that reads no block must still be written, with zeros. Each
+    # product runs right after one of the same shape whose result was freed, so that its
+    # output most likely lands on that buffer, nonzero throughout.
+    g = max(1, 128 // block_size)
+    cb, kb = 512 // block_size, 3 * g
+    full = jbs.Layout.from_mask(np.ones((cb, kb), bool), block_size)
+    mask = np.ones((cb, kb), bool)
+    mask[:, g : 2 * g] = False  # fprop: the second panel (or output block) reads nothing
+    mask[3, 0] = False  # a gap in the first output block's run of input blocks
+    for op, layout_mask in (("fprop", mask), ("bprop", mask.T)):
+        layout = jbs.Layout.from_mask(layout_mask, block_size)
+        full_ = full if op == "fprop" else jbs.Layout.from_mask(np.ones((kb, cb), bool), block_size)
+        w, w_full = rand(layout.w_shape, jnp.float32, 0), rand(full_.w_shape, jnp.float32, 3)
+        lhs = rand((70, layout.shape[1] if op == "bprop" else layout.shape[0]), jnp.float32, 1)
+        W = np.asarray(jbs.to_dense(w, layout))
+        want = np.asarray(lhs) @ (W.T if op == "bprop" else W)
+        f = jax.jit(lambda a, w, lay: jbs.bsmm(a, w, lay, transpose=op == "bprop", impl="kernels"))
+        for _ in range(3):
+            f(lhs, w_full, full_).block_until_ready()  # freed at once: its buffer is free again
+            assert_close(f(lhs, w, layout), want, jnp.float32, length=512)
 
 
 def test_results_of_many_megabytes():

@@ -45,14 +45,14 @@ namespace {
 // C[r * ldc + j] += sum_k A[r * a_row + k * a_k] * B[k * ldb + j] for r < R, j < NV * L.
 template <int L, int NV, int R>
 inline void Tile(int64_t K, const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb, float* C,
-                 int64_t ldc) {
+                 int64_t ldc, bool zero = false) {
   typedef typename VecOf<L>::type V;
   typedef typename VecOf<L>::unaligned U;
   V c[R][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) c[r][v] = *reinterpret_cast<const U*>(C + r * ldc + v * L);
+    for (int v = 0; v < NV; ++v) c[r][v] = zero ? V{} : *reinterpret_cast<const U*>(C + r * ldc + v * L);
   for (int64_t k = 0; k < K; ++k) {
     V b[NV];
 #pragma GCC unroll 8
@@ -87,12 +87,14 @@ struct TileShape {
 // Rows [0, rows) of a column panel with tiles of fewer than R rows: R / 2, then one by one.
 template <int L, int NV, int R>
 inline void TailRows(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb,
-                     float* C, int64_t ldc) {
+                     float* C, int64_t ldc, bool zero = false) {
   int64_t r = 0;
   if (R >= 4) {
-    for (; r + R / 2 <= rows; r += R / 2) Tile<L, NV, R / 2>(K, A + r * a_row, a_row, a_k, B, ldb, C + r * ldc, ldc);
+    for (; r + R / 2 <= rows; r += R / 2) {
+      Tile<L, NV, R / 2>(K, A + r * a_row, a_row, a_k, B, ldb, C + r * ldc, ldc, zero);
+    }
   }
-  for (; r < rows; ++r) Tile<L, NV, 1>(K, A + r * a_row, a_row, a_k, B, ldb, C + r * ldc, ldc);
+  for (; r < rows; ++r) Tile<L, NV, 1>(K, A + r * a_row, a_row, a_k, B, ldb, C + r * ldc, ldc, zero);
 }
 
 // C[rows, BS] += A[rows, K] @ B[K, BS] (A with strides a_row, a_k; B and C row-major).
@@ -100,14 +102,14 @@ inline void TailRows(int64_t rows, int64_t K, const float* A, int64_t a_row, int
 // line, with the strides unknown, block 16 ran 2x slower).
 template <int BS>
 __attribute__((always_inline)) inline void Gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_k,
-                                                const float* B, int64_t ldb, float* C, int64_t ldc) {
+                                                const float* B, int64_t ldb, float* C, int64_t ldc, bool zero = false) {
   constexpr int L = TileShape<BS>::kLanes, NV = TileShape<BS>::kVectors, R = TileShape<BS>::kRows;
   const int64_t full = rows - rows % R;  // rows in whole tiles; the rest in smaller ones
   for (int j = 0; j < BS; j += NV * L) {
     for (int64_t r = 0; r < full; r += R) {
-      Tile<L, NV, R>(K, A + r * a_row, a_row, a_k, B + j, ldb, C + r * ldc + j, ldc);
+      Tile<L, NV, R>(K, A + r * a_row, a_row, a_k, B + j, ldb, C + r * ldc + j, ldc, zero);
     }
-    TailRows<L, NV, R>(rows - full, K, A + full * a_row, a_row, a_k, B + j, ldb, C + full * ldc + j, ldc);
+    TailRows<L, NV, R>(rows - full, K, A + full * a_row, a_row, a_k, B + j, ldb, C + full * ldc + j, ldc, zero);
   }
 }
 
@@ -144,9 +146,20 @@ void PackBlock(DType in, const void* src, int64_t ld, int64_t block, int64_t row
 // Steps of k per product between loads and stores of the accumulators, where a product
 // runs longer than one block (a panel, or a run of input blocks at blocks 64 and 128).
 // 512 ran 2-3% faster than 128 at density 1 (2-core AMD EPYC; the loads and stores of a
-// 6 x 64 register tile cost about 3% of 128 steps), and no slower than the whole depth;
-// the weights' [512, 64] slice stays in L2 while the row tiles pass over it.
-constexpr int64_t kProductDepth = 512;
+// 6 x 64 register tile cost about 3% of 128 steps), and 1024 as fast as 512; the weights'
+// [1024, 64] slice (256 KiB) stays in L2 while the row tiles pass over it. Where one
+// product covers an item's whole depth, float32 outputs are summed where they lie (see
+// SumsInPlace): that needs 1024 steps at the 1024-wide inputs of the benchmarks.
+constexpr int64_t kProductDepth = 1024;
+
+// Whether an item sums its float32 [rows, width] outputs where they lie (rows ld apart)
+// rather than in the thread's scratch, then copied: where its products are one product
+// over the whole depth (`depth` steps of k), whose register tiles start from zero and
+// store their sums once. The copy was 3-4% of fprop's time at density 1 (1024^3, float32,
+// 2-core AMD EPYC); summed in place, fprop and bprop ran 2-5% faster at blocks 16 to 128,
+// 8-10% at 512 rows. Where products add up (a longer depth), the accumulators load and
+// store their rows a whole output row apart, and it was no faster.
+inline bool SumsInPlace(DType out, int64_t depth) { return out == DType::kF32 && depth <= kProductDepth; }
 
 // Rows [16 * item, 16 * item + 16) of `rows` rows of src [.., ld] from row `row0` on,
 // widened to float32 into dst [rows, ld]: a work item of a widening pass.
@@ -197,6 +210,18 @@ inline void CopyOnce(int32_t* claimed, int32_t* done, int32_t count, int32_t cla
 // input block read once, contiguous afterwards; skipped where ReadsLhsInPlace), (2) the
 // items run: output block order[i / tiles] x row tile i % tiles, summing its slots'
 // products in registers.
+
+// Asks for weight block `slot` (of dtype `in`) to be brought into L2, ahead of a copy that
+// will read it. A call reads the weights once, most often from memory, and each block of up
+// to 32^2 floats lies in a 4 KiB page of its own, where the hardware prefetchers stop:
+// the transposed panel copy of a 1024^2 float32 weight from memory ran at 1.2 cycles a
+// float (0.3 from cache); fetching the next entry's blocks while copying one gave bprop at
+// density 1 2-3% (blocks 8 to 32) and 1-2% (64, 128).
+template <int BS>
+inline void PrefetchBlock(const void* w, int64_t slot, DType in) {
+  const char* block = static_cast<const char*>(Offset(w, slot * BS * BS, in));
+  for (int64_t i = 0; i < BS * BS * ElementBytes(in); i += 64) __builtin_prefetch(block + i, 0, 2);
+}
 
 struct DsdJob {
   const DsdParams* p;
@@ -253,6 +278,8 @@ inline int64_t SegmentSlot(const DsdParams& p, int64_t nnz, int64_t e) {
 // Entry e's W(s) widened (transposed) into the blocks.
 template <int BS>
 void CopyEntry(const DsdJob& job, int64_t e) {
+  const int64_t next = SegmentSlot(*job.p, job.nnz, e + 1);
+  if (next >= 0) PrefetchBlock<BS>(job.p->w, next, job.in);  // while this one is copied
   const int64_t slot = SegmentSlot(*job.p, job.nnz, e);
   if (slot >= 0) LoadBlock<BS>(job, slot, job.blocks + e * BS * BS);
 }
@@ -279,7 +306,12 @@ void DsdItem(void* arg, int64_t item) {
              [&](int32_t i) { CopyEntry<BS>(job, begin + i); });
   }
   Scratch& s = ThreadScratch();
-  std::memset(s.acc, 0, sizeof(float) * rows * BS);
+  const int64_t fout = int64_t{p.nseg} * BS;
+  // In place where the segment is one run (at most a few, where it has gaps).
+  const bool in_place = job.packed == nullptr && SumsInPlace(job.out, (end - begin) * BS);
+  float* C = in_place ? static_cast<float*>(p.out) + (job.row0 + first) * fout + seg * BS : s.acc;
+  const int64_t ldc = in_place ? fout : BS;
+  bool zero = true;  // the first product sets C
   for (int64_t e = begin; e < end; ++e) {
     const int64_t slot = SegmentSlot(p, job.nnz, e);
     if (slot < 0) continue;
@@ -302,14 +334,19 @@ void DsdItem(void* arg, int64_t item) {
         }
         const int64_t fin = int64_t{p.nin} * BS;
         const float* a = static_cast<const float*>(p.a) + (job.row0 + first) * fin + block * BS;
-        Gemm<BS>(rows, run * BS, a, fin, 1, w, BS, s.acc, BS);
+        Gemm<BS>(rows, run * BS, a, fin, 1, w, BS, C, ldc, zero);
+        zero = false;
         e += run - 1;
         continue;
       }
     }
-    Gemm<BS>(rows, BS, job.packed + (block * job.rows + first) * BS, BS, 1, w, BS, s.acc, BS);
+    Gemm<BS>(rows, BS, job.packed + (block * job.rows + first) * BS, BS, 1, w, BS, C, ldc, zero);
+    zero = false;
   }
-  const int64_t fout = int64_t{p.nseg} * BS;
+  if (zero) {  // no products: zeros
+    for (int64_t r = 0; r < rows; ++r) std::memset(C + r * ldc, 0, sizeof(float) * BS);
+  }
+  if (in_place) return;
   for (int64_t r = 0; r < rows; ++r) {
     Narrow(s.acc + r * BS, job.out, Offset(p.out, (job.row0 + first + r) * fout + seg * BS, job.out), BS);
   }
@@ -460,6 +497,12 @@ void PackEntry(const PanelJob& job, int64_t e, float* rows) {
     const int32_t slot = job.entry_slots[e * G + jj];  // job.group == G
     blocks[jj] = slot < 0 ? nullptr : Offset(job.p->w, int64_t{slot} * BS * BS, job.in);
   }
+  if (e + 1 < job.entry_ptr[job.groups]) {  // the next entry's blocks, while this one's are copied
+    for (int jj = 0; jj < G; ++jj) {
+      const int32_t slot = job.entry_slots[(e + 1) * G + jj];
+      if (slot >= 0) PrefetchBlock<BS>(job.p->w, slot, job.in);
+    }
+  }
   if (job.transpose_w) {  // each block transposed straight into its columns of the panel
     for (int jj = 0; jj < G; ++jj) {
       if (blocks[jj] != nullptr) {
@@ -515,7 +558,6 @@ void PanelWidenItem(void* arg, int64_t item) {
 // block the panel lacks reads as zeros (kZeroBlock).
 #if defined(__AVX512F__)
 alignas(64) const float kZeroBlock[32 * 32] = {};
-constexpr int64_t kInPlaceDepth = 1024;  // steps of k per pass of the row tiles (below)
 
 // Row k of 16 columns v * 16 ... of the blocks b side by side: one block's (BS >= 16) or
 // two blocks' (BS = 8).
@@ -534,14 +576,14 @@ __attribute__((always_inline)) inline V16 PanelRow(const float* const* b, int v,
 // row k of the 64 / BS output blocks' weights from g * G + half * 64 / BS on (k < BS).
 template <int BS, int R>
 inline void InPlaceTile(const PanelJob& job, int64_t g, int64_t e0, int64_t e1, int half, const float* A, int64_t a_row,
-                        float* C, int64_t ldc) {
+                        float* C, int64_t ldc, bool zero) {
   constexpr int G = kPanel / BS, kBlocks = 64 / BS;
   const float* w = static_cast<const float*>(job.p->w);
   V16 c[R][4];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) c[r][v] = *reinterpret_cast<const V16u*>(C + r * ldc + v * 16);
+    for (int v = 0; v < 4; ++v) c[r][v] = zero ? V16{} : *reinterpret_cast<const V16u*>(C + r * ldc + v * 16);
   for (int64_t e = e0; e < e1; ++e) {
     const float* b[kBlocks];
     const int32_t* slots = job.entry_slots + e * G + half * kBlocks;
@@ -569,37 +611,39 @@ inline void InPlaceTile(const PanelJob& job, int64_t g, int64_t e0, int64_t e1, 
     for (int v = 0; v < 4; ++v) *reinterpret_cast<V16u*>(C + r * ldc + v * 16) = c[r][v];
 }
 
-// acc[rows, 128] += panel g's product, its weights read in place.
+// C[rows, 128] (rows ldc apart) = panel g's product, its weights read in place.
 template <int BS>
-void InPlacePanel(const PanelJob& job, int64_t g, int64_t rows, const float* A, int64_t a_row, float* acc) {
+void InPlacePanel(const PanelJob& job, int64_t g, int64_t rows, const float* A, int64_t a_row, float* C, int64_t ldc) {
   constexpr int R = TileShape<kPanel>::kRows, kBlocks = 64 / BS;
-  // kInPlaceDepth steps of k at a time, so that their weights (512 KiB) stay in L2 while
+  // kProductDepth steps of k at a time, so that their weights (512 KiB) stay in L2 while
   // the row tiles pass over them. Over the whole depth, block 8 fprop at K = 8192 ran at
   // 0.74 of XLA's dot (0.96-0.99 so); at 512 steps, 1024 cubed lost 2-3% at block 8.
-  constexpr int64_t kEntries = kInPlaceDepth / BS;
+  constexpr int64_t kEntries = kProductDepth / BS;
   for (int64_t e0 = job.entry_ptr[g]; e0 < job.entry_ptr[g + 1]; e0 += kEntries) {
     const int64_t e1 = Min(e0 + kEntries, job.entry_ptr[g + 1]);
     for (int half = 0; half < 2; ++half) {
       if (g * job.group + half * kBlocks >= job.p->nseg) break;  // no output blocks there
-      float* C = acc + half * 64;
+      const bool zero = e0 == job.entry_ptr[g];                  // the first pass sets C
+      float* Ch = C + half * 64;
       int64_t r = 0;
       for (; r + R <= rows; r += R) {
-        InPlaceTile<BS, R>(job, g, e0, e1, half, A + r * a_row, a_row, C + r * kPanel, kPanel);
+        InPlaceTile<BS, R>(job, g, e0, e1, half, A + r * a_row, a_row, Ch + r * ldc, ldc, zero);
       }
       for (; r + R / 2 <= rows; r += R / 2) {
-        InPlaceTile<BS, R / 2>(job, g, e0, e1, half, A + r * a_row, a_row, C + r * kPanel, kPanel);
+        InPlaceTile<BS, R / 2>(job, g, e0, e1, half, A + r * a_row, a_row, Ch + r * ldc, ldc, zero);
       }
-      for (; r < rows; ++r) InPlaceTile<BS, 1>(job, g, e0, e1, half, A + r * a_row, a_row, C + r * kPanel, kPanel);
+      for (; r < rows; ++r) InPlaceTile<BS, 1>(job, g, e0, e1, half, A + r * a_row, a_row, Ch + r * ldc, ldc, zero);
     }
   }
 }
 #else
 template <int BS>
-void InPlacePanel(const PanelJob&, int64_t, int64_t, const float*, int64_t, float*) {}
+void InPlacePanel(const PanelJob&, int64_t, int64_t, const float*, int64_t, float*, int64_t) {}
 #endif
-// acc[rows, 128] += panel g's product, from its copy (made by the items that first need it).
+// C[rows, 128] (rows ldc apart) = panel g's product, from its copy (made by the items that
+// first need it).
 template <int BS>
-void CopiedPanel(const PanelJob& job, int64_t g, int64_t rows, const float* a, int64_t fin, float* acc) {
+void CopiedPanel(const PanelJob& job, int64_t g, int64_t rows, const float* a, int64_t fin, float* C, int64_t ldc) {
   PackPanel<BS>(job, g);
   for (int64_t e = job.entry_ptr[g]; e < job.entry_ptr[g + 1];) {
     int64_t end = e + 1;  // the run of consecutive input blocks starting at entry e
@@ -608,7 +652,8 @@ void CopiedPanel(const PanelJob& job, int64_t g, int64_t rows, const float* a, i
     const float* A = a + int64_t{job.entry_block[e]} * BS;
     const float* B = PanelCopy(job, g) + (e - job.entry_ptr[g]) * BS * kPanel;
     for (int64_t k0 = 0; k0 < depth; k0 += kProductDepth) {
-      Gemm<kPanel>(rows, Min(kProductDepth, depth - k0), A + k0, fin, 1, B + k0 * kPanel, kPanel, acc, kPanel);
+      const bool zero = e == job.entry_ptr[g] && k0 == 0;  // the first product sets C
+      Gemm<kPanel>(rows, Min(kProductDepth, depth - k0), A + k0, fin, 1, B + k0 * kPanel, kPanel, C, ldc, zero);
     }
     e = end;
   }
@@ -622,21 +667,29 @@ void PanelItem(void* arg, int64_t item) {
   const int64_t first = (item % job.tiles) * job.tile_rows;  // within the chunk
   const int64_t rows = Min(job.tile_rows, job.rows - first);
   const int64_t fin = int64_t{p.nin} * BS;
-  float* acc = ThreadScratch().acc;
+  const int64_t fout = int64_t{p.nseg} * BS;
+  const int64_t width = (Min(p.nseg, (g + 1) * job.group) - g * job.group) * BS;
+  // A whole panel in place (SumsInPlace). Not at block 8 read in place: there it ran 2-3%
+  // slower than summed in the scratch (fprop, 1024^3, density 1).
+  const bool in_place = width == kPanel && !(BS == 8 && job.panels == nullptr) &&
+                        SumsInPlace(job.out, (job.entry_ptr[g + 1] - job.entry_ptr[g]) * BS);
+  float* C =
+      in_place ? static_cast<float*>(p.out) + (job.row0 + first) * fout + g * job.group * BS : ThreadScratch().acc;
+  const int64_t ldc = in_place ? fout : kPanel;
   if (rows > 0) {
-    std::memset(acc, 0, sizeof(float) * rows * kPanel);
-    if (job.panels == nullptr) {
-      InPlacePanel<BS>(job, g, rows, job.lhs + first * fin, fin, acc);
+    if (job.entry_ptr[g] == job.entry_ptr[g + 1]) {  // no products: zeros
+      for (int64_t r = 0; r < rows; ++r) std::memset(C + r * ldc, 0, sizeof(float) * width);
+    } else if (job.panels == nullptr) {
+      InPlacePanel<BS>(job, g, rows, job.lhs + first * fin, fin, C, ldc);
     } else {
-      CopiedPanel<BS>(job, g, rows, job.lhs + first * fin, fin, acc);
+      CopiedPanel<BS>(job, g, rows, job.lhs + first * fin, fin, C, ldc);
     }
   }
   // Done with the copy (counted whatever its rows: a later panel waits on every item).
   if (job.panels != nullptr) __atomic_fetch_add(job.finished + g, 1, __ATOMIC_RELEASE);
-  const int64_t fout = int64_t{p.nseg} * BS;
-  const int64_t width = (Min(p.nseg, (g + 1) * job.group) - g * job.group) * BS;
+  if (in_place) return;
   for (int64_t r = 0; r < rows; ++r) {
-    Narrow(acc + r * kPanel, job.out, Offset(p.out, (job.row0 + first + r) * fout + g * job.group * BS, job.out),
+    Narrow(C + r * kPanel, job.out, Offset(p.out, (job.row0 + first + r) * fout + g * job.group * BS, job.out),
            static_cast<int>(width));
   }
 }
