@@ -156,9 +156,9 @@ constexpr int64_t kProductDepth = 1024;
 // rather than in the thread's scratch, then copied: where its products are one product
 // over the whole depth (`depth` steps of k), whose register tiles start from zero and
 // store their sums once. The copy was 3-4% of fprop's time at density 1 (1024^3, float32,
-// 2-core AMD EPYC); summed in place, fprop and bprop ran 2-5% faster at blocks 16 to 128,
-// 8-10% at 512 rows. Where products add up (a longer depth), the accumulators load and
-// store their rows a whole output row apart, and it was no faster.
+// 2-core AMD EPYC); summed in place, fprop and bprop ran 1-3% faster at blocks 16 to 128
+// (2-4% at 512^3). Where products add up (a longer depth), the accumulators load and store
+// their rows a whole output row apart, and it was no faster.
 inline bool SumsInPlace(DType out, int64_t depth) { return out == DType::kF32 && depth <= kProductDepth; }
 
 // Rows [16 * item, 16 * item + 16) of `rows` rows of src [.., ld] from row `row0` on,
@@ -210,18 +210,6 @@ inline void CopyOnce(int32_t* claimed, int32_t* done, int32_t count, int32_t cla
 // input block read once, contiguous afterwards; skipped where ReadsLhsInPlace), (2) the
 // items run: output block order[i / tiles] x row tile i % tiles, summing its slots'
 // products in registers.
-
-// Asks for weight block `slot` (of dtype `in`) to be brought into L2, ahead of a copy that
-// will read it. A call reads the weights once, most often from memory, and each block of up
-// to 32^2 floats lies in a 4 KiB page of its own, where the hardware prefetchers stop:
-// the transposed panel copy of a 1024^2 float32 weight from memory ran at 1.2 cycles a
-// float (0.3 from cache); fetching the next entry's blocks while copying one gave bprop at
-// density 1 2-3% (blocks 8 to 32) and 1-2% (64, 128).
-template <int BS>
-inline void PrefetchBlock(const void* w, int64_t slot, DType in) {
-  const char* block = static_cast<const char*>(Offset(w, slot * BS * BS, in));
-  for (int64_t i = 0; i < BS * BS * ElementBytes(in); i += 64) __builtin_prefetch(block + i, 0, 2);
-}
 
 struct DsdJob {
   const DsdParams* p;
@@ -278,8 +266,6 @@ inline int64_t SegmentSlot(const DsdParams& p, int64_t nnz, int64_t e) {
 // Entry e's W(s) widened (transposed) into the blocks.
 template <int BS>
 void CopyEntry(const DsdJob& job, int64_t e) {
-  const int64_t next = SegmentSlot(*job.p, job.nnz, e + 1);
-  if (next >= 0) PrefetchBlock<BS>(job.p->w, next, job.in);  // while this one is copied
   const int64_t slot = SegmentSlot(*job.p, job.nnz, e);
   if (slot >= 0) LoadBlock<BS>(job, slot, job.blocks + e * BS * BS);
 }
@@ -497,12 +483,6 @@ void PackEntry(const PanelJob& job, int64_t e, float* rows) {
     const int32_t slot = job.entry_slots[e * G + jj];  // job.group == G
     blocks[jj] = slot < 0 ? nullptr : Offset(job.p->w, int64_t{slot} * BS * BS, job.in);
   }
-  if (e + 1 < job.entry_ptr[job.groups]) {  // the next entry's blocks, while this one's are copied
-    for (int jj = 0; jj < G; ++jj) {
-      const int32_t slot = job.entry_slots[(e + 1) * G + jj];
-      if (slot >= 0) PrefetchBlock<BS>(job.p->w, slot, job.in);
-    }
-  }
   if (job.transpose_w) {  // each block transposed straight into its columns of the panel
     for (int jj = 0; jj < G; ++jj) {
       if (blocks[jj] != nullptr) {
@@ -669,7 +649,7 @@ void PanelItem(void* arg, int64_t item) {
   const int64_t fin = int64_t{p.nin} * BS;
   const int64_t fout = int64_t{p.nseg} * BS;
   const int64_t width = (Min(p.nseg, (g + 1) * job.group) - g * job.group) * BS;
-  // A whole panel in place (SumsInPlace). Not at block 8 read in place: there it ran 2-3%
+  // A whole panel in place (SumsInPlace). Not at block 8 read in place: there it ran 2%
   // slower than summed in the scratch (fprop, 1024^3, density 1).
   const bool in_place = width == kPanel && !(BS == 8 && job.panels == nullptr) &&
                         SumsInPlace(job.out, (job.entry_ptr[g + 1] - job.entry_ptr[g]) * BS);
