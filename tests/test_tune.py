@@ -158,3 +158,33 @@ def test_call_time_statistics():
     assert 0 < fastest <= tune.call_time(f, x, repeats=5, min_time=0.0) * 10
     with pytest.raises(ValueError, match="statistic must be 'median' or 'min', got 'mean'"):
         tune.call_time(f, x, statistic="mean")
+
+
+def test_near_ties_are_sampled_again_longer(monkeypatch):
+    # The kernel and the dense path within the win margin of each other: noise decides one
+    # set of samples, so the product is timed again with more repeats, each side keeping its
+    # fastest. Here fprop's first timing ties (1.01) and its second shows the kernel 10%
+    # ahead: a win at density 1; bprop wins clearly at once (no second timing); updat ties
+    # in both and stays on the dense path.
+    require_kernels("cpu")
+    calls = []
+
+    def fake_times(op, dense, hopper, a, b, lay, rows, timing):
+        calls.append((op, rows, timing["repeats"]))
+        if op == "bprop":
+            return 1.0, 2.0
+        if op == "fprop" and timing["repeats"] > 2:
+            return 0.9, 1.0
+        return 1.0, 1.01
+
+    monkeypatch.setattr(tune, "_kernel_and_dense_times", fake_times)
+    entries = tune.measure(
+        "cpu", shape=(64, 64, 4), block_sizes=(32,), dtypes=("float32",), densities=(1.0,), repeats=2, min_time=0.0
+    )
+    crossovers = {e["target"]: e["crossover"] for e in entries}
+    assert crossovers == {"jbs_bsmm_fprop": 1.0, "jbs_bsmm_bprop": 1.0, "jbs_bsmm_updat": 0.0}
+    again = tune.NEAR_TIE_REPEATS * 2
+    for rows in tune.batch_rows(4):
+        assert calls.count(("fprop", rows, 2)) == calls.count(("fprop", rows, again)) == 1
+        assert calls.count(("bprop", rows, 2)) == 1 and ("bprop", rows, again) not in calls
+        assert calls.count(("updat", rows, again)) == 1
