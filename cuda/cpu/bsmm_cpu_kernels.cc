@@ -42,7 +42,8 @@ namespace {
 // The register tile
 // ---------------------------------------------------------------------------------
 
-// C[r * ldc + j] += sum_k A[r * a_row + k * a_k] * B[k * ldb + j] for r < R, j < NV * L.
+// C[r * ldc + j] += sum_k A[r * a_row + k * a_k] * B[k * ldb + j] for r < R, j < NV * L
+// (= where `zero`: the sums start from zero, C is not read).
 template <int L, int NV, int R>
 inline void Tile(int64_t K, const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb, float* C,
                  int64_t ldc, bool zero = false) {
@@ -97,7 +98,8 @@ inline void TailRows(int64_t rows, int64_t K, const float* A, int64_t a_row, int
   for (; r < rows; ++r) Tile<L, NV, 1>(K, A + r * a_row, a_row, a_k, B, ldb, C + r * ldc, ldc, zero);
 }
 
-// C[rows, BS] += A[rows, K] @ B[K, BS] (A with strides a_row, a_k; B and C row-major).
+// C[rows, BS] += A[rows, K] @ B[K, BS] (= where `zero`; A with strides a_row, a_k; B and C
+// row-major).
 // Always inlined: each caller's constant strides then reach the tiles' loops (out of
 // line, with the strides unknown, block 16 ran 2x slower).
 template <int BS>
@@ -152,8 +154,8 @@ void PackBlock(DType in, const void* src, int64_t ld, int64_t block, int64_t row
 // SumsInPlace): that needs 1024 steps at the 1024-wide inputs of the benchmarks.
 constexpr int64_t kProductDepth = 1024;
 
-// Whether an item sums its float32 [rows, width] outputs where they lie (rows ld apart)
-// rather than in the thread's scratch, then copied: where its products are one product
+// Whether an item sums its float32 [rows, width] outputs where they lie (a whole output row
+// apart) rather than in the thread's scratch, then copied: where its products are one product
 // over the whole depth (`depth` steps of k), whose register tiles start from zero and
 // store their sums once. The copy was 3-4% of fprop's time at density 1 (1024^3, float32,
 // 2-core AMD EPYC); summed in place, fprop and bprop ran 1-3% faster at blocks 16 to 128
@@ -553,7 +555,8 @@ __attribute__((always_inline)) inline V16 PanelRow(const float* const* b, int v,
 }
 
 // C[R][64] += sum over the entries e in [e0, e1) of panel g of A[R, block(e) * BS + k] @
-// row k of the 64 / BS output blocks' weights from g * G + half * 64 / BS on (k < BS).
+// row k of the 64 / BS output blocks' weights from g * G + half * 64 / BS on (k < BS);
+// = where `zero`.
 template <int BS, int R>
 inline void InPlaceTile(const PanelJob& job, int64_t g, int64_t e0, int64_t e1, int half, const float* A, int64_t a_row,
                         float* C, int64_t ldc, bool zero) {
