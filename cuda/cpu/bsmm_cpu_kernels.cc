@@ -422,6 +422,15 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
 //     items that first need the panel, CopyOnce), one product per run of consecutive input
 //     blocks (a run's panel rows are contiguous, and so are its lhs columns). At density 1
 //     that ran at 0.98-1.03 of XLA's dot on the AMX Xeon, 0.94-1.0 on the AMD EPYC.
+//     bprop could skip its copy as dot products instead (each output = a dy row's BS
+//     floats . a row of W(s), both contiguous, partial sums along j in the accumulators,
+//     reduced once at the end), but a bprop output block's slots are a stored column
+//     apart (32 KiB at block 8 in a 1024^2 weight), and their rows alias in L1 and L2:
+//     every row tile streamed them again from L3. Measured on the AMD EPYC, 1024^3,
+//     density 1: 1.4-1.8x slower than this copy, at every block size; one core of a
+//     standalone test ran 204 GFLOP/s so, 259 with the same blocks stored row by row.
+//     Summing over chunks of 8 to 32 slots (partial sums kept between chunks) was slower
+//     still.
 // 64-column panels ran 5-10% slower than 128. With AVX2's narrower tiles the panels
 // gained nothing but at block 8, so they are the AVX-512 kernels' only. Blocks of 64 and
 // 128 make the wide tile themselves, and read runs of input blocks in one product
