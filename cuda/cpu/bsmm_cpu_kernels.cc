@@ -586,10 +586,11 @@ inline void InPlaceTile(const PanelJob& job, int64_t g, int64_t e0, int64_t e1, 
     // bytes. With a_row itself, GCC hoisted out of this loop the offset of every row and
     // k of block 8's unrolled loop, 48 of them, and reloaded each from the stack: hidden
     // from it (the asm), block 8's items ran 1-3% faster (1024^3, density 1, one and two
-    // cores of the AMD EPYC; blocks 16 and 32 alike either way).
+    // cores of the AMD EPYC; blocks 16 and 32 alike either way). A tile of 3 rows or fewer
+    // has one base: a + 3 * stride would point past the lhs there.
     int64_t stride = a_row;
     asm("" : "+r"(stride));
-    const float* rows[2] = {a, a + 3 * stride};
+    const float* rows[2] = {a, R > 3 ? a + 3 * stride : a};
     // GCC unrolls block 8's loop whole (the fastest) and not those of 16 and 32 at 6 rows
     // (unrolled whole they spilled the accumulators: 0.55-0.6 of XLA's dot).
 #pragma GCC unroll 8
