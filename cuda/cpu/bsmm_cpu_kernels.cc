@@ -427,10 +427,10 @@ bool RunDsdBlock(DsdJob& job, const Parallel& par) {
 //     reduced once at the end), but a bprop output block's slots are a stored column
 //     apart (32 KiB at block 8 in a 1024^2 weight), and their rows alias in L1 and L2:
 //     every row tile streamed them again from L3. Measured on the AMD EPYC, 1024^3,
-//     density 1: 1.4-1.8x slower than this copy, at every block size; one core of a
-//     standalone test ran 204 GFLOP/s so, 259 with the same blocks stored row by row.
-//     Summing over chunks of 8 to 32 slots (partial sums kept between chunks) was slower
-//     still.
+//     density 1: 1.4-1.8x slower than this copy, at every block size. In a standalone
+//     test at block 8, one core ran 204 GFLOP/s with the blocks in their stored order
+//     and 259 with the same blocks stored row by row; summing over chunks of 8 to 32
+//     slots (partial sums kept between chunks) was slower still.
 // 64-column panels ran 5-10% slower than 128. With AVX2's narrower tiles the panels
 // gained nothing but at block 8, so they are the AVX-512 kernels' only. Blocks of 64 and
 // 128 make the wide tile themselves, and read runs of input blocks in one product
