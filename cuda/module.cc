@@ -30,11 +30,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmUpdatCpu);
 // convolution runs as bsmm products (jax_blocksparse/ops/conv_primitives.py).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsconvCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsconvWgradCpu);
-// The dense path's conversions between blocks and the dense matrix (cpu/bsmm_cpu_dense.cc):
-// CPU only; on CUDA XLA's own scatter and gather run them.
+// The dense path's conversions between blocks and the dense matrix, and updat's x^T
+// (cpu/bsmm_cpu_dense.cc): CPU only; on CUDA XLA's own scatter, gather and transpose run them.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBlocksToDenseCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBlocksToDenseCpuV2);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsDenseToBlocksCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsTransposeCpu);
 #ifdef JBS_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmFpropCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JbsBsmmBpropCuda);
@@ -73,6 +74,7 @@ constexpr char kBsconvWgradV1[] = "jax_blocksparse_bsconv_wgrad_v1";
 constexpr char kBlocksToDenseV1[] = "jax_blocksparse_blocks_to_dense_v1";
 constexpr char kBlocksToDenseV2[] = "jax_blocksparse_blocks_to_dense_v2";
 constexpr char kDenseToBlocksV1[] = "jax_blocksparse_dense_to_blocks_v1";
+constexpr char kTransposeV1[] = "jax_blocksparse_transpose_v1";
 #ifdef JBS_WITH_SM90
 constexpr char kFpropSm90V1[] = "jax_blocksparse_bsmm_fprop_sm90_v1";
 constexpr char kBpropSm90V1[] = "jax_blocksparse_bsmm_bprop_sm90_v1";
@@ -318,6 +320,7 @@ PYBIND11_MODULE(_jbs_kernels, m) {
         cpu[kBlocksToDenseV1] = Capsule(JbsBlocksToDenseCpu);
         cpu[kBlocksToDenseV2] = Capsule(JbsBlocksToDenseCpuV2);
         cpu[kDenseToBlocksV1] = Capsule(JbsDenseToBlocksCpu);
+        cpu[kTransposeV1] = Capsule(JbsTransposeCpu);
         py::dict by_platform;
         by_platform["cpu"] = cpu;
 #ifdef JBS_WITH_CUDA

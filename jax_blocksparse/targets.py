@@ -3,7 +3,7 @@
 Inside the library a kernel has a short name, ``jbs_bsmm_{fprop,bprop,updat}``, the
 Hopper variants ``jbs_bsmm_{fprop,bprop,updat}_sm90``, the CPU convolution kernels
 ``jbs_bsconv`` / ``jbs_bsconv_wgrad`` and the CPU dense path's conversions
-``jbs_blocks_to_dense`` / ``jbs_dense_to_blocks`` (the lowering, the crossover table
+``jbs_blocks_to_dense`` / ``jbs_dense_to_blocks`` / ``jbs_transpose`` (the lowering, the crossover table
 and the benchmarks' rows use these). A compiled program calls each kernel through an FFI
 target whose name spells out the package and a version::
 
@@ -60,11 +60,13 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "jbs_bsconv_wgrad": (1,),
     "jbs_blocks_to_dense": (1, 2),
     "jbs_dense_to_blocks": (1,),
+    "jbs_transpose": (1,),
 }
 
 #: Kernels with a CPU handler only: on CUDA the convolution runs as bsmm products, and the
-#: dense path's conversions between blocks and a dense matrix are XLA's scatter and gather.
-_CPU_ONLY = frozenset({"jbs_bsconv", "jbs_bsconv_wgrad", "jbs_blocks_to_dense", "jbs_dense_to_blocks"})
+#: dense path's conversions (between blocks and a dense matrix, updat's x^T) are XLA's
+#: scatter, gather and transpose.
+_CPU_ONLY = frozenset({"jbs_bsconv", "jbs_bsconv_wgrad", "jbs_blocks_to_dense", "jbs_dense_to_blocks", "jbs_transpose"})
 
 #: kernel -> the JAX platforms whose handlers the extension holds: the portable kernels
 #: on "cpu" and "cuda" (the latter when built with nvcc), the Hopper ones on "cuda" in a

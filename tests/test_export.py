@@ -318,7 +318,7 @@ def test_target_names():
     assert cpu | cuda == set(targets.all_targets())
     # The bsmm kernels on both; the convolution kernels and the dense path's conversions on
     # "cpu" only, the Hopper ones on "cuda" only.
-    cpu_only = ("jbs_bsconv", "jbs_bsconv_wgrad", "jbs_blocks_to_dense", "jbs_dense_to_blocks")
+    cpu_only = ("jbs_bsconv", "jbs_bsconv_wgrad", "jbs_blocks_to_dense", "jbs_dense_to_blocks", "jbs_transpose")
     assert cpu - cuda == {targets.target_name(k, v) for k in cpu_only for v in targets.VERSIONS[k]}
     assert all("_sm90_" in name for name in cuda - cpu)
 

@@ -325,8 +325,9 @@ def device_family(platform: str) -> str | None:
 
 def native_conversions(platform: str) -> bool:
     """Whether the extension converts between blocks and a dense matrix on ``platform``
-    (the CPU dense path's ``jbs_blocks_to_dense`` / ``jbs_dense_to_blocks``)."""
-    names = {targets.target_name("jbs_blocks_to_dense"), targets.target_name("jbs_dense_to_blocks")}
+    (the CPU dense path's ``jbs_blocks_to_dense`` / ``jbs_dense_to_blocks``, and updat's
+    ``jbs_transpose``)."""
+    names = {targets.target_name(k) for k in ("jbs_blocks_to_dense", "jbs_dense_to_blocks", "jbs_transpose")}
     return _native.has_kernels(platform) and names <= _native.registered_targets(platform)
 
 

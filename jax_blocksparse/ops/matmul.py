@@ -435,6 +435,11 @@ def _to_blocks_native(W, tables, block_size):
     return jax.ffi.ffi_call(targets.target_name("jbs_dense_to_blocks"), out)(W, *tables[:5])
 
 
+def _transpose_native(a):
+    """``a.T`` [C, R] of a 2-D ``a`` [R, C], written row-major by the CPU extension."""
+    return jax.ffi.ffi_call(targets.target_name("jbs_transpose"), jax.ShapeDtypeStruct(a.shape[::-1], a.dtype))(a)
+
+
 def bsmm_fprop_dense_cpu(x, w, *tables, block_size, out_dtype, precision=None, **_):
     """:func:`bsmm_fprop_dense`, the dense W built by the CPU extension."""
     return _dense_dot(x, _to_dense_native(w, tables, block_size), precision, out_dtype)
@@ -461,9 +466,14 @@ def bsmm_bprop_dense_cpu(g, w, *tables, block_size, out_dtype, precision=None, *
 
 
 def bsmm_updat_dense_cpu(x, dy, *tables, block_size, out_dtype, precision=None, **_):
-    """:func:`bsmm_updat_dense`, the blocks gathered by the CPU extension."""
+    """:func:`bsmm_updat_dense`, the blocks gathered by the CPU extension and x^T made
+    row-major by it first: XLA runs ``x.T @ dy`` slower than the same dot with x^T ready,
+    which in bfloat16 runs on the CPU's bfloat16 dot instructions where it has them. At
+    1024 cubed on 2 cores (AMD EPYC, AVX512-BF16), the dot with the transpose against
+    ``x.T @ dy``: bfloat16 2.2 + 0.09 ms against 5.6 ms, float32 4.2-4.5 + 0.2 ms against
+    5.4 ms, float16 4.5 + 0.1 ms against 5.5 ms (jax 0.8.1 and 0.10.2 alike)."""
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    dW = jnp.matmul(x2.T, dy2, precision=precision, preferred_element_type=jnp.float32)
+    dW = jnp.matmul(_transpose_native(x2), dy2, precision=precision, preferred_element_type=jnp.float32)
     return _to_blocks_native(dW, tables, block_size).astype(out_dtype)
 
 
