@@ -10,6 +10,7 @@ become the package's shipped entries for its kind (``python bench/crossover.py
 
     python bench/tune_sweep.py                       # bench/results/tune_sweep-<device>-<date>.json
     python bench/tune_sweep.py --block-sizes 32 --dtypes float32 --json /tmp/t.json
+    python bench/tune_sweep.py --ops updat   # one product again, after a change to its path only
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def run(args) -> dict:
         dtypes=tuple(args.dtypes),
         block_sizes=tuple(args.block_sizes),
         densities=tuple(args.densities),
+        ops=tuple(args.ops),
         repeats=args.repeats,
         min_time=args.min_time,
         progress=tune.progress_bar(),
@@ -63,6 +65,7 @@ def run(args) -> dict:
             stop_at_win=True,
             dtypes=list(args.dtypes),
             block_sizes=list(args.block_sizes),
+            ops=list(args.ops),
             timing=f"fastest of {args.repeats} samples (>= {args.min_time} s of back-to-back calls each), the kernel's "
             "and the dense path's taken in turn",
         ),
@@ -78,6 +81,14 @@ def main(argv=None) -> dict:
     p.add_argument("--block-sizes", type=int, nargs="+", default=list(jbs.SUPPORTED_BLOCK_SIZES))
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--densities", type=float, nargs="+", default=list(tune.DENSITIES))
+    p.add_argument(
+        "--ops",
+        nargs="+",
+        choices=tune.OPS,
+        default=list(tune.OPS),
+        help="the products to measure (default: all); the package's table keeps the other products' entries "
+        "from the newest sweep that measured them",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--min-time", type=float, default=0.05)
     p.add_argument("--json", type=Path, help="default: bench/results/tune_sweep-<device>-<date>.json")

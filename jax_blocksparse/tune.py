@@ -185,6 +185,7 @@ def measure(
     progress: Callable[[int, int, str], None] | None = None,
     seed: int = 0,
     timings: list | None = None,
+    ops: Sequence[str] = OPS,
 ) -> list[dict]:
     """The crossover of every kernel of ``platform`` on its first device: a list of
     :class:`jax_blocksparse.crossover.Crossover` fields (see the module docstring).
@@ -192,12 +193,16 @@ def measure(
     ``timings``, a list, receives one row per product timed, in the fields of a bench
     report's rows (``bench/crossover.py`` reads them): op, dtype, block_size, density (the
     layout's), requested_density, batch (the rows of activations), target, mode,
-    sparse_s and dense_path_s."""
+    sparse_s and dense_path_s. ``ops``: the products measured, among :data:`OPS`."""
     device = jax.devices(platform)[0]
     c, k, n = SHAPES[platform] if shape is None else shape
     kind = _lowering.device_kind(platform)
     family = _lowering.device_family(platform) or ""
-    work = [(dt, bs, op) for dt in dtypes for bs in block_sizes if c % bs == 0 and k % bs == 0 for op in OPS]
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        raise ValueError(f"measure: ops must be among {OPS}, got {list(ops)}")
+    ops = [op for op in OPS if op in ops]
+    work = [(dt, bs, op) for dt in dtypes for bs in block_sizes if c % bs == 0 and k % bs == 0 for op in ops]
     total = sum(len(kernel_paths(platform, dt, bs)) for dt, bs, _ in work)
     done, entries = 0, []
     key = jax.random.key(seed)
@@ -218,7 +223,7 @@ def measure(
         for bs in block_sizes:
             if c % bs or k % bs:
                 continue
-            for op in OPS:
+            for op in ops:
                 dense = jax.jit(_product(op, "dense"))
                 for label, hopper in kernel_paths(platform, dtype, bs):
                     target, mode = _target_of(platform, op, hopper, jnp.dtype(dtype), bs)

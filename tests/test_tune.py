@@ -188,3 +188,21 @@ def test_near_ties_are_sampled_again_longer(monkeypatch):
         assert calls.count(("fprop", rows, 2)) == calls.count(("fprop", rows, again)) == 1
         assert calls.count(("bprop", rows, 2)) == 1 and ("bprop", rows, again) not in calls
         assert calls.count(("updat", rows, again)) == 1
+
+
+def test_measure_times_only_the_products_asked_for(monkeypatch):
+    # bench/tune_sweep.py --ops: one product measured again after a change to its path
+    # alone; the package's table keeps the others' entries from the sweep that measured them.
+    require_kernels("cpu")
+    calls = []
+
+    def fake_times(op, dense, hopper, a, b, lay, rows, timing):
+        calls.append(op)
+        return 1.0, 2.0
+
+    monkeypatch.setattr(tune, "_kernel_and_dense_times", fake_times)
+    options = dict(shape=(64, 64, 4), block_sizes=(32,), dtypes=("float32",), densities=(1.0,), min_time=0.0)
+    entries = tune.measure("cpu", ops=("updat",), **options)
+    assert [e["target"] for e in entries] == ["jbs_bsmm_updat"] and set(calls) == {"updat"}
+    with pytest.raises(ValueError, match=r"ops must be among \('fprop', 'bprop', 'updat'\), got \['wgrad'\]"):
+        tune.measure("cpu", ops=("wgrad",), **options)
