@@ -419,7 +419,8 @@ def bsmm_updat_dense(x, dy, *tables, block_size, out_dtype, precision=None, **_)
 
 # The same on CPU, with the conversions between blocks and the dense matrix done by the
 # extension (cuda/cpu/bsmm_cpu_dense.cc: a row copy per block, one pass over W) instead of
-# XLA's scatter and gather of [bs, bs] slices, which cost 10-50% of the dot there.
+# XLA's scatter and gather of [bs, bs] slices, which cost 10-50% of the dot there; and
+# updat's x^T made row-major by it (XLA's dot of x.T runs slower, below).
 
 
 def _to_dense_native(w, tables, block_size, *, transpose: bool = False):
