@@ -229,14 +229,17 @@ def test_handler_rejects_malformed_updat():
         jax.block_until_ready(_call("jbs_bsmm_updat", layout.w_shape, jnp.float32, x, dy, *_tables(layout)))
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
-def test_blocks_to_dense_as_w_or_its_transpose_in_both_versions(dtype):
+def test_blocks_to_dense_as_w_or_its_transpose_in_both_versions(dtype, block_size):
     # The dense path's conversion: version 2 writes W [C, K] or, with transpose, W^T
-    # [K, C] (bprop's dense path in 16 bits); version 1 (no attribute) stays for programs
-    # exported before it. Empty block rows and columns, and padding slots.
-    mask, layout, w = make_problem("empty_rows_cols", block_size=16, grid=(3, 5), dtype=dtype)
-    layout = jbs.Layout.from_mask(mask, 16, capacity=layout.capacity + 2)
-    w = jnp.concatenate([w, jnp.full((2, 16, 16), 7, dtype)])  # padding slots are never read
+    # [K, C] (bprop's dense path in 16 bits, in micro tiles of 8 x 8 or 4 x 4); version 1
+    # (no attribute) stays for programs exported before it. Empty block rows and columns,
+    # and padding slots.
+    bs = block_size
+    mask, layout, w = make_problem("empty_rows_cols", block_size=bs, grid=(3, 5), dtype=dtype)
+    layout = jbs.Layout.from_mask(mask, bs, capacity=layout.capacity + 2)
+    w = jnp.concatenate([w, jnp.full((2, bs, bs), 7, dtype)])  # padding slots are never read
     want = np.asarray(jbs.to_dense(w, layout).astype(jnp.float32))
     C, K = layout.shape
     v2 = jbs.targets.target_name("jbs_blocks_to_dense")

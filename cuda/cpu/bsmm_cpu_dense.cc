@@ -91,6 +91,48 @@ ffi::Error Place(const char* op, const ffi::AnyBuffer& blocks, const ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// The M x M tile at `in` (row stride ldi elements) transposed into `out` (stride ldo),
+// M = 16 bytes / ITEM: one 128-bit register per row. With SSE2 (every x86-64), in
+// registers: unpacking pairs of rows, then pairs of pairs, which a compiler does not find
+// for the scalar loop (1024 x 1024 in 16 bits: 89 us against 153 us scalar, a copy 23 us;
+// in float32 183 us against 208 us, a copy 61 us).
+template <int ITEM>
+inline void TransposeMicro(const char* in, int64_t ldi, char* out, int64_t ldo) {
+  constexpr int M = 16 / ITEM;
+#if defined(__SSE2__)
+  __m128i r[M];
+  for (int i = 0; i < M; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * ldi * ITEM));
+  if constexpr (ITEM == 2) {  // 8 x 8 of 16 bits: pairs of elements, of pairs, of quads
+    __m128i a[8], b[8];
+    for (int i = 0; i < 4; ++i) {
+      a[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+      a[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; ++h) {  // rows 0-3, then 4-7
+      for (int q = 0; q < 2; ++q) {
+        b[4 * h + 2 * q] = _mm_unpacklo_epi32(a[4 * h + q], a[4 * h + q + 2]);
+        b[4 * h + 2 * q + 1] = _mm_unpackhi_epi32(a[4 * h + q], a[4 * h + q + 2]);
+      }
+    }
+    for (int c = 0; c < 4; ++c) {  // b[c] holds columns 2c, 2c+1 of rows 0-3, b[4 + c] of rows 4-7
+      r[2 * c] = _mm_unpacklo_epi64(b[c], b[4 + c]);
+      r[2 * c + 1] = _mm_unpackhi_epi64(b[c], b[4 + c]);
+    }
+  } else {  // 4 x 4 of 32 bits
+    const __m128i a0 = _mm_unpacklo_epi32(r[0], r[1]), a1 = _mm_unpackhi_epi32(r[0], r[1]);
+    const __m128i a2 = _mm_unpacklo_epi32(r[2], r[3]), a3 = _mm_unpackhi_epi32(r[2], r[3]);
+    r[0] = _mm_unpacklo_epi64(a0, a2);
+    r[1] = _mm_unpackhi_epi64(a0, a2);
+    r[2] = _mm_unpacklo_epi64(a1, a3);
+    r[3] = _mm_unpackhi_epi64(a1, a3);
+  }
+  for (int j = 0; j < M; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j * ldo * ITEM), r[j]);
+#else
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < M; ++j) std::memcpy(out + (j * ldo + i) * ITEM, in + (i * ldi + j) * ITEM, ITEM);
+#endif
+}
+
 struct ToDenseArgs {
   const Placement* p;
   const char* w;
@@ -137,25 +179,30 @@ void ToDenseRow(void* arg, int64_t r) {
 }
 
 // One block row c of W^T [K, C]: bs rows, row i of it holding column c * bs + i of W, i.e.
-// element i of every row of the blocks (r, c), or zeros. Each block is read bs times, a
-// column at a time, from L1 (at most 64 KiB); the rows of W^T are written in order.
+// element i of every row of the blocks (r, c), or zeros. Block by block down the column
+// (each read once, in order), in micro tiles (TransposeMicro); each row's pieces are
+// written in order along it. A bfloat16 W^T of 1024 x 1024 takes 56-90 us so on the AMD
+// EPYC (W itself 37-92 us); read a column of a block at a time, 151-349 us.
 template <int BS, int ITEM>
 void ToDenseTransposedRow(void* arg, int64_t c) {
+  constexpr int M = 16 / ITEM;
+  static_assert(BS % M == 0, "block sizes are multiples of the micro tile");
   const auto* a = static_cast<const ToDenseArgs*>(arg);
   const Placement& p = *a->p;
-  using Word = typename std::conditional<ITEM == 4, uint32_t, uint16_t>::type;
-  const auto* w = reinterpret_cast<const Word*>(a->w);
-  auto* out = reinterpret_cast<Word*>(a->W) + c * BS * p.cb * BS;
-  for (int64_t i = 0; i < BS; ++i, out += p.cb * BS) {
-    for (int64_t r = 0; r < p.cb; ++r) {
-      const int32_t slot = p.slot[r * p.kb + c];
-      Word* dst = out + r * BS;
-      if (slot < 0) {
-        std::memset(dst, 0, sizeof(Word) * BS);
-        continue;
+  const int64_t ldo = p.cb * BS;  // W^T's row length, elements
+  char* band = a->W + c * BS * ldo * ITEM;
+  for (int64_t r = 0; r < p.cb; ++r) {
+    const int32_t slot = p.slot[r * p.kb + c];
+    char* out = band + r * BS * ITEM;
+    if (slot < 0) {
+      for (int64_t i = 0; i < BS; ++i) std::memset(out + i * ldo * ITEM, 0, BS * ITEM);
+      continue;
+    }
+    const char* block = a->w + static_cast<int64_t>(slot) * BS * BS * ITEM;
+    for (int i0 = 0; i0 < BS; i0 += M) {
+      for (int j0 = 0; j0 < BS; j0 += M) {
+        TransposeMicro<ITEM>(block + (j0 * BS + i0) * ITEM, BS, out + (i0 * ldo + j0) * ITEM, ldo);
       }
-      const Word* column = w + static_cast<int64_t>(slot) * BS * BS + i;
-      for (int64_t j = 0; j < BS; ++j) dst[j] = column[j * BS];
     }
   }
 }
@@ -253,48 +300,6 @@ struct TransposeArgs {
 // Output rows per work item, and the square tile moved at a time: a tile's input rows and
 // output rows are 32 cache lines or fewer, all in L1 while it is moved.
 constexpr int64_t kTransposeTile = 32;
-
-// The M x M tile at `in` (row stride ldi elements) transposed into `out` (stride ldo),
-// M = 16 bytes / ITEM: one 128-bit register per row. With SSE2 (every x86-64), in
-// registers: unpacking pairs of rows, then pairs of pairs, which a compiler does not find
-// for the scalar loop (1024 x 1024 in 16 bits: 89 us against 153 us scalar, a copy 23 us;
-// in float32 183 us against 208 us, a copy 61 us).
-template <int ITEM>
-inline void TransposeMicro(const char* in, int64_t ldi, char* out, int64_t ldo) {
-  constexpr int M = 16 / ITEM;
-#if defined(__SSE2__)
-  __m128i r[M];
-  for (int i = 0; i < M; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * ldi * ITEM));
-  if constexpr (ITEM == 2) {  // 8 x 8 of 16 bits: pairs of elements, of pairs, of quads
-    __m128i a[8], b[8];
-    for (int i = 0; i < 4; ++i) {
-      a[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
-      a[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
-    }
-    for (int h = 0; h < 2; ++h) {  // rows 0-3, then 4-7
-      for (int q = 0; q < 2; ++q) {
-        b[4 * h + 2 * q] = _mm_unpacklo_epi32(a[4 * h + q], a[4 * h + q + 2]);
-        b[4 * h + 2 * q + 1] = _mm_unpackhi_epi32(a[4 * h + q], a[4 * h + q + 2]);
-      }
-    }
-    for (int c = 0; c < 4; ++c) {  // b[c] holds columns 2c, 2c+1 of rows 0-3, b[4 + c] of rows 4-7
-      r[2 * c] = _mm_unpacklo_epi64(b[c], b[4 + c]);
-      r[2 * c + 1] = _mm_unpackhi_epi64(b[c], b[4 + c]);
-    }
-  } else {  // 4 x 4 of 32 bits
-    const __m128i a0 = _mm_unpacklo_epi32(r[0], r[1]), a1 = _mm_unpackhi_epi32(r[0], r[1]);
-    const __m128i a2 = _mm_unpacklo_epi32(r[2], r[3]), a3 = _mm_unpackhi_epi32(r[2], r[3]);
-    r[0] = _mm_unpacklo_epi64(a0, a2);
-    r[1] = _mm_unpackhi_epi64(a0, a2);
-    r[2] = _mm_unpacklo_epi64(a1, a3);
-    r[3] = _mm_unpackhi_epi64(a1, a3);
-  }
-  for (int j = 0; j < M; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j * ldo * ITEM), r[j]);
-#else
-  for (int i = 0; i < M; ++i)
-    for (int j = 0; j < M; ++j) std::memcpy(out + (j * ldo + i) * ITEM, in + (i * ldi + j) * ITEM, ITEM);
-#endif
-}
 
 // Output rows [t * 32, t * 32 + 32) (input columns), a 32 x 32 tile at a time down the
 // input rows: transposed into a buffer, each input row's line read whole (the micro tiles
