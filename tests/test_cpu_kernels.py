@@ -229,7 +229,7 @@ def test_handler_rejects_malformed_updat():
         jax.block_until_ready(_call("jbs_bsmm_updat", layout.w_shape, jnp.float32, x, dy, *_tables(layout)))
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", jbs.SUPPORTED_BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
 def test_blocks_to_dense_as_w_or_its_transpose_in_both_versions(dtype, block_size):
     # The dense path's conversion: version 2 writes W [C, K] or, with transpose, W^T
