@@ -198,8 +198,7 @@ def measure(
     c, k, n = SHAPES[platform] if shape is None else shape
     kind = _lowering.device_kind(platform)
     family = _lowering.device_family(platform) or ""
-    unknown = sorted(set(ops) - set(OPS))
-    if unknown:
+    if not set(ops) <= set(OPS):
         raise ValueError(f"measure: ops must be among {OPS}, got {list(ops)}")
     ops = [op for op in OPS if op in ops]
     work = [(dt, bs, op) for dt in dtypes for bs in block_sizes if c % bs == 0 and k % bs == 0 for op in ops]

@@ -34,6 +34,15 @@ from jax_blocksparse.ops import _lowering
 TARGETS = ("jbs_bsmm_fprop", "jbs_bsmm_bprop", "jbs_bsmm_updat")
 
 
+def require_conversions():
+    """Skips the calling test unless the extension's CPU dense-path conversions (between
+    blocks and a dense matrix, and updat's x^T) are registered; without the CPU kernels at
+    all it fails instead where CI requires them (require_kernels)."""
+    require_kernels("cpu")
+    if not _lowering.native_conversions("cpu"):
+        pytest.skip("the CPU extension's conversions are not built")
+
+
 @pytest.fixture(autouse=True)
 def _on_the_cpu_kernels():
     """The CPU kernels are built, and the test runs on the CPU (also where a GPU is the default)."""
@@ -271,8 +280,7 @@ def test_bprop_dense_path_builds_w_transposed_for_bf16_dot_instructions(monkeypa
     # AVX512-BF16), and g @ W.T of a row-major W as a float32 dot, about 2x slower there.
     from jax_blocksparse.ops import matmul
 
-    if not _lowering.native_conversions("cpu"):
-        pytest.skip("the CPU extension's conversions are not built")
+    require_conversions()
     info = dict(jbs.extension_info(), cpu_isa_detected=isa)
     monkeypatch.setattr(matmul._native, "extension_info", lambda: info)
     _, layout, w = make_problem("random", block_size=16, grid=(3, 5), dtype=dtype)
@@ -287,8 +295,7 @@ def test_bprop_dense_path_builds_w_transposed_for_bf16_dot_instructions(monkeypa
 def test_transpose_target(dtype, shape):
     # updat's dense path makes x^T row-major first. Shapes that fill no micro tile (8 x 8
     # in 16 bits, 4 x 4 in 32) or no 32 x 32 tile, and empty ones.
-    if not _lowering.native_conversions("cpu"):
-        pytest.skip("the CPU extension's conversions are not built")
+    require_conversions()
     a = (np.arange(np.prod(shape)).reshape(shape) % 251).astype(np.float32)
     got = jax.ffi.ffi_call(jbs.targets.target_name("jbs_transpose"), jax.ShapeDtypeStruct(shape[::-1], dtype))(
         jnp.asarray(a, dtype)
@@ -307,8 +314,7 @@ def test_transpose_target(dtype, shape):
     ids=["shape", "dtype", "int32", "rank3"],
 )
 def test_transpose_target_rejects_bad_operands(operand, result):
-    if not _lowering.native_conversions("cpu"):
-        pytest.skip("the CPU extension's conversions are not built")
+    require_conversions()
     call = jax.ffi.ffi_call(jbs.targets.target_name("jbs_transpose"), result)
     with pytest.raises(Exception, match=r"jbs_transpose: expects a 2-D float32, float16 or bfloat16 \[R, C\]"):
         jax.block_until_ready(call(operand))
@@ -318,8 +324,7 @@ def test_transpose_target_rejects_bad_operands(operand, result):
 def test_updat_dense_path_takes_x_transposed(dtype):
     # XLA runs x.T @ dy slower than the dot with x^T ready (2.5x in bfloat16 on a CPU's
     # bfloat16 dot instructions); leading dims of x and dy are contracted too.
-    if not _lowering.native_conversions("cpu"):
-        pytest.skip("the CPU extension's conversions are not built")
+    require_conversions()
     _, layout, _ = make_problem("random", block_size=16, grid=(3, 5), dtype=dtype)
     x, dy = rand((2, 7, layout.shape[0]), dtype, 1), rand((2, 7, layout.shape[1]), dtype, 2)
     dense = jax.jit(lambda x, dy: jbs.bsmm_updat(x, dy, layout, impl="dense"))
